@@ -1,0 +1,1 @@
+from ._runtime_library import load as _load_runtime

@@ -1,0 +1,50 @@
+"""Loads the compiled runtime plugin into this process.
+
+The plugin links the executorch wheel's libexecutorch.so and registers its
+backend from a static initializer. ExecuTorch's pybindings and mlx.core are
+imported first so that the very libraries it links are already loaded (one
+backend registry, one MLX), whatever rpath the platform honours.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sysconfig
+from pathlib import Path
+
+LIBRARY_NAME = "libexecutorch_mlx_backend.so"
+
+
+def _candidates() -> list[Path]:
+    import executorch_mlx
+
+    dirs = [Path(p) for p in executorch_mlx.__path__]
+    # Editable installs keep Python sources in the checkout and the built
+    # library in site-packages.
+    dirs.append(Path(sysconfig.get_paths()["platlib"]) / "executorch_mlx")
+    return [d / LIBRARY_NAME for d in dirs]
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    import executorch.extension.pybindings.portable_lib  # noqa: F401  (libexecutorch.so)
+    import mlx.core  # noqa: F401  (libmlx.so)
+
+    for path in _candidates():
+        if path.exists():
+            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            lib.emlx_last_error.restype = ctypes.c_char_p
+            lib.emlx_backend_id.restype = ctypes.c_char_p
+            if not lib.emlx_registered():
+                raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
+            return lib
+    raise ImportError(
+        f"executorch_mlx: runtime plugin {LIBRARY_NAME} not found in "
+        f"{[str(p.parent) for p in _candidates()]}; reinstall the package (pip install .)"
+    )
+
+
+def last_error() -> str:
+    """The runtime's reason for the last failure on this thread ('' if none)."""
+    return load().emlx_last_error().decode()

@@ -1,0 +1,166 @@
+// Registers the MLX graph delegate with ExecuTorch's runtime.
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <executorch/runtime/platform/log.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "dtype.h"
+#include "interpreter.h"
+
+namespace emlx {
+
+namespace mx = mlx::core;
+namespace et = executorch::runtime;
+using executorch::aten::Tensor;
+using et::Error;
+
+// The id programs are lowered for; must equal the Python BackendDetails
+// class name (executorch_mlx.backend.MLXGraphBackend).
+constexpr const char* kBackendId = "MLXGraphBackend";
+
+namespace {
+
+struct Handle {
+  explicit Handle(et::FreeableBuffer&& b) : blob(std::move(b)) {}
+  et::FreeableBuffer blob;  // the Program points into it
+  std::unique_ptr<Program> program;
+};
+
+Error fail(Error code, const std::string& msg) {
+  set_last_error(msg);
+  ET_LOG(Error, "%s: %s", kBackendId, msg.c_str());
+  return code;
+}
+
+// Wraps input `i` as an MLX array after checking it against the program.
+mx::array bind_input(const ir::IOValue* io, const et::EValue& v, size_t i,
+                     std::vector<int64_t>& symbol_sizes, const ir::Graph& g) {
+  const std::string which = "input " + std::to_string(i);
+  switch (io->kind()) {
+    case ir::IOKind::int_scalar:
+      if (!v.isInt()) throw InputError(which + ": expected an int");
+      return mx::array(static_cast<int64_t>(v.toInt()));
+    case ir::IOKind::float_scalar:
+      if (!v.isDouble()) throw InputError(which + ": expected a float");
+      return mx::array(static_cast<float>(v.toDouble()));
+    case ir::IOKind::bool_scalar:
+      if (!v.isBool()) throw InputError(which + ": expected a bool");
+      return mx::array(v.toBool());
+    case ir::IOKind::tensor:
+      break;
+  }
+  if (!v.isTensor()) throw InputError(which + ": expected a tensor");
+  const Tensor& t = v.toTensor();
+  if (t.scalar_type() != *to_et_dtype(io->dtype())) {
+    throw InputError(which + ": dtype " + std::to_string(static_cast<int>(t.scalar_type())) +
+                     " does not match the program's " + ir::EnumNameDType(io->dtype()));
+  }
+  auto* dims = io->shape();
+  if (static_cast<size_t>(t.dim()) != dims->size()) {
+    throw InputError(which + ": rank " + std::to_string(t.dim()) + ", program expects " +
+                     std::to_string(dims->size()));
+  }
+  mx::Shape shape;
+  for (size_t d = 0; d < dims->size(); ++d) {
+    const int64_t size = t.size(d);
+    auto* dim = dims->Get(d);
+    if (dim->symbol() < 0) {
+      if (size != dim->size()) {
+        throw InputError(which + ": dim " + std::to_string(d) + " is " + std::to_string(size) +
+                         ", program expects " + std::to_string(dim->size()));
+      }
+    } else {
+      auto* sym = g.symbols()->Get(dim->symbol());
+      if (size < sym->min() || size > sym->max()) {
+        throw InputError(which + ": dim " + std::to_string(d) + " is " + std::to_string(size) +
+                         ", outside [" + std::to_string(sym->min()) + ", " + std::to_string(sym->max()) + "]");
+      }
+      int64_t& seen = symbol_sizes[dim->symbol()];
+      if (seen >= 0 && seen != size) {
+        throw InputError(which + ": dim " + std::to_string(d) + " must equal an earlier dim of the same symbol (" +
+                         std::to_string(seen) + ")");
+      }
+      seen = size;
+    }
+    shape.push_back(static_cast<mx::ShapeElem>(size));
+  }
+  auto dtype = to_mlx_dtype(io->dtype());
+  if (t.numel() == 0) return mx::zeros(shape, dtype);
+  // Zero-copy: the tensor outlives this call, and outputs are copied out
+  // after evaluation.
+  return mx::array(const_cast<void*>(t.const_data_ptr()), shape, dtype, [](void*) {});
+}
+
+void write_output(const mx::array& a, et::EValue& v, size_t i) {
+  const std::string which = "output " + std::to_string(i);
+  if (!v.isTensor()) throw InputError(which + ": expected a tensor");
+  Tensor& t = v.toTensor();
+  std::vector<executorch::aten::SizesType> sizes(a.shape().begin(), a.shape().end());
+  if (et::resize_tensor(t, {sizes.data(), sizes.size()}) != Error::Ok) {
+    throw std::runtime_error(which + ": cannot resize to the computed shape");
+  }
+  if (t.nbytes() != a.nbytes()) throw std::runtime_error(which + ": size mismatch");
+  if (a.nbytes()) std::memcpy(t.mutable_data_ptr(), a.data<void>(), a.nbytes());
+}
+
+class MLXGraphBackend final : public et::BackendInterface {
+ public:
+  bool is_available() const override { return true; }
+
+  et::Result<et::DelegateHandle*> init(et::BackendInitContext& context, et::FreeableBuffer* processed,
+                                       et::ArrayRef<et::CompileSpec>) const override {
+    auto handle = std::make_unique<Handle>(std::move(*processed));
+    try {
+      handle->program = std::make_unique<Program>(handle->blob.data(), handle->blob.size(),
+                                                  context.get_named_data_map());
+    } catch (const std::exception& e) {
+      return fail(Error::InvalidProgram, std::string("invalid program: ") + e.what());
+    }
+    return handle.release();
+  }
+
+  Error execute(et::BackendExecutionContext&, et::DelegateHandle* raw,
+                et::Span<et::EValue*> args) const override {
+    auto* handle = static_cast<Handle*>(raw);
+    const ir::Graph& g = handle->program->graph();
+    const size_t n_in = g.inputs()->size(), n_out = g.outputs()->size();
+    if (args.size() != n_in + n_out) {
+      return fail(Error::InvalidArgument, "expected " + std::to_string(n_in) + " inputs and " +
+                                              std::to_string(n_out) + " outputs, got " +
+                                              std::to_string(args.size()) + " arguments");
+    }
+    try {
+      std::vector<int64_t> symbol_sizes(g.symbols()->size(), -1);
+      std::vector<mx::array> inputs;
+      for (size_t i = 0; i < n_in; ++i) {
+        inputs.push_back(bind_input(g.inputs()->Get(i), *args[i], i, symbol_sizes, g));
+      }
+      auto outs = handle->program->run(inputs);
+      for (size_t i = 0; i < n_out; ++i) write_output(outs[i], *args[n_in + i], i);
+    } catch (const InputError& e) {
+      return fail(Error::InvalidArgument, e.what());
+    } catch (const std::exception& e) {
+      return fail(Error::Internal, std::string("execution failed: ") + e.what());
+    }
+    return Error::Ok;
+  }
+
+  void destroy(et::DelegateHandle* raw) const override { delete static_cast<Handle*>(raw); }
+};
+
+MLXGraphBackend g_backend;
+const Error g_registered = et::register_backend({kBackendId, &g_backend});
+
+}  // namespace
+}  // namespace emlx
+
+extern "C" {
+// For the Python package: the reason behind the last error on this thread.
+__attribute__((visibility("default"))) const char* emlx_last_error() { return emlx::last_error().c_str(); }
+// Whether the static registration above succeeded.
+__attribute__((visibility("default"))) int emlx_registered() { return emlx::g_registered == emlx::Error::Ok; }
+__attribute__((visibility("default"))) const char* emlx_backend_id() { return emlx::kBackendId; }
+}

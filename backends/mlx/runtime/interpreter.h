@@ -1,0 +1,83 @@
+// A verified, loaded delegate program and the interpreter that runs it.
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "generated/schema_generated.h"
+
+namespace executorch::runtime {
+class NamedDataMap;
+class FreeableBuffer;
+}  // namespace executorch::runtime
+
+namespace emlx {
+
+// Raised for any defect of a program found while loading it.
+struct ProgramError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Raised for inputs that do not match the program's signature.
+struct InputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::vector<int> to_ints(const flatbuffers::Vector<int32_t>* v);
+mlx::core::Shape to_shape(const flatbuffers::Vector<int32_t>* v);
+
+// Value slots of one execution.
+class Interpreter {
+ public:
+  explicit Interpreter(uint32_t num_values) : values_(num_values) {}
+
+  const mlx::core::array& get(const ir::Tid* t) const;
+  std::optional<mlx::core::array> get_optional(const ir::Tid* t) const;
+  std::vector<mlx::core::array> get_list(const flatbuffers::Vector<const ir::Tid*>* ts) const;
+  mlx::core::Shape resolve_shape(const flatbuffers::Vector<const ir::IntOrSlot*>* dims) const;
+  void set(const ir::Tid* t, mlx::core::array a);
+  void set(uint32_t slot, mlx::core::array a);
+  const mlx::core::array& at(uint32_t slot) const;
+
+ private:
+  std::vector<std::optional<mlx::core::array>> values_;
+};
+
+// A program after `load`: the blob is verified, every reference checked,
+// and constants bound. Immutable afterwards.
+class Program {
+ public:
+  // Verifies `data` (kept alive by the caller for the Program's lifetime)
+  // and loads its constants from `named_data`. Throws ProgramError.
+  Program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named_data);
+  ~Program();
+
+  const ir::Graph& graph() const { return *graph_; }
+
+  // Runs the graph on `inputs` (one per graph input; ints/floats/bools as
+  // 0-d arrays) and returns the evaluated, row-contiguous outputs.
+  std::vector<mlx::core::array> run(const std::vector<mlx::core::array>& inputs);
+
+ private:
+  void verify(const void* data, size_t size);
+  void load_constants(const executorch::runtime::NamedDataMap* named_data);
+  void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
+
+  const ir::Graph* graph_ = nullptr;
+  std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
+  std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
+  std::vector<executorch::runtime::FreeableBuffer*> weight_buffers_;
+};
+
+// Human-readable reason of the last failure on this thread (for Python).
+void set_last_error(const std::string& msg);
+const std::string& last_error();
+
+}  // namespace emlx
