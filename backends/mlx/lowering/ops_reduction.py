@@ -1,0 +1,98 @@
+"""Reductions along axes, arg-reductions and (log-)softmax."""
+
+from __future__ import annotations
+
+import torch
+
+from ..serialization import ir
+from .builder import GraphBuilder, meta_val
+from .registry import Unsupported, handles
+
+aten = torch.ops.aten
+
+
+def norm_axes(dims, rank: int) -> list[int]:
+    """Non-negative axes; None or [] means every axis (as in torch)."""
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({d % rank if rank else 0 for d in dims})
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default=None):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _reduce_handler(op_cls, *ops, float_only: bool = False):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        out = meta_val(node)
+        x = b.get(node.args[0])
+        axes = norm_axes(_arg(node, 1, "dim"), len(x.shape))
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        # sum of ints accumulates in int64 (torch); mean needs a float type
+        compute = out.dtype if (float_only or op_cls is ir.SumNode) else x.dtype
+        x = b.cast(x, compute)
+        r = b.emit(op_cls, compute, out.shape, a=x.tid, axes=axes, keepdims=keepdim)
+        b.bind(node, b.cast(r, out.dtype))
+
+    return handler
+
+
+_reduce_handler(ir.SumNode, aten.sum.dim_IntList, aten.sum.default)
+_reduce_handler(ir.MeanNode, aten.mean.dim, aten.mean.default, float_only=True)
+_reduce_handler(ir.MaxNode, aten.amax.default)
+_reduce_handler(ir.MinNode, aten.amin.default)
+
+
+def _argreduce_handler(op_cls, *ops):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        out = meta_val(node)
+        x = b.get(node.args[0])
+        dim = _arg(node, 1, "dim")
+        keepdim = bool(_arg(node, 2, "keepdim", False))
+        if dim is None:  # over the flattened tensor
+            n = 1
+            for s in x.shape:
+                n *= s
+            x = b.emit(ir.ReshapeNode, x.dtype, (n,), a=x.tid, shape=b.dims([n]))
+            dim, keepdim_here = 0, False
+        else:
+            dim, keepdim_here = dim % max(len(x.shape), 1), keepdim
+        shape = out.shape if keepdim_here == keepdim else ()
+        r = b.emit(op_cls, torch.int32, shape, a=x.tid, axis=dim, keepdims=keepdim_here)
+        r = b.cast(r, out.dtype)  # MLX returns uint32 indices
+        if tuple(r.shape) != tuple(out.shape):
+            r = b.emit(ir.ReshapeNode, r.dtype, out.shape, a=r.tid, shape=b.dims(out.shape))
+        b.bind(node, r)
+
+    return handler
+
+
+_argreduce_handler(ir.ArgmaxNode, aten.argmax.default)
+_argreduce_handler(ir.ArgminNode, aten.argmin.default)
+
+
+@handles(aten._softmax.default, aten.softmax.int)
+def softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x = b.cast(b.get(node.args[0]), out.dtype)
+    axis = norm_axes(node.args[1], len(x.shape))
+    # precise: accumulate low-precision inputs in float32, like torch
+    b.bind(node, b.emit(ir.SoftmaxNode, out.dtype, out.shape, a=x.tid, axes=axis, precise=True))
+
+
+@handles(aten._log_softmax.default, aten.log_softmax.int)
+def log_softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x = b.cast(b.get(node.args[0]), out.dtype)
+    axis = norm_axes(node.args[1], len(x.shape))
+    if not axis:
+        raise Unsupported("log_softmax of a 0-d tensor")
+    reduced = tuple(1 if i in axis else s for i, s in enumerate(x.shape))
+    lse = b.emit(ir.LogSumExpNode, out.dtype, reduced, a=x.tid, axes=axis, keepdims=True)
+    b.bind(node, b.emit(ir.SubtractNode, out.dtype, out.shape, a=x.tid, b=lse.tid))

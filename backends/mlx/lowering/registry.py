@@ -1,0 +1,64 @@
+"""The handler registry: one table serves both support checks and lowering.
+
+A handler lowers one fx node into IR nodes through a GraphBuilder. It raises
+`Unsupported` for any variant it cannot lower (an argument value, a dtype);
+the partitioner asks "is this node supported?" by running the same handler
+on a scratch builder, so "supported" and "lowered" cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from .builder import GraphBuilder
+
+Handler = Callable[["GraphBuilder", torch.fx.Node], None]
+
+_HANDLERS: dict[torch._ops.OpOverload, Handler] = {}
+
+
+class Unsupported(Exception):
+    """This node (or this variant of it) cannot be lowered to MLX."""
+
+
+def handles(*ops: torch._ops.OpOverload) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for op in ops:
+            if op in _HANDLERS:
+                raise ValueError(f"two handlers for {op}")
+            _HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def aten_op(target) -> torch._ops.OpOverload | None:
+    """The ATen/custom overload behind an fx target (edge ops wrap one)."""
+    op = getattr(target, "_op", target)
+    return op if isinstance(op, torch._ops.OpOverload) else None
+
+
+def handler_for(target) -> Handler | None:
+    _load_handlers()
+    op = aten_op(target)
+    return _HANDLERS.get(op) if op is not None else None
+
+
+def registered_ops() -> list[torch._ops.OpOverload]:
+    _load_handlers()
+    return list(_HANDLERS)
+
+
+def _load_handlers() -> None:
+    # Importing the op-family modules registers their handlers.
+    from . import (  # noqa: F401
+        ops_creation,
+        ops_elementwise,
+        ops_linalg,
+        ops_reduction,
+        ops_shape,
+    )
+    from ..custom_kernel_ops import sample  # noqa: F401
