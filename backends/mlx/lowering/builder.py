@@ -196,7 +196,9 @@ def lower_program(ep: ExportedProgram) -> GraphBuilder:
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             const = constant_tensor(ep, node)
-            if const is not None:
+            if const is not None and const.dim() == 0:
+                b.bind(node, b.literal(const.item(), const.dtype))  # a lifted Python scalar
+            elif const is not None:
                 b.add_constant(node, const)
             else:
                 b.add_input(node)

@@ -1,0 +1,81 @@
+"""Readable dumps of IR blobs and of the MLX delegates inside a .pte file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .serialization import ir
+
+
+def _dims(dims: list[ir.Dim], symbols: list[ir.Symbol]) -> str:
+    parts = [str(d.size) if d.symbol < 0 else symbols[d.symbol].name for d in dims]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _field(value) -> str:
+    if isinstance(value, ir.Tid):
+        return f"%{value.idx}"
+    if isinstance(value, ir.IntOrSlot):
+        return str(value.value) if value.slot < 0 else f"%{value.slot}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_field(v) for v in value) + "]"
+    if isinstance(value, ir.DType):
+        return value.name
+    return repr(value)
+
+
+def describe_node(node) -> str:
+    fields = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    out = fields.pop("out", None)
+    args = ", ".join(f"{k}={_field(v)}" for k, v in fields.items() if v is not None)
+    lhs = f"{_field(out)} = " if out is not None else ""
+    return f"{lhs}{type(node).__name__}({args})"
+
+
+def describe_graph(g: ir.Graph) -> str:
+    lines = [f"schema v{g.version}, {g.num_values} values, {len(g.nodes)} nodes"]
+    for s in g.symbols:
+        lines.append(f"  symbol {s.name} in [{s.min}, {s.max}]")
+    for label, ios in (("input", g.inputs), ("output", g.outputs)):
+        for io in ios:
+            lines.append(f"  {label} %{io.slot}: {io.dtype.name}{_dims(io.shape, g.symbols)}")
+    for c in g.constants:
+        lines.append(f"  constant %{c.slot}: {c.dtype.name}{list(c.shape)} '{c.name}'")
+    for lit in g.literals:
+        value = lit.float_value if lit.dtype.name.startswith(("float", "bfloat")) else lit.int_value
+        lines.append(f"  literal %{lit.slot}: {lit.dtype.name} = {value}")
+    for b in g.mutable_buffers:
+        lines.append(f"  mutable buffer %{b.slot} (initial '{b.initial}', updated from %{b.update})")
+    for i, n in enumerate(g.nodes):
+        lines.append(f"  {i:4d}: {describe_node(n.op)}")
+    return "\n".join(lines)
+
+
+def delegate_blobs(pte: bytes) -> list[tuple[str, int, str, bytes]]:
+    """(method, delegate index, backend id, processed bytes) for every delegate."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte).program
+    found = []
+    for plan in program.execution_plan:
+        for i, d in enumerate(plan.delegates):
+            data = program.backend_delegate_data[d.processed.index].data
+            found.append((plan.name, i, d.id, bytes(data)))
+    return found
+
+
+def inspect_pte(path: str | Path) -> str:
+    from .backend import MLXGraphBackend
+
+    blobs = delegate_blobs(Path(path).read_bytes())
+    lines = []
+    for method, i, backend_id, data in blobs:
+        if backend_id != MLXGraphBackend.__name__:
+            lines.append(f"method {method}, delegate {i}: {backend_id} (not ours, {len(data)} bytes)")
+            continue
+        lines.append(f"method {method}, delegate {i}: {backend_id}, {len(data)} bytes")
+        lines.append(describe_graph(ir.deserialize(data)))
+    if not blobs:
+        lines.append("no delegates: the whole program runs on ExecuTorch's portable kernels")
+    return "\n".join(lines)

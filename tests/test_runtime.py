@@ -1,0 +1,156 @@
+"""The C++ runtime: registration, blob verification, input checks, threads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from harness import lower, run
+
+import executorch_mlx
+from executorch_mlx import backend as backend_module
+from executorch_mlx._runtime_library import last_error
+from executorch_mlx.serialization import ir
+
+
+class AddMul(torch.nn.Module):
+    def forward(self, x, y):
+        return (x + y) * x
+
+
+ARGS = (torch.randn(2, 3), torch.randn(2, 3))
+
+
+def test_backend_is_registered_in_a_fresh_process():
+    code = (
+        "import executorch_mlx, executorch.runtime as r;"
+        "print(r.Runtime.get().backend_registry.registered_backend_names)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert executorch_mlx.BACKEND_ID in out
+    assert executorch_mlx.BACKEND_ID != "MLXBackend"  # upstream's id
+
+
+def _pte_with_blob(monkeypatch, mutate) -> bytes:
+    """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
+    (mutators re-serialize an edited graph with `_serialize`)."""
+    real = ir.serialize
+
+    def serialize(graph):
+        return mutate(graph, real(graph))
+
+    monkeypatch.setattr(backend_module.ir, "serialize", serialize)
+    try:
+        return lower(AddMul(), ARGS).to_executorch().buffer
+    finally:
+        monkeypatch.setattr(backend_module.ir, "serialize", real)
+
+
+_serialize = ir.serialize  # the real serializer, not the monkeypatched one
+
+
+def _bump_version(g, blob):
+    g.version = ir.SCHEMA_VERSION + 1
+    return _serialize(g)
+
+
+def _node_reads_out_of_range(g, blob):
+    g.nodes[0].op.a = ir.Tid(10_000)
+    return _serialize(g)
+
+
+def _output_out_of_range(g, blob):
+    g.outputs[0].slot = g.num_values + 5
+    return _serialize(g)
+
+
+def _read_before_write(g, blob):
+    g.nodes[0].op.a = g.nodes[-1].op.out
+    return _serialize(g)
+
+
+def _bad_rank(g, blob):
+    # AddNode of [2, 3] and [5]: MLX cannot broadcast; caught at load time
+    g.literals.append(ir.Literal(slot=g.num_values, dtype=ir.DType.float32, float_value=1.0))
+    g.nodes.insert(0, ir.Node(op=ir.FullNode(shape=[ir.IntOrSlot(5, -1)], value=ir.Tid(g.num_values),
+                                             dtype=ir.DType.float32, out=ir.Tid(g.num_values + 1))))
+    g.nodes[1].op.b = ir.Tid(g.num_values + 1)
+    g.num_values += 2
+    return _serialize(g)
+
+
+CORRUPTIONS = {
+    "truncated": (lambda g, blob: blob[: len(blob) // 2], "verification failed"),
+    "wrong identifier": (lambda g, blob: blob[:4] + b"NOPE" + blob[8:], "wrong file identifier"),
+    "garbage": (lambda g, blob: bytes(range(256)) * 4, "identifier"),
+    "tiny": (lambda g, blob: b"\x00\x01", "too small"),
+    "future version": (_bump_version, "newer than this runtime"),
+    "node id out of range": (_node_reads_out_of_range, "out of range"),
+    "output id out of range": (_output_out_of_range, "never written"),
+    "read before write": (_read_before_write, "before it is written"),
+    "shapes do not broadcast": (_bad_rank, "graph does not build"),
+}
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_corrupt_blob_is_refused_cleanly(monkeypatch, name):
+    mutate, reason = CORRUPTIONS[name]
+    pte = _pte_with_blob(monkeypatch, mutate)
+    with pytest.raises(RuntimeError):
+        run(pte, list(ARGS))
+    assert reason in last_error(), last_error()
+
+
+def test_intact_blob_still_runs(monkeypatch):
+    pte = _pte_with_blob(monkeypatch, lambda g, blob: blob)
+    x, y = ARGS
+    torch.testing.assert_close(run(pte, [x, y])[0], (x + y) * x)
+
+
+@pytest.mark.parametrize(
+    "bad_inputs",
+    [
+        [ARGS[0].double(), ARGS[1]],  # dtype
+        [torch.randn(3, 3), ARGS[1]],  # shape
+        [ARGS[0]],  # count
+    ],
+    ids=["dtype", "shape", "count"],
+)
+def test_wrong_inputs_get_a_clean_error(bad_inputs):
+    pte = lower(AddMul(), ARGS).to_executorch().buffer
+    with pytest.raises((RuntimeError, ValueError)):
+        run(pte, bad_inputs)
+    # the process is intact and the program still runs on good inputs
+    torch.testing.assert_close(run(pte, list(ARGS))[0], (ARGS[0] + ARGS[1]) * ARGS[0])
+
+
+def test_two_programs_run_from_two_threads():
+    from executorch.runtime import Runtime
+
+    class Mm(torch.nn.Module):
+        def forward(self, x):
+            return (x @ x.transpose(0, 1)).softmax(-1)
+
+    programs = [lower(m, ARGS if i == 0 else (ARGS[0],)).to_executorch().buffer for i, m in enumerate([AddMul(), Mm()])]
+    methods = [Runtime.get().load_program(p).load_method("forward") for p in programs]
+    x, y = ARGS
+    want = [(x + y) * x, (x @ x.T).softmax(-1)]
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(50):
+                inputs = [x, y] if i == 0 else [x]
+                torch.testing.assert_close(methods[i].execute(inputs)[0], want[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
