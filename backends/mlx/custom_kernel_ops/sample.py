@@ -68,39 +68,38 @@ def check_args(logits, temperature, seed, position) -> None:
             raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
 
 
+def _uniforms(rows: int, seeds, positions) -> torch.Tensor:
+    """One float64 uniform per row: from (seed, position) when seeded."""
+    if seeds is None:
+        return torch.rand(rows, dtype=torch.float64)
+    return torch.stack([
+        torch.rand((), dtype=torch.float64,
+                   generator=torch.Generator().manual_seed(stream_seed(int(s), int(p))))
+        for s, p in zip(seeds.tolist(), positions.tolist())
+    ])
+
+
 @torch.library.impl("mlx::sample", "CompositeExplicitAutograd")
 def sample_reference(logits, temperature, seed=None, position=None):
+    """Exact reference: inverse-CDF draw in float64 from softmax(float32 z)."""
     check_args(logits, temperature, seed, position)
     rows, vocab = logits.shape
     x = logits.float()
-    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    x = torch.where(torch.isnan(x), float("-inf"), x)
     temps = _per_row(temperature.float(), rows, "temperature")
-    seeds = _per_row(seed, rows, "seed")
-    positions = _per_row(position, rows, "position")
-    out = torch.empty(rows, dtype=torch.int64)
-    for r in range(rows):
-        row, t = x[r], float(temps[r])
-        if not row.isfinite().any() and not torch.isposinf(row).any():
-            out[r] = -1
-            continue
-        if not t > 0:  # greedy (also NaN)
-            out[r] = int(torch.argmax(row))
-            continue
-        if torch.isposinf(row).any():
-            z = torch.where(torch.isposinf(row), 0.0, float("-inf")).double()
-        else:
-            z = (row / torch.tensor(t, dtype=torch.float32)).double()
-        p = torch.softmax(z, dim=0)
-        gen = None
-        if seeds is not None:
-            gen = torch.Generator().manual_seed(stream_seed(int(seeds[r]), int(positions[r])))
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        idx = int(torch.searchsorted(torch.cumsum(p, 0), torch.tensor([u * float(p.sum())], dtype=torch.float64)))
-        idx = min(idx, vocab - 1)
-        while p[idx] == 0:  # never land on a zero-probability token at the cdf's edge
-            idx -= 1
-        out[r] = idx
-    return out
+    posinf = torch.isposinf(x)
+    any_posinf = posinf.any(dim=1, keepdim=True)
+    z = torch.where(any_posinf, torch.where(posinf, 0.0, float("-inf")), x / temps[:, None])
+    has_candidate = x.amax(dim=1) > float("-inf") if vocab else torch.zeros(rows, dtype=torch.bool)
+    # rows without candidates get a harmless uniform distribution, masked below
+    z = torch.where(has_candidate[:, None], z, 0.0).double()
+    cdf = torch.softmax(z, dim=1).cumsum(dim=1)
+    u = _uniforms(rows, _per_row(seed, rows, "seed"), _per_row(position, rows, "position"))
+    # first index whose cdf exceeds u * total: never a zero-probability token
+    sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=vocab - 1)
+    greedy = torch.argmax(x, dim=1)
+    token = torch.where(temps > 0, sampled, greedy)
+    return torch.where(has_candidate, token, -1)
 
 
 @torch.library.register_fake("mlx::sample")

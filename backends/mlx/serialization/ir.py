@@ -397,6 +397,14 @@ class ReshapeNode:
 
 
 @dataclass
+class RightShiftNode:
+    a: Tid | None = None
+    b: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'right_shift'
+
+
+@dataclass
 class RsqrtNode:
     a: Tid | None = None
     out: Tid | None = None
@@ -506,8 +514,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, IsNanNode: 26, IsPosInfNode: 27, WhereNode: 28, AsTypeNode: 29, MatmulNode: 30, SumNode: 31, MeanNode: 32, MaxNode: 33, MinNode: 34, ArgmaxNode: 35, ArgminNode: 36, SoftmaxNode: 37, LogSumExpNode: 38, ReshapeNode: 39, TransposeNode: 40, ExpandDimsNode: 41, SqueezeNode: 42, BroadcastToNode: 43, SliceNode: 44, TakeNode: 45, ConcatenateNode: 46, FullNode: 47, ArangeNode: 48, RandomBitsNode: 49}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -1286,6 +1294,21 @@ def _pack_ReshapeNode(b, v):
 
 def _unpack_ReshapeNode(r):
     return ReshapeNode(a=_opt(_unpack_Tid, r.A()), shape=[_unpack_IntOrSlot(r.Shape(i)) for i in range(r.ShapeLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_RightShiftNode(b, v):
+    fb.RightShiftNodeStart(b)
+    if v.a is not None:
+        fb.RightShiftNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.RightShiftNodeAddB(b, _pack_Tid(b, v.b))
+    if v.out is not None:
+        fb.RightShiftNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.RightShiftNodeEnd(b)
+
+
+def _unpack_RightShiftNode(r):
+    return RightShiftNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_RsqrtNode(b, v):

@@ -56,30 +56,31 @@ class Op(object):
     SigmoidNode = 23
     TanhNode = 24
     ErfNode = 25
-    IsNanNode = 26
-    IsPosInfNode = 27
-    WhereNode = 28
-    AsTypeNode = 29
-    MatmulNode = 30
-    SumNode = 31
-    MeanNode = 32
-    MaxNode = 33
-    MinNode = 34
-    ArgmaxNode = 35
-    ArgminNode = 36
-    SoftmaxNode = 37
-    LogSumExpNode = 38
-    ReshapeNode = 39
-    TransposeNode = 40
-    ExpandDimsNode = 41
-    SqueezeNode = 42
-    BroadcastToNode = 43
-    SliceNode = 44
-    TakeNode = 45
-    ConcatenateNode = 46
-    FullNode = 47
-    ArangeNode = 48
-    RandomBitsNode = 49
+    RightShiftNode = 26
+    IsNanNode = 27
+    IsPosInfNode = 28
+    WhereNode = 29
+    AsTypeNode = 30
+    MatmulNode = 31
+    SumNode = 32
+    MeanNode = 33
+    MaxNode = 34
+    MinNode = 35
+    ArgmaxNode = 36
+    ArgminNode = 37
+    SoftmaxNode = 38
+    LogSumExpNode = 39
+    ReshapeNode = 40
+    TransposeNode = 41
+    ExpandDimsNode = 42
+    SqueezeNode = 43
+    BroadcastToNode = 44
+    SliceNode = 45
+    TakeNode = 46
+    ConcatenateNode = 47
+    FullNode = 48
+    ArangeNode = 49
+    RandomBitsNode = 50
 
 
 # Reference to a value slot of the graph.
@@ -2123,6 +2124,75 @@ def ErfNodeAddOut(builder, out):
     builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def ErfNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+class RightShiftNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = RightShiftNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsRightShiftNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def RightShiftNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # RightShiftNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # RightShiftNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RightShiftNode
+    def B(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RightShiftNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def RightShiftNodeStart(builder):
+    builder.StartObject(3)
+
+def RightShiftNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def RightShiftNodeAddB(builder, b):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(b), 0)
+
+def RightShiftNodeAddOut(builder, out):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def RightShiftNodeEnd(builder):
     return builder.EndObject()
 
 

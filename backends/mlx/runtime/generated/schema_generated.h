@@ -112,6 +112,9 @@ struct TanhNodeBuilder;
 struct ErfNode;
 struct ErfNodeBuilder;
 
+struct RightShiftNode;
+struct RightShiftNodeBuilder;
+
 struct IsNanNode;
 struct IsNanNodeBuilder;
 
@@ -311,35 +314,36 @@ enum class Op : uint8_t {
   SigmoidNode = 23,
   TanhNode = 24,
   ErfNode = 25,
-  IsNanNode = 26,
-  IsPosInfNode = 27,
-  WhereNode = 28,
-  AsTypeNode = 29,
-  MatmulNode = 30,
-  SumNode = 31,
-  MeanNode = 32,
-  MaxNode = 33,
-  MinNode = 34,
-  ArgmaxNode = 35,
-  ArgminNode = 36,
-  SoftmaxNode = 37,
-  LogSumExpNode = 38,
-  ReshapeNode = 39,
-  TransposeNode = 40,
-  ExpandDimsNode = 41,
-  SqueezeNode = 42,
-  BroadcastToNode = 43,
-  SliceNode = 44,
-  TakeNode = 45,
-  ConcatenateNode = 46,
-  FullNode = 47,
-  ArangeNode = 48,
-  RandomBitsNode = 49,
+  RightShiftNode = 26,
+  IsNanNode = 27,
+  IsPosInfNode = 28,
+  WhereNode = 29,
+  AsTypeNode = 30,
+  MatmulNode = 31,
+  SumNode = 32,
+  MeanNode = 33,
+  MaxNode = 34,
+  MinNode = 35,
+  ArgmaxNode = 36,
+  ArgminNode = 37,
+  SoftmaxNode = 38,
+  LogSumExpNode = 39,
+  ReshapeNode = 40,
+  TransposeNode = 41,
+  ExpandDimsNode = 42,
+  SqueezeNode = 43,
+  BroadcastToNode = 44,
+  SliceNode = 45,
+  TakeNode = 46,
+  ConcatenateNode = 47,
+  FullNode = 48,
+  ArangeNode = 49,
+  RandomBitsNode = 50,
   MIN = NONE,
   MAX = RandomBitsNode
 };
 
-inline const Op (&EnumValuesOp())[50] {
+inline const Op (&EnumValuesOp())[51] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -367,6 +371,7 @@ inline const Op (&EnumValuesOp())[50] {
     Op::SigmoidNode,
     Op::TanhNode,
     Op::ErfNode,
+    Op::RightShiftNode,
     Op::IsNanNode,
     Op::IsPosInfNode,
     Op::WhereNode,
@@ -396,7 +401,7 @@ inline const Op (&EnumValuesOp())[50] {
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[51] = {
+  static const char * const names[52] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -423,6 +428,7 @@ inline const char * const *EnumNamesOp() {
     "SigmoidNode",
     "TanhNode",
     "ErfNode",
+    "RightShiftNode",
     "IsNanNode",
     "IsPosInfNode",
     "WhereNode",
@@ -560,6 +566,10 @@ template<> struct OpTraits<emlx::ir::TanhNode> {
 
 template<> struct OpTraits<emlx::ir::ErfNode> {
   static const Op enum_value = Op::ErfNode;
+};
+
+template<> struct OpTraits<emlx::ir::RightShiftNode> {
+  static const Op enum_value = Op::RightShiftNode;
 };
 
 template<> struct OpTraits<emlx::ir::IsNanNode> {
@@ -2860,6 +2870,77 @@ struct ErfNode::Traits {
   static auto constexpr Create = CreateErfNode;
 };
 
+struct RightShiftNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RightShiftNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RightShiftNodeBuilder {
+  typedef RightShiftNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(RightShiftNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(RightShiftNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(RightShiftNode::VT_OUT, out);
+  }
+  explicit RightShiftNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RightShiftNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RightShiftNode>(end);
+    fbb_.Required(o, RightShiftNode::VT_A);
+    fbb_.Required(o, RightShiftNode::VT_B);
+    fbb_.Required(o, RightShiftNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RightShiftNode> CreateRightShiftNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  RightShiftNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct RightShiftNode::Traits {
+  using type = RightShiftNode;
+  static auto constexpr Create = CreateRightShiftNode;
+};
+
 struct IsNanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef IsNanNodeBuilder Builder;
   struct Traits;
@@ -5033,6 +5114,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::ErfNode *op_as_ErfNode() const {
     return op_type() == emlx::ir::Op::ErfNode ? static_cast<const emlx::ir::ErfNode *>(op()) : nullptr;
   }
+  const emlx::ir::RightShiftNode *op_as_RightShiftNode() const {
+    return op_type() == emlx::ir::Op::RightShiftNode ? static_cast<const emlx::ir::RightShiftNode *>(op()) : nullptr;
+  }
   const emlx::ir::IsNanNode *op_as_IsNanNode() const {
     return op_type() == emlx::ir::Op::IsNanNode ? static_cast<const emlx::ir::IsNanNode *>(op()) : nullptr;
   }
@@ -5213,6 +5297,10 @@ template<> inline const emlx::ir::TanhNode *Node::op_as<emlx::ir::TanhNode>() co
 
 template<> inline const emlx::ir::ErfNode *Node::op_as<emlx::ir::ErfNode>() const {
   return op_as_ErfNode();
+}
+
+template<> inline const emlx::ir::RightShiftNode *Node::op_as<emlx::ir::RightShiftNode>() const {
+  return op_as_RightShiftNode();
 }
 
 template<> inline const emlx::ir::IsNanNode *Node::op_as<emlx::ir::IsNanNode>() const {
@@ -5625,6 +5713,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::ErfNode: {
       auto ptr = reinterpret_cast<const emlx::ir::ErfNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::RightShiftNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::RightShiftNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     case Op::IsNanNode: {
