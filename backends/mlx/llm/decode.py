@@ -39,6 +39,8 @@ class SampledDecoder:
         self.num_inputs = meta.num_inputs()
         window = meta.input_tensor_meta(0)
         self.batch, self.window = (int(s) for s in window.sizes())
+        # [] or [B] per sampling input, as exported (per_row or not)
+        self.param_shapes = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(1, meta.num_inputs())]
         self.seeded = self.num_inputs == 4
         self.greedy_only = self.num_inputs == 1
         if self.num_inputs not in (1, 2, 4):
@@ -58,7 +60,13 @@ class SampledDecoder:
             if not self.seeded and seed is not None:
                 raise ValueError("this program was exported without a seed input; re-export with seeded=True")
             kwargs = sampling_inputs(self.batch, temperature, seed, position)
-            inputs = [tokens, *kwargs.values()]
+            inputs = [tokens]
+            for (name, value), shape in zip(kwargs.items(), self.param_shapes):
+                if value.shape != shape:
+                    if shape != (self.batch,) or value.dim() != 0:
+                        raise ValueError(f"{name} must have shape {list(shape)} for this program")
+                    value = value.expand(shape).contiguous()  # one value for every row
+                inputs.append(value)
         ids = self.method.execute(inputs)[0]
         bad = (ids < 0).nonzero().flatten().tolist()
         if bad:

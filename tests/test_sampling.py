@@ -1,0 +1,232 @@
+"""SamplingHead + mlx::sample through our runtime, held to SAMPLING.md."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from harness import delegate_graphs, run, undelegated_ops
+from scipy.stats import chisquare
+
+from executorch_mlx.inspector import describe_graph
+from executorch_mlx.llm.decode import SampledDecoder
+from executorch_mlx.llm.sampling import GreedyHead, SamplingHead, export_greedy_head, export_sampling_head
+from executorch_mlx.serialization import ir
+
+P_MIN = 1e-3  # chi-square p-value threshold (SAMPLING.md)
+
+
+class Logits(torch.nn.Module):
+    """A 'model' whose output is its input: lets tests feed logits directly."""
+
+    def forward(self, logits):
+        return logits
+
+
+@functools.cache
+def sampler_pte(batch: int, vocab: int, dtype=torch.float32, seeded=True, per_row=True) -> bytes:
+    example = torch.zeros(batch, vocab, dtype=dtype)
+    return export_sampling_head(Logits(), (example,), seeded=seeded, per_row=per_row).buffer
+
+
+def sample(pte: bytes, logits, temperature, seed=None, position=None) -> torch.Tensor:
+    rows = logits.shape[0]
+    inputs = [logits, torch.as_tensor(temperature, dtype=torch.float32).expand(rows).contiguous()]
+    if seed is not None:
+        inputs += [torch.as_tensor(seed, dtype=torch.int64).expand(rows).contiguous(),
+                   torch.as_tensor(position, dtype=torch.int64).expand(rows).contiguous()]
+    return run(pte, inputs)[0]
+
+
+def unique_max_logits(batch, vocab, dtype):
+    x = torch.randn(batch, vocab)
+    x[torch.arange(batch), x.argmax(1)] += 1.0  # a clear winner, even in bf16
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------- greedy --
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1e-6])
+def test_greedy_parity(dtype, batch, temperature):
+    pte = sampler_pte(batch, 1000, dtype)
+    for trial in range(3):
+        logits = unique_max_logits(batch, 1000, dtype)
+        got = sample(pte, logits, temperature, seed=trial, position=trial)
+        assert torch.equal(got, torch.argmax(logits.float(), dim=-1))
+
+
+def test_greedy_ties_go_to_the_lowest_index_and_nan_is_never_chosen():
+    pte = sampler_pte(3, 6)
+    nan = float("nan")
+    logits = torch.tensor([[1.0, 5, 2, 5, 5, 0], [nan, 1, 3, 3, nan, 2], [0, 0, 0, 0, 0, 0]])
+    assert sample(pte, logits, 0.0, seed=1, position=0).tolist() == [1, 2, 0]
+
+
+def test_greedy_head_needs_no_sampling_inputs():
+    logits = unique_max_logits(4, 100, torch.float32)
+    logits[0, 3] = float("nan")
+    prog = export_greedy_head(Logits(), (logits,))
+    assert run(prog.buffer, [logits])[0].tolist() == torch.argmax(torch.nan_to_num(logits, nan=-1e9), -1).tolist()
+
+
+# ----------------------------------------------------- runtime temperature --
+def test_temperature_is_a_runtime_input():
+    vocab, seeds = 1000, 200
+    pte = sampler_pte(seeds, vocab)  # one row per seed, one call per temperature
+    logits = torch.randn(1, vocab).expand(seeds, vocab).contiguous()
+    seed_ids = torch.arange(seeds)
+    cold = sample(pte, logits, 1e-3, seed_ids, 0)
+    hot = sample(pte, logits, 100.0, seed_ids, 0)
+    assert (cold == logits[0].argmax()).float().mean() > 0.99
+    assert len(set(hot.tolist())) > 50
+
+
+# ----------------------------------------------------------- distribution --
+V8_LOGITS = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.5, 1.2, 0.8])
+
+
+def _chi_square_p(tokens: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
+    probs = torch.softmax(logits.double() / temperature, dim=0)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    assert counts.sum() == len(tokens)
+    return float(chisquare(counts.numpy(), (probs * len(tokens)).numpy()).pvalue)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_lowered_sampler_matches_softmax(temperature):
+    rows, calls = 2000, 50  # 100k draws over 100k (seed, position) pairs
+    pte = sampler_pte(rows, 8)
+    logits = V8_LOGITS.expand(rows, 8).contiguous()
+    draws = [sample(pte, logits, temperature, torch.arange(rows) + 7919 * c, c) for c in range(calls)]
+    assert _chi_square_p(torch.cat(draws), V8_LOGITS, temperature) > P_MIN
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_reference_op_matches_softmax(temperature):
+    draws = 100_000
+    logits = V8_LOGITS.expand(draws, 8)
+    tokens = torch.ops.mlx.sample(logits, torch.tensor(temperature), torch.arange(draws), torch.zeros(draws, dtype=torch.int64))
+    assert _chi_square_p(tokens, V8_LOGITS, temperature) > P_MIN
+
+
+# ---------------------------------------------------------- determinism --
+def test_same_seed_and_position_give_the_same_token_in_any_batch():
+    vocab, seed, position = 1000, 123456789012345, 17
+    row_logits = torch.randn(vocab)
+    seen = set()
+    for batch in (1, 3, 8):
+        pte = sampler_pte(batch, vocab)
+        for row in range(batch):  # the target (seed, position) at every row index
+            logits = torch.randn(batch, vocab)
+            logits[row] = row_logits
+            seeds = torch.randint(0, 2**62, (batch,))
+            positions = torch.randint(0, 1000, (batch,))
+            seeds[row], positions[row] = seed, position
+            token = sample(pte, logits, 50.0, seeds, positions)[row]
+            seen.add(int(token))
+            assert int(sample(pte, logits, 50.0, seeds, positions)[row]) == int(token)  # across runs
+    assert len(seen) == 1, seen
+
+
+def test_different_positions_draw_differently():
+    pte = sampler_pte(1, 1000)
+    logits = torch.randn(1, 1000)
+    tokens = {int(sample(pte, logits, 50.0, 5, p)[0]) for p in range(20)}
+    assert len(tokens) > 10
+
+
+def test_all_64_seed_bits_matter():
+    pte = sampler_pte(1, 1000)
+    logits = torch.randn(1, 1000)
+    # seeds equal in their low 32 bits (and in their int32 truncation)
+    tokens = {int(sample(pte, logits, 50.0, (k << 40) | 12345, 0)[0]) for k in range(20)}
+    assert len(tokens) > 10
+
+
+# -------------------------------------------------------------- unseeded --
+def test_unseeded_export_uses_the_global_key_sequence():
+    prog = export_sampling_head(Logits(), (torch.zeros(4, 1000),), seeded=False)
+    (graph,) = delegate_graphs_of(prog)
+    bits = [n.op for n in graph.nodes if isinstance(n.op, ir.RandomBitsNode)]
+    assert len(bits) == 1 and bits[0].seed is None and bits[0].position is None
+    assert "RandomBitsNode(shape=[4, 1000], width=4)" in describe_graph(graph)
+    logits = torch.randn(4, 1000)
+    draws = [run(prog.buffer, [logits, torch.tensor(100.0)])[0] for _ in range(10)]
+    tokens = torch.stack(draws)
+    assert ((tokens >= 0) & (tokens < 1000)).all()
+    assert len(set(tokens.flatten().tolist())) > 10
+
+
+def delegate_graphs_of(prog) -> list[ir.Graph]:
+    from executorch_mlx.inspector import delegate_blobs
+
+    return [ir.deserialize(blob) for *_, blob in delegate_blobs(prog.buffer)]
+
+
+# ------------------------------------------------------------ lowering --
+def test_strict_export_lowers_the_whole_sampler_with_runtime_inputs():
+    from executorch.exir import to_edge_transform_and_lower
+
+    import executorch_mlx
+
+    class TinyModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 50)
+
+        def forward(self, x):
+            return self.proj(x)  # [B, S, V]
+
+    x = torch.randn(2, 3, 16)
+    kwargs = {"temperature": torch.ones(2), "seed": torch.zeros(2, dtype=torch.int64),
+              "position": torch.zeros(2, dtype=torch.int64)}
+    ep = torch.export.export(SamplingHead(TinyModel()), (x,), kwargs, strict=True)
+    assert [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"][1:] == [
+        "temperature", "seed", "position"]
+    edge = to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
+    assert undelegated_ops(edge) == []
+    (graph,) = delegate_graphs(edge)
+    assert len(graph.inputs) == 4  # x, temperature, seed, position: none baked in
+    bits = [n.op for n in graph.nodes if isinstance(n.op, ir.RandomBitsNode)]
+    assert len(bits) == 1 and bits[0].seed is not None and bits[0].position is not None
+    out = run(edge.to_executorch().buffer, [x, *kwargs.values()])[0]
+    assert out.shape == (2,) and out.dtype == torch.int64
+
+
+# ---------------------------------------------------------- edge cases --
+def test_nan_inf_and_empty_rows():
+    pte = sampler_pte(3, 5)
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[nan, 0.0, nan, 0.0, nan], [0.0, inf, 5.0, inf, 0.0], [-inf, nan, -inf, -inf, nan]])
+    seen = [set(), set()]
+    for s in range(200):
+        out = sample(pte, logits, 1.0, s, 0)
+        seen[0].add(int(out[0]))
+        seen[1].add(int(out[1]))
+        assert out[2] == -1
+    assert seen == [{1, 3}, {1, 3}]
+
+
+def test_decoder_rejects_bad_parameters_and_reports_empty_rows():
+    pte = sampler_pte(2, 8)
+    dec = SampledDecoder(pte)
+    logits = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="temperature"):
+        dec.step(logits, temperature=-0.5, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        dec.step(logits, temperature=1.0)
+    logits[1] = float("-inf")
+    with pytest.raises(RuntimeError, match=r"rows \[1\]"):
+        dec.step(logits, temperature=1.0, seed=1)
+
+
+def test_reference_rejects_seed_without_position():
+    with pytest.raises(ValueError, match="position"):
+        torch.ops.mlx.sample(torch.zeros(1, 4), torch.tensor(1.0), torch.tensor(1), None)
+
+
+def test_greedy_head_is_plain_argmax_in_eager_too():
+    logits = torch.randn(3, 7, 11)
+    assert torch.equal(GreedyHead(Logits())(logits), logits[:, -1].argmax(-1))
