@@ -135,7 +135,8 @@ def test_two_programs_run_from_two_threads():
             return (x @ x.transpose(0, 1)).softmax(-1)
 
     programs = [lower(m, ARGS if i == 0 else (ARGS[0],)).to_executorch().buffer for i, m in enumerate([AddMul(), Mm()])]
-    methods = [Runtime.get().load_program(p).load_method("forward") for p in programs]
+    loaded = [Runtime.get().load_program(p) for p in programs]  # must outlive their Methods
+    methods = [p.load_method("forward") for p in loaded]
     x, y = ARGS
     want = [(x + y) * x, (x @ x.T).softmax(-1)]
     errors = []

@@ -87,7 +87,8 @@ def cmd_demo(args) -> int:
     outside = [n.name for n in prog.exported_program().graph.nodes
                if n.op == "call_function" and "delegate" not in n.name and "getitem" not in n.name]
     print(f"ops left on portable kernels: {outside or 'none'}")
-    method = Runtime.get().load_program(prog.buffer).load_method("forward")
+    program = Runtime.get().load_program(prog.buffer)  # must outlive its Method
+    method = program.load_method("forward")
     got = method.execute([prompt])[0]
     with torch.no_grad():
         want = model(prompt)

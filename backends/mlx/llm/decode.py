@@ -33,9 +33,10 @@ class SampledDecoder:
         from executorch.runtime import Runtime
 
         data = program if isinstance(program, (bytes, bytearray)) else Path(program).read_bytes()
-        loaded = Runtime.get().load_program(bytes(data))
-        meta = loaded.metadata(method)
-        self.method = loaded.load_method(method)
+        # Keep the Program: a Method does not keep its Program alive.
+        self.program = Runtime.get().load_program(bytes(data))
+        meta = self.program.metadata(method)
+        self.method = self.program.load_method(method)
         self.num_inputs = meta.num_inputs()
         window = meta.input_tensor_meta(0)
         self.batch, self.window = (int(s) for s in window.sizes())
