@@ -60,7 +60,12 @@ def _timed(fn, repeats: int) -> float:
 
 
 def cmd_demo(args) -> int:
+    import warnings
+
     import torch
+
+    # torch.export's own deprecation notice (pytree internals), not actionable here
+    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*", category=FutureWarning)
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
 
@@ -106,18 +111,28 @@ def cmd_demo(args) -> int:
     on_device = statistics.median(result.step_seconds)
 
     print("\n== 3. The same step with host-side sampling (logits copied out) ==")
-    window = prompt.clone()
-    host_times = []
     gen = torch.Generator().manual_seed(42)
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        logits = method.execute([window])[0][:, -1, :]
-        ids = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=gen)[:, 0]
-        host_times.append(time.perf_counter() - t0)
-        window = torch.cat([window[:, 1:], ids[:, None]], dim=1)
-    host = statistics.median(host_times)
-    print(f"per step: on-device sampling {on_device * 1e3:.3f} ms, host-side sampling {host * 1e3:.3f} ms "
-          f"(median of {args.steps}; batch {batch}, vocab 256, window {model.window})")
+
+    def host_step_times() -> list[float]:
+        window, times = prompt.clone(), []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            logits = method.execute([window])[0][:, -1, :]
+            ids = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=gen)[:, 0]
+            times.append(time.perf_counter() - t0)
+            window = torch.cat([window[:, 1:], ids[:, None]], dim=1)
+        return times
+
+    threads = torch.get_num_threads()
+    host_default = statistics.median(host_step_times())
+    torch.set_num_threads(1)
+    host_single = statistics.median(host_step_times())
+    torch.set_num_threads(threads)
+    print(f"per step (median of {args.steps}; batch {batch}, vocab 256, window {model.window}):")
+    print(f"  on-device sampling                    {on_device * 1e3:8.3f} ms")
+    print(f"  host-side sampling, torch {threads} threads   {host_default * 1e3:8.3f} ms")
+    print(f"  host-side sampling, torch 1 thread    {host_single * 1e3:8.3f} ms")
+    print("  (on few cores, torch's spinning thread pool starves MLX's threads between steps)")
     return 0
 
 
