@@ -25,6 +25,12 @@ def full(b: GraphBuilder, node: torch.fx.Node) -> None:
     _full(b, node, node.args[1])
 
 
+@handles(aten.scalar_tensor.default)
+def scalar_tensor(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """A 0-d tensor holding a Python scalar (e.g. from `torch.where(c, x, 0.0)`)."""
+    _full(b, node, node.args[0])
+
+
 @handles(aten.zeros.default, aten.zeros_like.default)
 def zeros(b: GraphBuilder, node: torch.fx.Node) -> None:
     _full(b, node, 0)

@@ -181,9 +181,10 @@ def clamp(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, v)
 
 
-@handles(aten._to_copy.default, torch.ops.dim_order_ops._to_dim_order_copy.default)
+@handles(aten._to_copy.default, torch.ops.dim_order_ops._to_dim_order_copy.default,
+         torch.ops.dim_order_ops._clone_dim_order.default)  # edge's form of clone
 def to_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
-    """A dtype cast. Layout changes are not: MLX arrays are row-major."""
+    """A dtype cast (or plain copy). Layout changes are not: MLX arrays are row-major."""
     out = meta_val(node)
     dim_order = node.kwargs.get("dim_order")
     if dim_order is not None and list(dim_order) != list(range(out.dim())):
@@ -191,3 +192,9 @@ def to_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
     if node.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
         raise Unsupported(f"copy to memory format {node.kwargs['memory_format']}")
     b.bind(node, b.cast(b.get(node.args[0]), out.dtype))
+
+
+@handles(aten.isnan.default)
+def isnan(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x = b.get(node.args[0])
+    b.bind(node, b.emit(ir.IsNanNode, torch.bool, x.shape, a=x.tid))

@@ -31,6 +31,9 @@ def addmm(b: GraphBuilder, node: torch.fx.Node) -> None:
     prod = _matmul(b, node.args[1], node.args[2], out)
     if alpha != 1:
         prod = b.emit(ir.MultiplyNode, out.dtype, out.shape, a=prod.tid, b=b.literal(alpha, out.dtype).tid)
+    if beta == 0:  # torch ignores the input then: its nan and inf do not propagate
+        b.bind(node, prod)
+        return
     bias = b.cast(b.get(node.args[0]), out.dtype)
     if beta != 1:
         bias = b.emit(ir.MultiplyNode, out.dtype, bias.shape, a=bias.tid, b=b.literal(beta, out.dtype).tid)

@@ -6,18 +6,23 @@ import torch
 
 from ..serialization import ir
 from .builder import GraphBuilder, meta_val
-from .registry import Unsupported, handles
+from .registry import handles
 
 aten = torch.ops.aten
 
 
 def norm_axes(dims, rank: int) -> list[int]:
-    """Non-negative axes; None or [] means every axis (as in torch)."""
+    """Non-negative axes; None or [] means every axis (as in torch).
+
+    A 0-d tensor has no axis: torch accepts dim 0 / -1 there and reduces
+    nothing, so the answer is [] (MLX rejects axis 0 of a 0-d array)."""
+    if rank == 0:
+        return []
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return list(range(rank))
     if isinstance(dims, int):
         dims = [dims]
-    return sorted({d % rank if rank else 0 for d in dims})
+    return sorted({d % rank for d in dims})
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -55,7 +60,7 @@ def _argreduce_handler(op_cls, *ops):
         x = b.get(node.args[0])
         dim = _arg(node, 1, "dim")
         keepdim = bool(_arg(node, 2, "keepdim", False))
-        if dim is None:  # over the flattened tensor
+        if dim is None or len(x.shape) == 0:  # over the flattened tensor (a 0-d one has no axis)
             n = 1
             for s in x.shape:
                 n *= s
@@ -77,22 +82,35 @@ _argreduce_handler(ir.ArgmaxNode, aten.argmax.default)
 _argreduce_handler(ir.ArgminNode, aten.argmin.default)
 
 
-@handles(aten._softmax.default, aten.softmax.int)
-def softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
+def _softmax_input(b: GraphBuilder, node: torch.fx.Node):
+    """The input, cast to the output dtype, and the softmax axes. A 0-d input
+    (torch accepts dim 0 / -1) is viewed as shape (1,), since MLX needs an
+    axis; the caller reshapes the result back with `_softmax_output`."""
     out = meta_val(node)
     x = b.cast(b.get(node.args[0]), out.dtype)
-    axis = norm_axes(node.args[1], len(x.shape))
+    if len(x.shape) == 0:
+        x = b.emit(ir.ReshapeNode, x.dtype, (1,), a=x.tid, shape=b.dims([1]))
+        return x, [0]
+    return x, norm_axes(node.args[1], len(x.shape))
+
+
+def _softmax_output(b: GraphBuilder, node: torch.fx.Node, r):
+    out = meta_val(node)
+    if tuple(r.shape) != tuple(out.shape):
+        r = b.emit(ir.ReshapeNode, r.dtype, out.shape, a=r.tid, shape=b.dims(out.shape))
+    b.bind(node, r)
+
+
+@handles(aten._softmax.default, aten.softmax.int)
+def softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x, axis = _softmax_input(b, node)
     # precise: accumulate low-precision inputs in float32, like torch
-    b.bind(node, b.emit(ir.SoftmaxNode, out.dtype, out.shape, a=x.tid, axes=axis, precise=True))
+    _softmax_output(b, node, b.emit(ir.SoftmaxNode, x.dtype, x.shape, a=x.tid, axes=axis, precise=True))
 
 
 @handles(aten._log_softmax.default, aten.log_softmax.int)
 def log_softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    x = b.cast(b.get(node.args[0]), out.dtype)
-    axis = norm_axes(node.args[1], len(x.shape))
-    if not axis:
-        raise Unsupported("log_softmax of a 0-d tensor")
+    x, axis = _softmax_input(b, node)
     reduced = tuple(1 if i in axis else s for i, s in enumerate(x.shape))
-    lse = b.emit(ir.LogSumExpNode, out.dtype, reduced, a=x.tid, axes=axis, keepdims=True)
-    b.bind(node, b.emit(ir.SubtractNode, out.dtype, out.shape, a=x.tid, b=lse.tid))
+    lse = b.emit(ir.LogSumExpNode, x.dtype, reduced, a=x.tid, axes=axis, keepdims=True)
+    _softmax_output(b, node, b.emit(ir.SubtractNode, x.dtype, x.shape, a=x.tid, b=lse.tid))

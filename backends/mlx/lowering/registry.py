@@ -36,8 +36,12 @@ def handles(*ops: torch._ops.OpOverload) -> Callable[[Handler], Handler]:
 
 
 def aten_op(target) -> torch._ops.OpOverload | None:
-    """The ATen/custom overload behind an fx target (edge ops wrap one)."""
-    op = getattr(target, "_op", target)
+    """The ATen/custom overload behind an fx target (edge ops wrap one).
+
+    A plain OpOverload also has an `_op` (its C++ builtin): only unwrap others."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target
+    op = getattr(target, "_op", None)
     return op if isinstance(op, torch._ops.OpOverload) else None
 
 
