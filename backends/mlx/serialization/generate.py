@@ -187,6 +187,11 @@ class Schema:
     def obj(self, name: str) -> FObject:
         return next(o for o in self.objects if o.name == name)
 
+    @property
+    def version(self) -> int:
+        """The schema version: the default of the root table's `version`."""
+        return next(f.default_int for f in self.obj(self.root).fields if f.name == "version")
+
     def union(self) -> FEnum:
         unions = [e for e in self.enums if e.is_union]
         assert len(unions) == 1, "the generator supports one union (Op)"
@@ -268,7 +273,7 @@ class PyGen:
                "import flatbuffers\n",
                "from . import schema_generated as fb\n",
                f"FILE_IDENTIFIER = {s.file_ident!r}",
-               f"SCHEMA_VERSION = {s.obj(s.root).fields[0].default_int if s.obj(s.root).fields[0].name == 'version' else 0}\n"]
+               f"SCHEMA_VERSION = {s.version}\n"]
         for e in s.enums:
             if e.is_union:
                 continue
@@ -276,18 +281,16 @@ class PyGen:
             for n, v, _ in e.values:
                 out.append(f"    {n} = {v}")
             out.append("")
-        # classes: structs first, then tables in declaration-independent order
-        # (annotations are strings thanks to __future__, so order is free).
+        # annotations are strings (__future__), so class order does not matter
         for o in s.objects:
             out.append("\n@dataclass" + ("(frozen=True)" if o.is_struct else ""))
             out.append(f"class {o.name}:")
             fs = self.fields(o)
             if not fs:
                 out.append("    pass")
-            # required-without-default fields first is not needed: all have defaults
-            for f in fs:
+            for f in fs:  # every field has a default, so any order is valid
                 typ = self.py_type(f)
-                if f.type.base in ("Obj", "Union", "String") :
+                if f.type.base in ("Obj", "Union", "String"):
                     typ = f"{typ} | None"
                 out.append(f"    {f.name}: {typ} = {self.default(f)}")
             if o.attributes.get("mlx") is not None:
@@ -441,13 +444,11 @@ class CppGen:
 
     def gen(self) -> str:
         s = self.s
-        root = s.obj(s.root)
-        version = next(f.default_int for f in root.fields if f.name == "version")
         out = [CPP_HEADER,
                "// Included by runtime/interpreter.cpp inside namespace emlx.",
                "// Needs: Interpreter (get/get_optional/get_list/resolve_shape/set),",
                "// to_ints, to_shape, to_mlx_dtype, and exec_<Node> for custom nodes.\n",
-               f"constexpr uint32_t kSchemaVersion = {version};",
+               f"constexpr uint32_t kSchemaVersion = {s.version};",
                f'constexpr const char* kFileIdentifier = "{s.file_ident}";\n']
         nodes = s.nodes()
         for n in nodes:
