@@ -64,6 +64,19 @@ def test_greedy_ties_go_to_the_lowest_index_and_nan_is_never_chosen():
     assert sample(pte, logits, 0.0, seed=1, position=0).tolist() == [1, 2, 0]
 
 
+def test_per_row_temperature_mixes_greedy_and_sampled_rows():
+    pte = sampler_pte(4, 1000)
+    logits = unique_max_logits(4, 1000, torch.float32)
+    temperature = torch.tensor([0.0, 100.0, float("nan"), 100.0])  # NaN means greedy too
+    argmax = torch.argmax(logits, dim=-1)
+    hot_rows = set()
+    for s in range(20):
+        out = sample(pte, logits, temperature, torch.arange(4) + 10 * s, 0)
+        assert out[0] == argmax[0] and out[2] == argmax[2]
+        hot_rows.add((int(out[1]), int(out[3])))
+    assert len(hot_rows) > 10
+
+
 def test_greedy_head_needs_no_sampling_inputs():
     logits = unique_max_logits(4, 100, torch.float32)
     logits[0, 3] = float("nan")
