@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from harness import lower, run
+from harness import lower, run, undelegated_ops
 
 import executorch_mlx
 from executorch_mlx import backend as backend_module
@@ -155,3 +155,24 @@ def test_two_programs_run_from_two_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_inputs_are_never_overwritten_by_buffer_reuse():
+    """MLX donates a dying buffer to an elementwise result; a delegate input
+    (ExecuTorch's memory) must never be donated, even when a portable op
+    reads the same input after the delegate ran."""
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x):
+            y = ((x * 2.0).exp() + 1.0).neg()  # elementwise chain: donation candidates
+            return y, torch.cumsum(x, dim=-1)  # cumsum stays on portable kernels
+
+    x = torch.randn(4, 1000)
+    keep = x.clone()
+    edge = lower(Mixed(), (x,))
+    assert any("cumsum" in op for op in undelegated_ops(edge))
+    got = run(edge.to_executorch().buffer, [x])
+    want = Mixed()(keep)
+    assert torch.equal(x, keep)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

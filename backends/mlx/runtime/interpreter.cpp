@@ -265,15 +265,21 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const
 
 std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs) {
   std::lock_guard<std::mutex> lock(mlx_mutex());
-  Interpreter st(graph_->num_values());
-  build(st, inputs);
   std::vector<mx::array> outs;
-  for (auto* io : *graph_->outputs()) {
-    auto a = st.at(io->slot());
-    auto want = to_mlx_dtype(io->dtype());
-    if (a.dtype() != want) a = mx::astype(a, want);
-    outs.push_back(mx::contiguous(a));
+  {
+    Interpreter st(graph_->num_values());
+    build(st, inputs);
+    for (auto* io : *graph_->outputs()) {
+      auto a = st.at(io->slot());
+      auto want = to_mlx_dtype(io->dtype());
+      if (a.dtype() != want) a = mx::astype(a, want);
+      outs.push_back(mx::contiguous(a));
+    }
   }
+  // The slot table is gone: intermediates are referenced by the graph alone,
+  // so MLX can reuse (donate) their buffers during evaluation instead of
+  // allocating fresh memory for every node. Inputs stay referenced by the
+  // caller and constants by this Program, so their memory is never donated.
   mx::eval(outs);
   return outs;
 }

@@ -62,7 +62,8 @@ class Program {
   const ir::Graph& graph() const { return *graph_; }
 
   // Runs the graph on `inputs` (one per graph input; ints/floats/bools as
-  // 0-d arrays) and returns the evaluated, row-contiguous outputs.
+  // 0-d arrays) and returns the evaluated, row-contiguous outputs. The
+  // caller's references keep the inputs' memory from being reused by MLX.
   std::vector<mlx::core::array> run(const std::vector<mlx::core::array>& inputs);
 
  private:
