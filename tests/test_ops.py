@@ -808,3 +808,24 @@ def test_mixed_model_partial_delegation():
     got = run(edge.to_executorch().buffer, [x])
     assert len(got) == 1
     torch.testing.assert_close(got[0], model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_out_of_range_ids_give_nan_rows_not_a_crash():
+    """torch raises IndexError; without a host sync we return NaN rows (a
+    SamplingHead then yields -1), and never read outside the table."""
+
+    class E(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = torch.nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            return self.e(ids)
+
+    m = E()
+    edge = lower(m, (torch.tensor([1, 2, 3]),))
+    assert undelegated_ops(edge) == []
+    pte = edge.to_executorch().buffer
+    out = run(pte, [torch.tensor([9, -1, 1_000_000_000])])[0]
+    torch.testing.assert_close(out[0], m.e.weight[9].detach())
+    assert out[1:].isnan().all()

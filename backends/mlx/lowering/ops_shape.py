@@ -128,9 +128,21 @@ def cat(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 @handles(aten.embedding.default)
 def embedding(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Rows of `weight`. An out-of-range id (torch raises IndexError) gives a
+    NaN row for float weights: visible downstream (a SamplingHead returns -1)
+    without a host synchronisation. The runtime never reads out of bounds."""
     out = meta_val(node)
-    weight, indices = b.get(node.args[0]), b.get(node.args[1])
-    b.bind(node, b.emit(ir.TakeNode, weight.dtype, out.shape, a=weight.tid, indices=indices.tid, axis=0))
+    weight, ids = b.get(node.args[0]), b.get(node.args[1])
+    rows = b.emit(ir.TakeNode, weight.dtype, out.shape, a=weight.tid, indices=ids.tid, axis=0)
+    if not weight.dtype.is_floating_point:
+        b.bind(node, rows)
+        return
+    lo = b.emit(ir.GreaterEqualNode, torch.bool, ids.shape, a=ids.tid, b=b.literal(0, ids.dtype).tid)
+    hi = b.emit(ir.LessNode, torch.bool, ids.shape, a=ids.tid, b=b.literal(weight.shape[0], ids.dtype).tid)
+    valid = b.emit(ir.LogicalAndNode, torch.bool, ids.shape, a=lo.tid, b=hi.tid)
+    valid = b.emit(ir.ExpandDimsNode, torch.bool, (*ids.shape, 1), a=valid.tid, axes=[len(ids.shape)])
+    nan = b.literal(float("nan"), weight.dtype)
+    b.bind(node, b.emit(ir.WhereNode, weight.dtype, out.shape, condition=valid.tid, x=rows.tid, y=nan.tid))
 
 
 @handles(aten.clone.default, aten.alias_copy.default, aten.alias.default, aten.detach_copy.default,

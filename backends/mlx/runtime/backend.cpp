@@ -29,9 +29,28 @@ struct Handle {
   std::unique_ptr<Program> program;
 };
 
+// Messages can quote blob bytes (a corrupt constant name, say); ExecuTorch's
+// Python bindings forward logs into Python, where invalid UTF-8 aborts the
+// process. Keep messages printable ASCII.
+std::string printable(const std::string& msg) {
+  std::string out;
+  for (unsigned char c : msg) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
 Error fail(Error code, const std::string& msg) {
-  set_last_error(msg);
-  ET_LOG(Error, "%s: %s", kBackendId, msg.c_str());
+  const std::string safe = printable(msg);
+  set_last_error(safe);
+  ET_LOG(Error, "%s: %s", kBackendId, safe.c_str());
   return code;
 }
 

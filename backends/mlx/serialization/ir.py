@@ -482,7 +482,6 @@ class TakeNode:
     indices: Tid | None = None
     axis: int = 0
     out: Tid | None = None
-    MLX_FN = 'take'
 
 
 @dataclass

@@ -3864,6 +3864,8 @@ def SliceNodeEnd(builder):
 
 
 
+# take(a, indices, axis); indices are clamped into [-n, n-1] (n = the axis
+# size) first: MLX does not bounds-check, and no index may read outside `a`.
 class TakeNode(object):
     __slots__ = ['_tab']
 

@@ -4566,6 +4566,8 @@ inline ::flatbuffers::Offset<SliceNode> CreateSliceNodeDirect(
       out);
 }
 
+/// take(a, indices, axis); indices are clamped into [-n, n-1] (n = the axis
+/// size) first: MLX does not bounds-check, and no index may read outside `a`.
 struct TakeNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef TakeNodeBuilder Builder;
   struct Traits;

@@ -1,4 +1,4 @@
-// RandomBitsNode: MLX's counter-based RNG (threefry), seeded per row.
+// Nodes executed by hand-written code (`(custom)` in schema.fbs).
 #include <mlx/mlx.h>
 #include <mlx/random.h>
 
@@ -32,6 +32,7 @@ mx::array keys_for(const mx::array& seeds) {
 
 }  // namespace
 
+// RandomBitsNode: MLX's counter-based RNG (threefry), seeded per row.
 void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
   auto shape = st.resolve_shape(n->shape());
   const int width = n->width();
@@ -59,6 +60,22 @@ void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
     out.push_back(mx::random::bits(row_shape, width, mx::take(keys, r, 0)));
   }
   st.set(n->out(), mx::stack(out, 0));
+}
+
+void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
+  const auto& a = st.get(n->a());
+  int axis = n->axis();
+  if (axis < 0) axis += a.ndim();
+  if (axis < 0 || axis >= static_cast<int>(a.ndim())) {
+    throw std::invalid_argument("TakeNode: axis " + std::to_string(n->axis()) + " out of range");
+  }
+  const int size = a.shape(axis);
+  if (size == 0) throw std::invalid_argument("TakeNode: take from an empty axis");
+  const auto& indices = st.get(n->indices());
+  if (!mx::issubdtype(indices.dtype(), mx::integer)) throw std::invalid_argument("TakeNode: indices must be integers");
+  // MLX wraps negative indices and reads out of range ones unchecked.
+  auto safe = mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
+  st.set(n->out(), mx::take(a, safe, axis));
 }
 
 }  // namespace emlx
