@@ -82,6 +82,19 @@ def _bad_rank(g, blob):
     return _serialize(g)
 
 
+def _huge_value(g, blob):
+    # a [2^30, 2^20] float32 fill (4 PiB): must be refused, not allocated
+    g.literals.append(ir.Literal(slot=g.num_values, dtype=ir.DType.float32, float_value=1.0))
+    n = g.num_values
+    shape = [ir.IntOrSlot(1 << 30, -1), ir.IntOrSlot(1 << 20, -1)]
+    g.nodes.append(ir.Node(op=ir.FullNode(shape=shape, value=ir.Tid(n), dtype=ir.DType.float32, out=ir.Tid(n + 1))))
+    g.nodes.append(ir.Node(op=ir.SumNode(a=ir.Tid(n + 1), axes=[0, 1], out=ir.Tid(n + 2))))
+    g.nodes.append(ir.Node(op=ir.AddNode(a=ir.Tid(g.outputs[0].slot), b=ir.Tid(n + 2), out=ir.Tid(n + 3))))
+    g.outputs[0].slot = n + 3
+    g.num_values += 4
+    return _serialize(g)
+
+
 CORRUPTIONS = {
     "truncated": (lambda g, blob: blob[: len(blob) // 2], "verification failed"),
     "wrong identifier": (lambda g, blob: blob[:4] + b"NOPE" + blob[8:], "wrong file identifier"),
@@ -92,6 +105,7 @@ CORRUPTIONS = {
     "output id out of range": (_output_out_of_range, "never written"),
     "read before write": (_read_before_write, "before it is written"),
     "shapes do not broadcast": (_bad_rank, "graph does not build"),
+    "value beyond the memory limit": (_huge_value, "exceeds MLX's memory limit"),
 }
 
 

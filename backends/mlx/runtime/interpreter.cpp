@@ -98,8 +98,27 @@ mx::Shape Interpreter::resolve_shape(const flatbuffers::Vector<const ir::IntOrSl
   return s;
 }
 
+namespace {
+// Shapes are known when a node is built, before anything is evaluated:
+// refuse values that could not be allocated (a corrupt or hostile blob)
+// instead of letting MLX's allocator fail mid-evaluation.
+void check_size(const mx::array& a) {
+  size_t bytes = mx::size_of(a.dtype());
+  for (auto d : a.shape()) {
+    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) {
+      throw std::invalid_argument("a value's size overflows");
+    }
+  }
+  if (bytes > mx::get_memory_limit()) {
+    throw std::invalid_argument("a value of " + std::to_string(bytes) + " bytes exceeds MLX's memory limit (" +
+                                std::to_string(mx::get_memory_limit()) + " bytes)");
+  }
+}
+}  // namespace
+
 void Interpreter::set(uint32_t slot, mx::array a) {
   if (slot >= values_.size()) throw std::invalid_argument(slot_str(slot) + " out of range");
+  check_size(a);
   values_[slot] = std::move(a);
 }
 
