@@ -131,8 +131,7 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     rows, vocab = logits.shape
     shape = (rows, vocab)
 
-    def emit(op_cls, dtype, shp, **kw) -> Value:
-        return b.emit(op_cls, dtype, shp, **kw)
+    emit = b.emit
 
     def binop(op_cls, x: Value, y: Value, dtype=F32, shp=shape) -> Value:
         return emit(op_cls, dtype, shp, a=x.tid, b=y.tid)
@@ -140,10 +139,11 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     def where(c: Value, x: Value, y: Value, dtype, shp) -> Value:
         return emit(ir.WhereNode, dtype, shp, condition=c.tid, x=x.tid, y=y.tid)
 
-    neg_inf = b.literal(float("-inf"), F32)
+    neg_inf, pos_inf = b.literal(float("-inf"), F32), b.literal(float("inf"), F32)
     # float32 logits with NaN -> -inf
     x = b.cast(logits, F32)
     x = where(emit(ir.IsNanNode, torch.bool, shape, a=x.tid), neg_inf, x, F32, shape)
+    row_max = emit(ir.MaxNode, F32, (rows, 1), a=x.tid, axes=[1], keepdims=True)
 
     # greedy branch: argmax, lowest index on ties (MLX returns the first max)
     greedy = b.cast(emit(ir.ArgmaxNode, torch.int32, (rows,), a=x.tid, axis=1, keepdims=False), torch.int64)
@@ -151,12 +151,12 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     # sampling branch: z = x / T; a row with +inf logits samples among them
     temp = b.cast(b.get(temp_arg), F32)
     z = binop(ir.DivideNode, x, _as_column(b, temp, rows))
-    posinf = emit(ir.IsPosInfNode, torch.bool, shape, a=x.tid)
-    any_posinf = emit(ir.MaxNode, torch.bool, (rows, 1), a=posinf.tid, axes=[1], keepdims=True)
-    only_posinf = where(posinf, b.literal(0.0, F32), neg_inf, F32, shape)
+    any_posinf = binop(ir.EqualNode, row_max, pos_inf, torch.bool, (rows, 1))
+    only_posinf = where(emit(ir.IsPosInfNode, torch.bool, shape, a=x.tid), b.literal(0.0, F32), neg_inf, F32, shape)
     z = where(any_posinf, only_posinf, z, F32, shape)
 
-    # Gumbel-max: u in (0, 1) exactly from the top 23 bits, g = -log(-log u)
+    # Gumbel-max: u in (0, 1) exactly from the top 23 bits; z + Gumbel noise
+    # is z - log(-log u)
     seed = b.get(seed_arg) if seed_arg is not None else None
     position = b.get(pos_arg) if pos_arg is not None else None
     if (seed is None) != (position is None):
@@ -166,16 +166,15 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     top23 = emit(ir.RightShiftNode, torch.uint32, shape, a=bits.tid, b=b.literal(9, torch.uint32).tid)
     u = binop(ir.AddNode, b.cast(top23, F32), b.literal(0.5, F32))
     u = binop(ir.MultiplyNode, u, b.literal(2.0**-23, F32))
-    neg_log_u = emit(ir.NegativeNode, F32, shape, a=emit(ir.LogNode, F32, shape, a=u.tid).tid)
-    gumbel = emit(ir.NegativeNode, F32, shape, a=emit(ir.LogNode, F32, shape, a=neg_log_u.tid).tid)
-    noisy = binop(ir.AddNode, z, gumbel)
+    exponential = emit(ir.NegativeNode, F32, shape, a=emit(ir.LogNode, F32, shape, a=u.tid).tid)
+    noisy = binop(ir.SubtractNode, z, emit(ir.LogNode, F32, shape, a=exponential.tid))
     sampled = b.cast(emit(ir.ArgmaxNode, torch.int32, (rows,), a=noisy.tid, axis=1, keepdims=False), torch.int64)
 
     # per row: greedy unless T > 0 (NaN compares false); -1 without candidates
     is_sampling = binop(ir.GreaterNode, temp, b.literal(0.0, F32), torch.bool, temp.shape)
     token = where(is_sampling, sampled, greedy, torch.int64, (rows,))
-    row_max = emit(ir.MaxNode, F32, (rows,), a=x.tid, axes=[1], keepdims=False)
-    has_candidate = binop(ir.GreaterNode, row_max, neg_inf, torch.bool, (rows,))
+    has_candidate = binop(ir.GreaterNode, row_max, neg_inf, torch.bool, (rows, 1))
+    has_candidate = emit(ir.SqueezeNode, torch.bool, (rows,), a=has_candidate.tid, axes=[1])
     token = where(has_candidate, token, b.literal(-1, torch.int64), torch.int64, (rows,))
     out = meta_val(node)
     if tuple(out.shape) != (rows,):
