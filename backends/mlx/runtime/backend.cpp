@@ -1,5 +1,6 @@
 // Registers the MLX graph delegate with ExecuTorch's runtime.
 #include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/core/exec_aten/util/scalar_type_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
 
@@ -74,7 +75,7 @@ mx::array bind_input(const ir::IOValue* io, const et::EValue& v, size_t i,
   if (!v.isTensor()) throw InputError(which + ": expected a tensor");
   const Tensor& t = v.toTensor();
   if (t.scalar_type() != *to_et_dtype(io->dtype())) {
-    throw InputError(which + ": dtype " + std::to_string(static_cast<int>(t.scalar_type())) +
+    throw InputError(which + ": dtype " + executorch::runtime::toString(t.scalar_type()) +
                      " does not match the program's " + ir::EnumNameDType(io->dtype()));
   }
   auto* dims = io->shape();
@@ -108,8 +109,9 @@ mx::array bind_input(const ir::IOValue* io, const et::EValue& v, size_t i,
   }
   auto dtype = to_mlx_dtype(io->dtype());
   if (t.numel() == 0) return mx::zeros(shape, dtype);
-  // Zero-copy: the tensor outlives this call, and outputs are copied out
-  // after evaluation.
+  // Zero-copy: the tensor outlives this call, outputs are copied out after
+  // evaluation, and the caller keeps this array referenced while MLX
+  // evaluates, so MLX never reuses (overwrites) ExecuTorch's memory.
   return mx::array(const_cast<void*>(t.const_data_ptr()), shape, dtype, [](void*) {});
 }
 
