@@ -158,6 +158,27 @@ def test_all_64_seed_bits_matter():
     assert len(tokens) > 10
 
 
+def test_seeded_stream_is_mlx_random_key_of_the_mixed_seed():
+    """Row (S, t) draws MLX's random::bits under random::key(stream_seed(S, t)),
+    the 64-bit key kept whole: reconstructing the Gumbel-max draw with MLX's
+    Python API from that key gives the very token the program returned."""
+    import mlx.core as mx
+
+    from executorch_mlx.custom_kernel_ops.sample import stream_seed
+
+    vocab = 1000
+    logits = torch.randn(1, vocab)
+    pte = sampler_pte(1, vocab)
+    for seed, position in [(0, 0), (2**63 + 5, 3), (123456789012345, 17), ((1 << 40) | 12345, 2), (2**64 - 1, 999)]:
+        as_int64 = seed - 2**64 if seed >= 2**63 else seed
+        token = int(sample(pte, logits, 1.0, as_int64, position)[0])
+        # random.split(key, n) is random::bits({n, 2}) under that key
+        raw = mx.random.split(mx.random.key(stream_seed(seed, position)), vocab // 2).reshape(-1)
+        u = (mx.right_shift(raw, mx.array(9, mx.uint32)).astype(mx.float32) + 0.5) * 2.0**-23
+        expected = mx.argmax(mx.array(logits[0].numpy()) - mx.log(-mx.log(u))).item()
+        assert token == expected, (seed, position)
+
+
 # -------------------------------------------------------------- unseeded --
 def test_unseeded_export_uses_the_global_key_sequence():
     prog = export_sampling_head(Logits(), (torch.zeros(4, 1000),), seeded=False)
