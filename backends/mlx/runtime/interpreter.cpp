@@ -145,19 +145,13 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data) 
       }
       probe.push_back(mx::zeros(shape, to_mlx_dtype(io->dtype())));
     }
+    std::lock_guard<std::mutex> lock(mlx_mutex());
     Interpreter st(graph_->num_values());
     build(st, probe);
   } catch (const ProgramError&) {
     throw;
   } catch (const std::exception& e) {
     throw ProgramError(std::string("graph does not build: ") + e.what());
-  }
-}
-
-Program::~Program() {
-  for (auto* b : weight_buffers_) {
-    b->Free();
-    delete b;
   }
 }
 
@@ -245,8 +239,8 @@ void Program::load_constants(const NamedDataMap* named_data) {
   auto load = [&](const char* name, ir::DType dtype, mx::Shape shape) {
     auto data = named_data->get_data(name);
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
-    auto* buf = new FreeableBuffer(std::move(data.get()));
-    weight_buffers_.push_back(buf);
+    weight_buffers_.push_back(std::make_unique<FreeableBuffer>(std::move(data.get())));
+    FreeableBuffer* buf = weight_buffers_.back().get();
     auto mdtype = to_mlx_dtype(dtype);
     size_t numel = 1;
     for (auto d : shape) numel *= static_cast<size_t>(d);

@@ -13,9 +13,10 @@
 
 #include "generated/schema_generated.h"
 
+#include <executorch/runtime/core/freeable_buffer.h>
+
 namespace executorch::runtime {
 class NamedDataMap;
-class FreeableBuffer;
 }  // namespace executorch::runtime
 
 namespace emlx {
@@ -57,7 +58,6 @@ class Program {
   // Verifies `data` (kept alive by the caller for the Program's lifetime)
   // and loads its constants from `named_data`. Throws ProgramError.
   Program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named_data);
-  ~Program();
 
   const ir::Graph& graph() const { return *graph_; }
 
@@ -72,9 +72,11 @@ class Program {
   void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
 
   const ir::Graph* graph_ = nullptr;
+  // Declared before constants_, which alias their memory (zero-copy), so
+  // that the arrays are destroyed first.
+  std::vector<std::unique_ptr<executorch::runtime::FreeableBuffer>> weight_buffers_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
-  std::vector<executorch::runtime::FreeableBuffer*> weight_buffers_;
 };
 
 // Human-readable reason of the last failure on this thread (for Python).
