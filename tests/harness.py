@@ -8,25 +8,13 @@ from executorch.exir import EdgeProgramManager, to_edge_transform_and_lower
 from executorch.runtime import Runtime
 
 import executorch_mlx
+from executorch_mlx.inspector import undelegated_ops  # noqa: F401  (re-exported for the tests)
 from executorch_mlx.serialization import ir
-
-# Graph nodes that are plumbing around a delegate, not computation.
-_PLUMBING = {"executorch_call_delegate", "getitem"}
-
 
 def lower(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, strict: bool = False,
           dynamic_shapes=None) -> EdgeProgramManager:
     ep = torch.export.export(module, args, kwargs or {}, strict=strict, dynamic_shapes=dynamic_shapes)
     return to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
-
-
-def undelegated_ops(edge: EdgeProgramManager) -> list[str]:
-    """Names of compute ops left outside every delegate."""
-    gm = edge.exported_program().graph_module
-    return [
-        str(n.target) for n in gm.graph.nodes
-        if n.op == "call_function" and getattr(n.target, "__name__", "") not in _PLUMBING
-    ]
 
 
 def delegate_graphs(edge: EdgeProgramManager) -> list[ir.Graph]:

@@ -9,6 +9,7 @@ import torch
 from harness import delegate_graphs, run, undelegated_ops
 from scipy.stats import chisquare
 
+from executorch_mlx.inspector import delegate_graphs as pte_delegate_graphs
 from executorch_mlx.inspector import describe_graph
 from executorch_mlx.llm.decode import SampledDecoder
 from executorch_mlx.llm.sampling import GreedyHead, SamplingHead, export_greedy_head, export_sampling_head
@@ -182,7 +183,7 @@ def test_seeded_stream_is_mlx_random_key_of_the_mixed_seed():
 # -------------------------------------------------------------- unseeded --
 def test_unseeded_export_uses_the_global_key_sequence():
     prog = export_sampling_head(Logits(), (torch.zeros(4, 1000),), seeded=False)
-    (graph,) = delegate_graphs_of(prog)
+    (graph,) = pte_delegate_graphs(prog.buffer)
     bits = [n.op for n in graph.nodes if isinstance(n.op, ir.RandomBitsNode)]
     assert len(bits) == 1 and bits[0].seed is None and bits[0].position is None
     assert "RandomBitsNode(shape=[4, 1000], width=4)" in describe_graph(graph)
@@ -191,12 +192,6 @@ def test_unseeded_export_uses_the_global_key_sequence():
     tokens = torch.stack(draws)
     assert ((tokens >= 0) & (tokens < 1000)).all()
     assert len(set(tokens.flatten().tolist())) > 10
-
-
-def delegate_graphs_of(prog) -> list[ir.Graph]:
-    from executorch_mlx.inspector import delegate_blobs
-
-    return [ir.deserialize(blob) for *_, blob in delegate_blobs(prog.buffer)]
 
 
 # ------------------------------------------------------------ lowering --

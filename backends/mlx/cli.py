@@ -70,7 +70,7 @@ def cmd_demo(args) -> int:
     from executorch.runtime import Runtime
 
     from . import MLXPartitioner
-    from .inspector import delegate_blobs
+    from .inspector import delegate_blobs, undelegated_ops
     from .llm.decode import SampledDecoder
     from .llm.sampling import export_sampling_head
     from .llm.tiny_lm import TinyLM
@@ -83,15 +83,14 @@ def cmd_demo(args) -> int:
 
     print("== 1. Lower a small language model (logits out) ==")
     ep = torch.export.export(model, (prompt,))
-    prog = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch()
+    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()])
+    prog = edge.to_executorch()
     for method, i, backend_id, blob in delegate_blobs(prog.buffer):
         g = ir.deserialize(blob)
         kinds = sorted({type(n.op).__name__.removesuffix("Node") for n in g.nodes})
         print(f"delegate {i} of '{method}' -> {backend_id}: {len(g.nodes)} nodes, "
               f"{len(g.constants)} weights; ops: {', '.join(kinds)}")
-    outside = [n.name for n in prog.exported_program().graph.nodes
-               if n.op == "call_function" and "delegate" not in n.name and "getitem" not in n.name]
-    print(f"ops left on portable kernels: {outside or 'none'}")
+    print(f"ops left on portable kernels: {undelegated_ops(edge) or 'none'}")
     program = Runtime.get().load_program(prog.buffer)  # must outlive its Method
     method = program.load_method("forward")
     got = method.execute([prompt])[0]

@@ -65,6 +65,26 @@ def delegate_blobs(pte: bytes) -> list[tuple[str, int, str, bytes]]:
     return found
 
 
+def delegate_graphs(pte: bytes) -> list[ir.Graph]:
+    """The IR graph of every MLXGraphBackend delegate in a .pte."""
+    from .backend import MLXGraphBackend
+
+    return [ir.deserialize(blob) for _, _, backend_id, blob in delegate_blobs(pte)
+            if backend_id == MLXGraphBackend.__name__]
+
+
+# Call nodes around a delegate that are plumbing, not computation.
+_PLUMBING = {"executorch_call_delegate", "getitem"}
+
+
+def undelegated_ops(edge) -> list[str]:
+    """The compute ops an EdgeProgramManager left outside every delegate
+    (they run on ExecuTorch's portable kernels)."""
+    gm = edge.exported_program().graph_module
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__name__", "") not in _PLUMBING]
+
+
 def inspect_pte(path: str | Path) -> str:
     from .backend import MLXGraphBackend
 

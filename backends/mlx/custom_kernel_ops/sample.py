@@ -116,7 +116,7 @@ def _as_column(b: GraphBuilder, v: Value, rows: int) -> Value:
     """A [] or [B] per-row parameter as something that broadcasts over [B, V]."""
     if len(v.shape) == 0:
         return v
-    return b.emit(ir.ReshapeNode, v.dtype, (rows, 1), a=v.tid, shape=b.dims([rows, 1]))
+    return b.reshape(v, (rows, 1))
 
 
 @handles(torch.ops.mlx.sample.default)

@@ -37,6 +37,13 @@ def ir_dtype(dtype: torch.dtype) -> ir.DType:
         raise Unsupported(f"dtype {dtype}") from None
 
 
+def node_arg(node: torch.fx.Node, index: int, name: str, default=None):
+    """An op argument given by position or by keyword, else `default`."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
 def meta_val(node: torch.fx.Node):
     if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
         raise Unsupported(f"{node} has no example value")
@@ -105,6 +112,12 @@ class GraphBuilder:
         if v.dtype == dtype:
             return v
         return self.emit(ir.AsTypeNode, dtype, v.shape, a=v.tid, dtype=ir_dtype(dtype))
+
+    def reshape(self, v: Value, shape) -> Value:
+        """`v` viewed as the static `shape` (no node when it already has it)."""
+        if tuple(v.shape) == tuple(shape):
+            return v
+        return self.emit(ir.ReshapeNode, v.dtype, tuple(shape), a=v.tid, shape=self.dims(shape))
 
     def operand(self, arg, dtype: torch.dtype) -> Value:
         """A tensor argument, lowered value or Python scalar, as a value of `dtype`."""

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..serialization import ir
-from .builder import GraphBuilder, Value, meta_val
+from .builder import GraphBuilder, Value, meta_val, node_arg
 from .registry import Unsupported, aten_op, handles
 
 aten = torch.ops.aten
@@ -61,7 +61,7 @@ def _add_sub_handler(op_cls, *ops):
     @handles(*ops)
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
         x, y = node.args[0], node.args[1]
-        alpha = node.kwargs.get("alpha", node.args[2] if len(node.args) > 2 else 1)
+        alpha = node_arg(node, 2, "alpha", 1)
         if alpha != 1:  # x + alpha * y
             ye = _example(y)
             y = binary(b, ir.MultiplyNode, y, alpha, torch.result_type(ye, alpha), getattr(ye, "shape", ()))
@@ -142,7 +142,7 @@ def gelu(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     dt, shape = out.dtype, out.shape
     x = b.get(node.args[0])
-    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    approximate = node_arg(node, 1, "approximate", "none")
 
     def mul(p, q):
         return b.emit(ir.MultiplyNode, dt, shape, a=p.tid, b=q.tid)
@@ -170,9 +170,7 @@ def where(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(aten.clamp.default, aten.clamp.Tensor)
 def clamp(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    args = list(node.args) + [None] * (3 - len(node.args))
-    lo = node.kwargs.get("min", args[1])
-    hi = node.kwargs.get("max", args[2])
+    lo, hi = node_arg(node, 1, "min"), node_arg(node, 2, "max")
     v = b.operand(node.args[0], out.dtype)
     if lo is not None:
         v = b.emit(ir.MaximumNode, out.dtype, out.shape, a=v.tid, b=b.operand(lo, out.dtype).tid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..serialization import ir
-from .builder import GraphBuilder, meta_val
+from .builder import GraphBuilder, meta_val, node_arg
 from .registry import Unsupported, handles
 
 aten = torch.ops.aten
@@ -48,7 +48,7 @@ def linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     wt = b.emit(ir.TransposeNode, w.dtype, tuple(reversed(w.shape)), a=w.tid, axes=list(range(len(w.shape)))[::-1])
     x = b.cast(b.get(node.args[0]), out.dtype)
     r = b.emit(ir.MatmulNode, out.dtype, out.shape, a=x.tid, b=wt.tid)
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = node_arg(node, 2, "bias")
     if bias is not None:
         r = b.emit(ir.AddNode, out.dtype, out.shape, a=r.tid, b=b.cast(b.get(bias), out.dtype).tid)
     b.bind(node, r)

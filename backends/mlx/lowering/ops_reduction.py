@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..serialization import ir
-from .builder import GraphBuilder, meta_val
+from .builder import GraphBuilder, meta_val, node_arg
 from .registry import handles
 
 aten = torch.ops.aten
@@ -25,19 +25,13 @@ def norm_axes(dims, rank: int) -> list[int]:
     return sorted({d % rank for d in dims})
 
 
-def _arg(node: torch.fx.Node, index: int, name: str, default=None):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
-
-
 def _reduce_handler(op_cls, *ops, float_only: bool = False):
     @handles(*ops)
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
         out = meta_val(node)
         x = b.get(node.args[0])
-        axes = norm_axes(_arg(node, 1, "dim"), len(x.shape))
-        keepdim = bool(_arg(node, 2, "keepdim", False))
+        axes = norm_axes(node_arg(node, 1, "dim"), len(x.shape))
+        keepdim = bool(node_arg(node, 2, "keepdim", False))
         # sum of ints accumulates in int64 (torch); mean needs a float type
         compute = out.dtype if (float_only or op_cls is ir.SumNode) else x.dtype
         x = b.cast(x, compute)
@@ -58,22 +52,20 @@ def _argreduce_handler(op_cls, *ops):
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
         out = meta_val(node)
         x = b.get(node.args[0])
-        dim = _arg(node, 1, "dim")
-        keepdim = bool(_arg(node, 2, "keepdim", False))
+        dim = node_arg(node, 1, "dim")
+        keepdim = bool(node_arg(node, 2, "keepdim", False))
         if dim is None or len(x.shape) == 0:  # over the flattened tensor (a 0-d one has no axis)
             n = 1
             for s in x.shape:
                 n *= s
-            x = b.emit(ir.ReshapeNode, x.dtype, (n,), a=x.tid, shape=b.dims([n]))
+            x = b.reshape(x, (n,))
             dim, keepdim_here = 0, False
         else:
             dim, keepdim_here = dim % max(len(x.shape), 1), keepdim
         shape = out.shape if keepdim_here == keepdim else ()
         r = b.emit(op_cls, torch.int32, shape, a=x.tid, axis=dim, keepdims=keepdim_here)
         r = b.cast(r, out.dtype)  # MLX returns uint32 indices
-        if tuple(r.shape) != tuple(out.shape):
-            r = b.emit(ir.ReshapeNode, r.dtype, out.shape, a=r.tid, shape=b.dims(out.shape))
-        b.bind(node, r)
+        b.bind(node, b.reshape(r, out.shape))
 
     return handler
 
@@ -85,27 +77,20 @@ _argreduce_handler(ir.ArgminNode, aten.argmin.default)
 def _softmax_input(b: GraphBuilder, node: torch.fx.Node):
     """The input, cast to the output dtype, and the softmax axes. A 0-d input
     (torch accepts dim 0 / -1) is viewed as shape (1,), since MLX needs an
-    axis; the caller reshapes the result back with `_softmax_output`."""
+    axis; the caller reshapes the result back to the output's shape."""
     out = meta_val(node)
     x = b.cast(b.get(node.args[0]), out.dtype)
     if len(x.shape) == 0:
-        x = b.emit(ir.ReshapeNode, x.dtype, (1,), a=x.tid, shape=b.dims([1]))
-        return x, [0]
+        return b.reshape(x, (1,)), [0]
     return x, norm_axes(node.args[1], len(x.shape))
-
-
-def _softmax_output(b: GraphBuilder, node: torch.fx.Node, r):
-    out = meta_val(node)
-    if tuple(r.shape) != tuple(out.shape):
-        r = b.emit(ir.ReshapeNode, r.dtype, out.shape, a=r.tid, shape=b.dims(out.shape))
-    b.bind(node, r)
 
 
 @handles(aten._softmax.default, aten.softmax.int)
 def softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
     x, axis = _softmax_input(b, node)
     # precise: accumulate low-precision inputs in float32, like torch
-    _softmax_output(b, node, b.emit(ir.SoftmaxNode, x.dtype, x.shape, a=x.tid, axes=axis, precise=True))
+    r = b.emit(ir.SoftmaxNode, x.dtype, x.shape, a=x.tid, axes=axis, precise=True)
+    b.bind(node, b.reshape(r, meta_val(node).shape))
 
 
 @handles(aten._log_softmax.default, aten.log_softmax.int)
@@ -113,4 +98,5 @@ def log_softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
     x, axis = _softmax_input(b, node)
     reduced = tuple(1 if i in axis else s for i, s in enumerate(x.shape))
     lse = b.emit(ir.LogSumExpNode, x.dtype, reduced, a=x.tid, axes=axis, keepdims=True)
-    _softmax_output(b, node, b.emit(ir.SubtractNode, x.dtype, x.shape, a=x.tid, b=lse.tid))
+    r = b.emit(ir.SubtractNode, x.dtype, x.shape, a=x.tid, b=lse.tid)
+    b.bind(node, b.reshape(r, meta_val(node).shape))

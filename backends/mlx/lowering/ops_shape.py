@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..serialization import ir
-from .builder import GraphBuilder, meta_val
+from .builder import GraphBuilder, meta_val, node_arg
 from .registry import Unsupported, handles
 
 aten = torch.ops.aten
@@ -19,10 +19,7 @@ def _static(shape) -> tuple[int, ...]:
 
 @handles(aten.view_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    x = b.get(node.args[0])
-    shape = _static(out.shape)
-    b.bind(node, b.emit(ir.ReshapeNode, x.dtype, shape, a=x.tid, shape=b.dims(shape)))
+    b.bind(node, b.reshape(b.get(node.args[0]), _static(meta_val(node).shape)))
 
 
 def _transpose(b: GraphBuilder, node: torch.fx.Node, perm) -> None:
@@ -65,7 +62,7 @@ def squeeze(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     x = b.get(node.args[0])
     rank = len(x.shape)
-    dims = node.args[1] if len(node.args) > 1 else list(range(rank))
+    dims = node_arg(node, 1, "dim", list(range(rank)))
     dims = [dims] if isinstance(dims, int) else dims
     # torch ignores dims whose size is not 1
     axes = sorted({d % rank for d in dims if x.shape[d % rank] == 1}) if rank else []
@@ -118,7 +115,7 @@ def cat(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     # torch skips 1-d empty tensors in cat; promote the rest to the out dtype
     parts = [b.cast(b.get(a), out.dtype) for a in node.args[0] if tuple(meta_val(a).shape) != (0,)]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = node_arg(node, 1, "dim", 0)
     dim %= len(out.shape)
     if len(parts) == 1:
         b.bind(node, parts[0])
