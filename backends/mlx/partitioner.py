@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -9,7 +10,7 @@ from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner impor
     generate_partitions_from_list_of_nodes,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-from executorch.exir.backend.utils import tag_constant_data
+from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
 from torch.export import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -18,22 +19,44 @@ from .lowering.builder import GraphBuilder, meta_val
 from .lowering.registry import Unsupported, handler_for
 
 # Ops whose ATen decomposition would lose a fused form we lower directly.
-KEEP_WHOLE = [torch.ops.aten.linear.default]
+KEEP_WHOLE = [torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default]
+
+
+def _scratch_value(b: GraphBuilder, val):
+    """A stand-in for an argument's example value on a scratch builder:
+    a Value per tensor, None for a symbolic size (handlers read sizes from
+    node metadata)."""
+    if isinstance(val, torch.Tensor):
+        return b.new_value(val.dtype, val.shape)
+    if isinstance(val, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in val):
+        return [b.new_value(v.dtype, v.shape) for v in val]
+    if isinstance(val, torch.SymInt):
+        return None
+    raise Unsupported(f"argument of type {type(val).__name__}")
+
+
+def _lowerable_output(val) -> bool:
+    if isinstance(val, (list, tuple)):
+        return all(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, (torch.Tensor, torch.SymInt))
 
 
 def can_lower(node: torch.fx.Node) -> bool:
     """Runs the node's handler on a scratch builder: the support check and the
     lowering are one code path."""
-    if node.op != "call_function" or handler_for(node.target) is None:
+    if node.op != "call_function":
         return False
-    scratch = GraphBuilder()
+    if node.target is operator.getitem:  # an output of a multi-output op we lower
+        return isinstance(node.args[0], torch.fx.Node) and can_lower(node.args[0])
+    if handler_for(node.target) is None:
+        return False
+    scratch = GraphBuilder(scratch=True)
     try:
         for arg in node.all_input_nodes:
-            val = meta_val(arg)
-            if not isinstance(val, torch.Tensor):
-                return False
-            scratch.bind(arg, scratch.new_value(val.dtype, val.shape))
-        if not isinstance(meta_val(node), torch.Tensor):
+            value = _scratch_value(scratch, meta_val(arg))
+            if value is not None:
+                scratch.bind(arg, value)
+        if not _lowerable_output(meta_val(node)):
             return False
         scratch.lower_node(node)
     except (Unsupported, NotImplementedError):
@@ -72,6 +95,10 @@ class MLXPartitioner(Partitioner):
                 node.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
         tag_constant_data(exported_program)
+        # Buffers mutated inside a partition (a KV cache) belong to it: the
+        # runtime keeps them between calls, and nothing of them crosses to
+        # the host.
+        tag_mutated_buffer(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 

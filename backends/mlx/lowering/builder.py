@@ -6,6 +6,7 @@ import hashlib
 import operator
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
@@ -50,6 +51,31 @@ def meta_val(node: torch.fx.Node):
     return node.meta["val"]
 
 
+# SymIntNode opcodes (see schema.fbs).
+_PUSH, _SYMBOL, _ADD, _MUL, _FLOORDIV, _MOD, _MAX, _MIN = range(8)
+
+
+def symint_code(expr, symbols: dict[str, int]) -> list[int]:
+    """A sympy size expression as SymIntNode's postfix code over `symbols`."""
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    if expr.is_Integer:
+        return [_PUSH, int(expr)]
+    if expr.is_Symbol:
+        if str(expr) not in symbols:
+            raise Unsupported(f"size {expr} is not a dimension of a delegate input")
+        return [_SYMBOL, symbols[str(expr)]]
+    ops = {sympy.Add: _ADD, sympy.Mul: _MUL, FloorDiv: _FLOORDIV, Mod: _MOD, PythonMod: _MOD,
+           sympy.Max: _MAX, sympy.Min: _MIN}
+    op = ops.get(type(expr))
+    if op is None or not expr.args:
+        raise Unsupported(f"size expression {expr}")
+    code = symint_code(expr.args[0], symbols)
+    for arg in expr.args[1:]:  # Add/Mul/Max/Min are n-ary; the rest binary
+        code += symint_code(arg, symbols) + [op, 0]
+    return code
+
+
 @dataclass
 class Value:
     """A lowered value: its slot and what is known of it at export time."""
@@ -66,7 +92,10 @@ class GraphBuilder:
     values: dict[torch.fx.Node, Value] = field(default_factory=dict)
     _literals: dict[tuple, Value] = field(default_factory=dict)
     _symbols: dict[str, int] = field(default_factory=dict)
+    _sym_values: dict[str, Value] = field(default_factory=dict)
     range_constraints: dict = field(default_factory=dict)
+    # A support check on one node (the partitioner's): sizes need not resolve.
+    scratch: bool = False
 
     # ---------------------------------------------------------- slots --
     def new_value(self, dtype: torch.dtype, shape) -> Value:
@@ -105,7 +134,10 @@ class GraphBuilder:
             raise Unsupported(f"expected a tensor argument, got {type(arg).__name__}")
         if arg not in self.values:
             raise Unsupported(f"{arg} was not lowered")
-        return self.values[arg]
+        v = self.values[arg]
+        if not isinstance(v, Value):
+            raise Unsupported(f"{arg} is not a single tensor")
+        return v
 
     # -------------------------------------------------------- helpers --
     def cast(self, v: Value, dtype: torch.dtype) -> Value:
@@ -123,20 +155,37 @@ class GraphBuilder:
         """A tensor argument, lowered value or Python scalar, as a value of `dtype`."""
         if isinstance(arg, Value):
             return self.cast(arg, dtype)
+        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.SymInt):
+            return self.cast(self.sym_value(arg.meta["val"]), dtype)  # a size, e.g. from sym_size
         if isinstance(arg, torch.fx.Node):
             return self.cast(self.get(arg), dtype)
         if isinstance(arg, (bool, int, float)):
             return self.literal(arg, dtype)
         raise Unsupported(f"operand of type {type(arg).__name__}")
 
+    def size(self, d) -> ir.IntOrSlot:
+        """A size argument: static, or the slot of its run-time value."""
+        if isinstance(d, torch.fx.Node):
+            d = meta_val(d)
+        if isinstance(d, torch.SymInt) and d.node.expr.is_Integer:
+            d = int(d.node.expr)
+        if isinstance(d, torch.SymInt):
+            return ir.IntOrSlot(value=0, slot=self.sym_value(d).tid.idx)
+        return ir.IntOrSlot(value=int(d), slot=-1)
+
     def dims(self, shape) -> list[ir.IntOrSlot]:
-        """Static sizes for a shape argument; dynamic sizes are not lowered yet."""
-        out = []
-        for d in shape:
-            if isinstance(d, torch.SymInt):
-                raise Unsupported("a dynamic size in a shape argument (needs run-time shape values)")
-            out.append(ir.IntOrSlot(value=int(d), slot=-1))
-        return out
+        """A shape argument whose sizes may be dynamic (run-time values)."""
+        return [self.size(d) for d in shape]
+
+    def sym_value(self, d) -> Value:
+        """A 0-d int64 value holding a symbolic size (or a plain int), computed
+        on the host from the sizes of dynamic input dimensions."""
+        expr = d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
+        key = str(expr)
+        if key not in self._sym_values:
+            code = [_PUSH, 0] if self.scratch else symint_code(expr, self._symbols)
+            self._sym_values[key] = self.emit(ir.SymIntNode, torch.int64, (), code=code)
+        return self._sym_values[key]
 
     def io_dims(self, shape) -> list[ir.Dim]:
         out = []
@@ -147,7 +196,11 @@ class GraphBuilder:
                     raise Unsupported(f"derived dynamic dimension {name} at the delegate boundary")
                 if name not in self._symbols:
                     r = self.range_constraints.get(d.node.expr)
-                    lo = int(r.lower) if r is not None else 0
+                    # torch.export reports Dim(min=0 or 1) as min 2 (it
+                    # specializes 0/1 while tracing) yet its programs accept
+                    # 0 and 1 at run time (torch._export.utils checks the
+                    # lower bound only above 2): allow what the program allows.
+                    lo = int(r.lower) if r is not None and int(r.lower) > 2 else 0
                     hi = int(r.upper) if r is not None and r.upper.is_finite else 2**31 - 1
                     self._symbols[name] = len(self.graph.symbols)
                     self.graph.symbols.append(ir.Symbol(name=name, min=lo, max=hi))
@@ -156,20 +209,50 @@ class GraphBuilder:
                 out.append(ir.Dim(size=int(d), symbol=-1))
         return out
 
-    def add_constant(self, node: torch.fx.Node, tensor: torch.Tensor) -> None:
-        tensor = tensor.detach().contiguous()
-        v = self.new_value(tensor.dtype, tensor.shape)
+    def _store(self, tensor: torch.Tensor) -> str:
+        """Puts `tensor`'s bytes in the named data store; returns their name."""
         data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
         # Content-addressed, so identical weights are stored once.
         name = "emlx_" + hashlib.sha256(data).hexdigest()[:32] + f"_{tensor.dtype}".replace("torch.", "")
         self.named_data.add_named_data(name, data, alignment=CONSTANT_ALIGNMENT)
+        return name
+
+    def add_constant(self, node: torch.fx.Node, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().contiguous()
+        v = self.new_value(tensor.dtype, tensor.shape)
+        name = self._store(tensor)
         self.graph.constants.append(
             ir.Constant(slot=v.tid.idx, name=name, dtype=ir_dtype(tensor.dtype), shape=list(tensor.shape))
         )
         self.bind(node, v)
 
+    def add_mutable_buffer(self, node: torch.fx.Node, initial: torch.Tensor) -> Value:
+        """State kept by the runtime across calls, starting as `initial`."""
+        initial = initial.detach().contiguous()
+        v = self.new_value(initial.dtype, initial.shape)
+        buf = ir.MutableBuffer(slot=v.tid.idx, update=v.tid.idx, initial="", dtype=ir_dtype(initial.dtype),
+                               shape=list(initial.shape), zero_initial=not bool(initial.any()))
+        if not buf.zero_initial:
+            buf.initial = self._store(initial)
+        self.graph.mutable_buffers.append(buf)
+        self.bind(node, v)
+        return v
+
+    def set_buffer_update(self, buffer: Value, update: Value) -> None:
+        if tuple(update.shape) != tuple(buffer.shape):
+            raise Unsupported(f"a buffer update changes its shape {buffer.shape} -> {update.shape}")
+        for buf in self.graph.mutable_buffers:
+            if buf.slot == buffer.tid.idx:
+                buf.update = self.cast(update, buffer.dtype).tid.idx
+
     def add_input(self, node: torch.fx.Node) -> None:
         val = meta_val(node)
+        if isinstance(val, torch.SymInt):  # a size computed outside the delegate
+            v = self.new_value(torch.int64, ())
+            self.graph.inputs.append(ir.IOValue(slot=v.tid.idx, kind=ir.IOKind.int_scalar, dtype=ir.DType.int64,
+                                                shape=[]))
+            self.bind(node, v)
+            return
         if not isinstance(val, torch.Tensor):
             raise NotImplementedError(f"non-tensor delegate input {node.name} ({type(val).__name__})")
         v = self.new_value(val.dtype, val.shape)
@@ -181,8 +264,12 @@ class GraphBuilder:
         self.graph.outputs.append(ir.IOValue(slot=v.tid.idx, dtype=ir_dtype(v.dtype), shape=self.io_dims(v.shape)))
 
     def lower_node(self, node: torch.fx.Node) -> None:
-        if node.target is operator.getitem:
-            raise Unsupported("multi-output ops are not lowered yet")
+        if node.target is operator.getitem:  # one output of a multi-output op
+            outputs, index = self.values.get(node.args[0]), node.args[1]
+            if not isinstance(outputs, list):
+                raise Unsupported("getitem of a value that is not a list of outputs")
+            self.bind(node, outputs[index])
+            return
         handler = handler_for(node.target)
         if handler is None:
             raise Unsupported(f"no handler for {node.target}")
@@ -202,14 +289,23 @@ def constant_tensor(ep: ExportedProgram, node: torch.fx.Node) -> torch.Tensor | 
 
 
 def lower_program(ep: ExportedProgram) -> GraphBuilder:
-    """Lowers every node of `ep` (a partition the partitioner accepted)."""
-    if ep.graph_signature.buffers_to_mutate:
-        raise NotImplementedError("mutable buffers (e.g. a KV cache) are not lowered yet")
+    """Lowers every node of `ep` (a partition the partitioner accepted).
+
+    Buffers the partition mutates (a KV cache) become the program's
+    MutableBuffers: the runtime owns them between calls."""
+    from torch.export.graph_signature import OutputKind
+
     b = GraphBuilder(range_constraints=dict(ep.range_constraints))
+    sig = ep.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    buffer_values: dict[str, Value] = {}  # FQN -> the buffer's slot
     for node in ep.graph.nodes:
         if node.op == "placeholder":
+            fqn = sig.inputs_to_buffers.get(node.name)
             const = constant_tensor(ep, node)
-            if const is not None and const.dim() == 0:
+            if fqn in mutated:
+                buffer_values[fqn] = b.add_mutable_buffer(node, const)
+            elif const is not None and const.dim() == 0:
                 b.bind(node, b.literal(const.item(), const.dtype))  # a lifted Python scalar
             elif const is not None:
                 b.add_constant(node, const)
@@ -221,6 +317,9 @@ def lower_program(ep: ExportedProgram) -> GraphBuilder:
             except Unsupported as e:
                 raise RuntimeError(f"cannot lower {node.format_node()}: {e}") from e
         elif node.op == "output":
-            for arg in node.args[0]:
-                b.add_output(arg)
+            for arg, spec in zip(node.args[0], sig.output_specs):
+                if spec.kind == OutputKind.BUFFER_MUTATION:
+                    b.set_buffer_update(buffer_values[spec.target], b.get(arg))
+                else:
+                    b.add_output(arg)
     return b

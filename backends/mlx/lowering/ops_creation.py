@@ -13,9 +13,11 @@ aten = torch.ops.aten
 
 def _full(b: GraphBuilder, node: torch.fx.Node, value) -> None:
     out = meta_val(node)
-    if isinstance(value, torch.SymInt) or isinstance(value, torch.SymFloat):
-        raise Unsupported("a dynamic fill value")
-    v = b.literal(value, out.dtype)
+    if isinstance(value, torch.fx.Node):  # a size, e.g. scalar_tensor(sym_size)
+        value = meta_val(value)
+    if isinstance(value, torch.SymFloat):
+        raise Unsupported("a dynamic float fill value")
+    v = b.cast(b.sym_value(value), out.dtype) if isinstance(value, torch.SymInt) else b.literal(value, out.dtype)
     b.bind(node, b.emit(ir.FullNode, out.dtype, out.shape, shape=b.dims(out.shape), value=v.tid,
                         dtype=ir_dtype(out.dtype)))
 
@@ -50,7 +52,12 @@ def arange(b: GraphBuilder, node: torch.fx.Node) -> None:
     else:
         start, end = args[0], args[1]
         step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
-    if any(isinstance(a, (torch.SymInt, torch.SymFloat)) for a in (start, end, step)):
-        raise Unsupported("arange with dynamic bounds")
+    start, end, step = (meta_val(a) if isinstance(a, torch.fx.Node) else a for a in (start, end, step))
+    if any(isinstance(a, torch.SymFloat) for a in (start, end, step)):
+        raise Unsupported("arange with dynamic float bounds")
+    if any(isinstance(a, torch.SymInt) for a in (start, end, step)):
+        b.bind(node, b.emit(ir.DynArangeNode, out.dtype, out.shape, range=[b.size(a) for a in (start, end, step)],
+                            dtype=ir_dtype(out.dtype)))
+        return
     b.bind(node, b.emit(ir.ArangeNode, out.dtype, out.shape, start=float(start), stop=float(end),
                         step=float(step), dtype=ir_dtype(out.dtype)))

@@ -53,6 +53,9 @@ for _cls, _ops in [
     (ir.GreaterNode, (aten.gt.Tensor, aten.gt.Scalar)),
     (ir.GreaterEqualNode, (aten.ge.Tensor, aten.ge.Scalar)),
     (ir.PowerNode, (aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)),
+    (ir.BitwiseAndNode, (aten.bitwise_and.Tensor, aten.bitwise_and.Scalar)),
+    (ir.BitwiseOrNode, (aten.bitwise_or.Tensor, aten.bitwise_or.Scalar)),
+    (ir.BitwiseXorNode, (aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)),
 ]:
     _binary_handler(_cls, *_ops)
 
@@ -118,6 +121,8 @@ for _cls, _op in [
     (ir.AbsNode, aten.abs.default),
     (ir.SigmoidNode, aten.sigmoid.default),
     (ir.TanhNode, aten.tanh.default),
+    (ir.SinNode, aten.sin.default),
+    (ir.CosNode, aten.cos.default),
 ]:
     _unary_handler(_cls, _op)
 
@@ -196,3 +201,14 @@ def to_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
 def isnan(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.get(node.args[0])
     b.bind(node, b.emit(ir.IsNanNode, torch.bool, x.shape, a=x.tid))
+
+
+@handles(aten.copy.default)
+def copy(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """copy(self, src): `src` cast to self's dtype and broadcast to its shape
+    (functional form of `self.copy_(src)`; a buffer's new value)."""
+    out = meta_val(node)
+    src = b.operand(node.args[1], out.dtype)
+    if tuple(src.shape) != tuple(out.shape):
+        src = b.emit(ir.BroadcastToNode, out.dtype, out.shape, a=src.tid, shape=b.dims(out.shape))
+    b.bind(node, src)

@@ -47,6 +47,34 @@ _reduce_handler(ir.MaxNode, aten.amax.default)
 _reduce_handler(ir.MinNode, aten.amin.default)
 
 
+def _bool_reduce_handler(op_cls, *ops):
+    @handles(*ops)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        out = meta_val(node)
+        x = b.operand(node.args[0], torch.bool)
+        axes = norm_axes(node_arg(node, 1, "dim"), len(x.shape))
+        keepdim = bool(node_arg(node, 2, "keepdim", False))
+        r = b.emit(op_cls, torch.bool, out.shape, a=x.tid, axes=axes, keepdims=keepdim)
+        b.bind(node, b.cast(r, out.dtype))
+
+    return handler
+
+
+_bool_reduce_handler(ir.AnyNode, aten.any.dim, aten.any.dims, aten.any.default)
+_bool_reduce_handler(ir.AllNode, aten.all.dim, aten.all.dims, aten.all.default)
+
+
+@handles(aten.cumsum.default)
+def cumsum(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x = b.cast(b.get(node.args[0]), out.dtype)  # torch accumulates ints (and bools) in int64
+    if len(x.shape) == 0:
+        b.bind(node, x)
+        return
+    axis = node.args[1] % len(x.shape)
+    b.bind(node, b.emit(ir.CumsumNode, out.dtype, out.shape, a=x.tid, axis=axis, reverse=False, inclusive=True))
+
+
 def _argreduce_handler(op_cls, *ops):
     @handles(*ops)
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:

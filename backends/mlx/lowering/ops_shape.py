@@ -11,15 +11,20 @@ from .registry import Unsupported, handles
 aten = torch.ops.aten
 
 
-def _static(shape) -> tuple[int, ...]:
-    if any(isinstance(d, torch.SymInt) for d in shape):
-        raise Unsupported("dynamic dimension in a shape op")
-    return tuple(int(d) for d in shape)
+def _is_static(d) -> bool:
+    return not isinstance(d, torch.SymInt)
 
 
 @handles(aten.view_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
-    b.bind(node, b.reshape(b.get(node.args[0]), _static(meta_val(node).shape)))
+    b.bind(node, b.reshape(b.get(node.args[0]), tuple(meta_val(node).shape)))
+
+
+@handles(aten.sym_size.int)
+def sym_size(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """A dimension's size, as a 0-d int64 value (consumers that take sizes
+    read the symbol itself from node metadata)."""
+    b.bind(node, b.sym_value(meta_val(node)))
 
 
 def _transpose(b: GraphBuilder, node: torch.fx.Node, perm) -> None:
@@ -76,25 +81,34 @@ def squeeze(b: GraphBuilder, node: torch.fx.Node) -> None:
 def expand(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     x = b.get(node.args[0])
-    shape = _static(out.shape)
-    b.bind(node, b.emit(ir.BroadcastToNode, x.dtype, shape, a=x.tid, shape=b.dims(shape)))
+    b.bind(node, b.emit(ir.BroadcastToNode, x.dtype, out.shape, a=x.tid, shape=b.dims(out.shape)))
 
 
 @handles(aten.slice_copy.Tensor, aten.slice.Tensor)
 def slice_(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.get(node.args[0])
     out = meta_val(node)
-    shape = _static(x.shape)
-    args = list(node.args) + [None] * (5 - len(node.args))
-    dim = (args[1] or 0) % len(shape)
-    start, end, step = args[2], args[3], args[4] or 1
-    size = shape[dim]
-    start = 0 if start is None else (start + size if start < 0 else start)
-    end = size if end is None else (end + size if end < 0 else end)
-    start, end = max(0, min(start, size)), max(0, min(end, size))
-    starts, stops, strides = [0] * len(shape), list(shape), [1] * len(shape)
-    starts[dim], stops[dim], strides[dim] = start, max(start, end), step
-    b.bind(node, b.emit(ir.SliceNode, x.dtype, out.shape, a=x.tid, start=starts, stop=stops, strides=strides))
+    rank = len(x.shape)
+    dim = node_arg(node, 1, "dim", 0) % rank
+    start, end = node_arg(node, 2, "start"), node_arg(node, 3, "end")
+    step = node_arg(node, 4, "step", 1)
+    start, end = (meta_val(a) if isinstance(a, torch.fx.Node) else a for a in (start, end))
+    if not isinstance(step, int) or step < 1:
+        raise Unsupported(f"slice step {step}")
+    start = 0 if start is None else start
+    end = 2**63 - 1 if end is None else end
+    if all(_is_static(v) for v in (start, end, *x.shape)):
+        size = int(x.shape[dim])
+        start = max(0, min(start + size if start < 0 else start, size))
+        end = max(start, min(end + size if end < 0 else end, size))
+        starts, stops, strides = [0] * rank, [int(d) for d in x.shape], [1] * rank
+        starts[dim], stops[dim], strides[dim] = start, end, step
+        b.bind(node, b.emit(ir.SliceNode, x.dtype, out.shape, a=x.tid, start=starts, stop=stops, strides=strides))
+        return
+    # Run-time bounds: the runtime clamps them like Python slices.
+    starts, stops, strides = [b.size(0)] * rank, [b.size(d) for d in x.shape], [1] * rank
+    starts[dim], stops[dim], strides[dim] = b.size(start), b.size(end), step
+    b.bind(node, b.emit(ir.DynSliceNode, x.dtype, out.shape, a=x.tid, start=starts, stop=stops, strides=strides))
 
 
 @handles(aten.select_copy.int, aten.select.int)
@@ -103,11 +117,90 @@ def select(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     dim = node.args[1] % len(x.shape)
     index = node.args[2]
-    if isinstance(index, torch.SymInt):
-        raise Unsupported("select at a dynamic index")
-    index = index % x.shape[dim]
-    idx = b.literal(index, torch.int32)
+    if isinstance(index, torch.fx.Node):
+        index = meta_val(index)
+    size = x.shape[dim]
+    if _is_static(index) and _is_static(size):
+        idx = b.literal(index % size, torch.int32)
+    else:
+        if _is_static(index) and index < 0:
+            index = size + index  # a symbolic size expression
+        idx = b.cast(b.sym_value(index), torch.int32)
     b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=idx.tid, axis=dim))
+
+
+@handles(aten.split_with_sizes_copy.default, aten.split_with_sizes.default, aten.split_copy.Tensor,
+         aten.split.Tensor)
+def split(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Consecutive slices along `dim`; bound as a list (getitem picks one)."""
+    x = b.get(node.args[0])
+    rank = len(x.shape)
+    dim = node_arg(node, 2, "dim", 0) % rank
+    if not _is_static(x.shape[dim]):
+        raise Unsupported("split along a dynamic dimension")
+    static = all(_is_static(d) for d in x.shape)
+    parts, offset = [], 0
+    for piece in meta_val(node):
+        n = int(piece.shape[dim])
+        starts, stops, strides = [0] * rank, list(x.shape), [1] * rank
+        starts[dim], stops[dim] = offset, offset + n
+        if static:
+            part = b.emit(ir.SliceNode, x.dtype, piece.shape, a=x.tid, start=starts, stop=[int(d) for d in stops],
+                          strides=strides)
+        else:
+            part = b.emit(ir.DynSliceNode, x.dtype, piece.shape, a=x.tid, start=b.dims(starts),
+                          stop=b.dims(stops), strides=strides)
+        parts.append(part)
+        offset += n
+    b.bind(node, parts)
+
+
+def _advanced_index(indices) -> tuple[int, torch.fx.Node]:
+    """(axis, index tensor) of an index list with exactly one tensor."""
+    tensors = [(i, t) for i, t in enumerate(indices) if t is not None]
+    if len(tensors) != 1:
+        raise Unsupported("indexing with more than one index tensor")
+    axis, t = tensors[0]
+    if meta_val(t).dtype == torch.bool:
+        raise Unsupported("boolean mask indexing (data-dependent shape)")
+    return axis, t
+
+
+@handles(aten.index.Tensor)
+def index(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x[..., idx, ...] with one integer index tensor: take along its axis."""
+    x = b.get(node.args[0])
+    axis, t = _advanced_index(node.args[1])
+    out = meta_val(node)
+    b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=b.get(t).tid, axis=axis))
+
+
+@handles(aten.index_put.default, aten.index_put_.default)
+def index_put(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x[..., idx, ...] = values (one integer index tensor, no accumulate):
+    a scatter along that axis, in place when x is a mutable buffer (KV cache
+    writes at cache_position)."""
+    x = b.get(node.args[0])
+    axis, t = _advanced_index(node.args[1])
+    if node_arg(node, 3, "accumulate", False):
+        raise Unsupported("index_put with accumulate=True")
+    idx = b.get(t)
+    values = b.cast(b.get(node.args[2]), x.dtype)
+    # values broadcast to x[..., idx, ...]'s shape: x.shape[:axis] + idx.shape + x.shape[axis+1:]
+    k = len(idx.shape)
+    target = tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1:])
+    if tuple(map(str, values.shape)) != tuple(map(str, target)):
+        values = b.emit(ir.BroadcastToNode, x.dtype, target, a=values.tid, shape=b.dims(target))
+    # MLX's scatter wants updates shaped idx.shape + slice, the slice being x
+    # with size 1 along the axis: move the index dims first, then insert it.
+    perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, len(target)))
+    if perm != list(range(len(target))):
+        values = b.emit(ir.TransposeNode, x.dtype, tuple(target[p] for p in perm), a=values.tid, axes=perm)
+    shape = tuple(values.shape[:k]) + tuple(x.shape[:axis]) + (1,) + tuple(x.shape[axis + 1:])
+    values = b.emit(ir.ExpandDimsNode, x.dtype, shape, a=values.tid, axes=[k + axis])
+    out = meta_val(node)
+    b.bind(node, b.emit(ir.ScatterNode, x.dtype, out.shape, a=x.tid, indices=[idx.tid], updates=values.tid,
+                        axes=[axis]))
 
 
 @handles(aten.cat.default)

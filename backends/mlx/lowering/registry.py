@@ -59,6 +59,7 @@ def registered_ops() -> list[torch._ops.OpOverload]:
 def _load_handlers() -> None:
     # Importing the op-family modules registers their handlers.
     from . import (  # noqa: F401
+        ops_attention,
         ops_creation,
         ops_elementwise,
         ops_linalg,

@@ -159,7 +159,7 @@ class MLXGraphBackend final : public et::BackendInterface {
       for (size_t i = 0; i < n_in; ++i) {
         inputs.push_back(bind_input(g.inputs()->Get(i), *args[i], i, symbol_sizes, g));
       }
-      auto outs = handle->program->run(inputs);
+      auto outs = handle->program->run(inputs, symbol_sizes);
       for (size_t i = 0; i < n_out; ++i) write_output(outs[i], *args[n_in + i], i);
     } catch (const InputError& e) {
       return fail(Error::InvalidArgument, e.what());
@@ -184,4 +184,15 @@ __attribute__((visibility("default"))) const char* emlx_last_error() { return em
 // Whether the static registration above succeeded.
 __attribute__((visibility("default"))) int emlx_registered() { return emlx::g_registered == emlx::Error::Ok; }
 __attribute__((visibility("default"))) const char* emlx_backend_id() { return emlx::kBackendId; }
+// Sets the mutable state (KV caches) of every loaded program back to its
+// initial value. Returns 0, or -1 on failure (reason in emlx_last_error).
+__attribute__((visibility("default"))) int emlx_reset_state() {
+  try {
+    emlx::reset_all_state();
+    return 0;
+  } catch (const std::exception& e) {
+    emlx::set_last_error(std::string("reset failed: ") + e.what());
+    return -1;
+  }
+}
 }

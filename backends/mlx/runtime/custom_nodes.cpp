@@ -1,7 +1,11 @@
 // Nodes executed by hand-written code (`(custom)` in schema.fbs).
 #include <mlx/mlx.h>
+#include <mlx/fast.h>
 #include <mlx/random.h>
 
+#include <algorithm>
+
+#include "dtype.h"
 #include "interpreter.h"
 
 namespace emlx {
@@ -76,6 +80,143 @@ void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
   // MLX wraps negative indices and reads out of range ones unchecked.
   auto safe = mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
   st.set(n->out(), mx::take(a, safe, axis));
+}
+
+namespace {
+int checked_axis(int axis, size_t ndim, const char* node) {
+  if (axis < 0 || axis >= static_cast<int>(ndim)) {
+    throw std::invalid_argument(std::string(node) + ": axis " + std::to_string(axis) + " out of range for rank " +
+                                std::to_string(ndim));
+  }
+  return axis;
+}
+
+int64_t floor_div(int64_t a, int64_t b) {
+  if (b == 0) throw std::invalid_argument("SymIntNode: division by zero");
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+}  // namespace
+
+void exec_CumsumNode(Interpreter& st, const ir::CumsumNode* n) {
+  const auto& a = st.get(n->a());
+  st.set(n->out(), mx::cumsum(a, checked_axis(n->axis(), a.ndim(), "CumsumNode"), n->reverse(), n->inclusive()));
+}
+
+void exec_SymIntNode(Interpreter& st, const ir::SymIntNode* n) {
+  auto* code = n->code();
+  if (code->size() % 2 != 0 || code->size() > 256) throw std::invalid_argument("SymIntNode: malformed code");
+  std::vector<int64_t> stack;
+  for (uint32_t i = 0; i < code->size(); i += 2) {
+    const int64_t op = code->Get(i), arg = code->Get(i + 1);
+    if (op == 0) {
+      stack.push_back(arg);
+      continue;
+    }
+    if (op == 1) {
+      stack.push_back(st.symbol(arg));
+      continue;
+    }
+    if (stack.size() < 2) throw std::invalid_argument("SymIntNode: stack underflow");
+    const int64_t b = stack.back();
+    stack.pop_back();
+    int64_t& a = stack.back();
+    bool overflow = false;
+    switch (op) {
+      case 2: overflow = __builtin_add_overflow(a, b, &a); break;
+      case 3: overflow = __builtin_mul_overflow(a, b, &a); break;
+      case 4: a = floor_div(a, b); break;
+      case 5: a = a - floor_div(a, b) * b; break;
+      case 6: a = std::max(a, b); break;
+      case 7: a = std::min(a, b); break;
+      default: throw std::invalid_argument("SymIntNode: unknown opcode " + std::to_string(op));
+    }
+    if (overflow) throw std::invalid_argument("SymIntNode: integer overflow");
+  }
+  if (stack.size() != 1) throw std::invalid_argument("SymIntNode: malformed code");
+  st.set(n->out(), mx::array(stack.back()));  // host data: available without evaluation
+}
+
+void exec_DynArangeNode(Interpreter& st, const ir::DynArangeNode* n) {
+  auto* r = n->range();
+  if (r->size() != 3) throw std::invalid_argument("DynArangeNode: range needs start, stop, step");
+  const int64_t start = st.resolve_int(r->Get(0)), stop = st.resolve_int(r->Get(1)), step = st.resolve_int(r->Get(2));
+  if (step == 0) throw std::invalid_argument("DynArangeNode: step is 0");
+  const int64_t count = std::max<int64_t>(0, step > 0 ? (stop - start + step - 1) / step : (start - stop - step - 1) / -step);
+  checked_dim(count);
+  st.set(n->out(), mx::arange(static_cast<double>(start), static_cast<double>(stop), static_cast<double>(step),
+                              to_mlx_dtype(n->dtype())));
+}
+
+void exec_DynSliceNode(Interpreter& st, const ir::DynSliceNode* n) {
+  const auto& a = st.get(n->a());
+  auto* starts = n->start();
+  auto* stops = n->stop();
+  auto* strides = n->strides();
+  if (starts->size() != a.ndim() || stops->size() != a.ndim() || strides->size() != a.ndim()) {
+    throw std::invalid_argument("DynSliceNode: start/stop/strides need one entry per axis");
+  }
+  mx::Shape lo, hi, step;
+  for (uint32_t i = 0; i < a.ndim(); ++i) {
+    const int64_t size = a.shape(i), s = strides->Get(i);
+    if (s <= 0) throw std::invalid_argument("DynSliceNode: strides must be positive");
+    // Python slice semantics for positive strides: negatives count from the
+    // end, then clamp into [0, size].
+    auto norm = [size](int64_t v) { return std::clamp<int64_t>(v < 0 ? v + size : v, 0, size); };
+    const int64_t b = norm(st.resolve_int(starts->Get(i)));
+    const int64_t e = std::max(b, norm(st.resolve_int(stops->Get(i))));
+    lo.push_back(static_cast<int>(b));
+    hi.push_back(static_cast<int>(e));
+    step.push_back(static_cast<int>(s));
+  }
+  st.set(n->out(), mx::slice(a, lo, hi, step));
+}
+
+void exec_ScatterNode(Interpreter& st, const ir::ScatterNode* n) {
+  const auto& a = st.get(n->a());
+  auto axes = to_ints(n->axes());
+  auto indices = st.get_list(n->indices());
+  if (indices.size() != axes.size() || indices.empty()) {
+    throw std::invalid_argument("ScatterNode: one index array per axis");
+  }
+  for (size_t i = 0; i < axes.size(); ++i) {
+    const int axis = checked_axis(axes[i], a.ndim(), "ScatterNode");
+    if (!mx::issubdtype(indices[i].dtype(), mx::integer)) throw std::invalid_argument("ScatterNode: indices must be integers");
+    const int size = a.shape(axis);
+    if (size == 0) throw std::invalid_argument("ScatterNode: scatter into an empty axis");
+    // MLX writes out of range indices unchecked.
+    indices[i] = mx::clip(indices[i], mx::array(-size, indices[i].dtype()), mx::array(size - 1, indices[i].dtype()));
+  }
+  const auto& updates = st.get(n->updates());
+  const auto& ishape = indices[0].shape();
+  if (updates.ndim() != ishape.size() + a.ndim()) {
+    throw std::invalid_argument("ScatterNode: updates must have rank indices + a");
+  }
+  st.set(n->out(), mx::scatter(a, indices, mx::astype(updates, a.dtype()), axes));
+}
+
+void exec_ScaledDotProductAttentionNode(Interpreter& st, const ir::ScaledDotProductAttentionNode* n) {
+  const auto &q = st.get(n->q()), &k = st.get(n->k()), &v = st.get(n->v());
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
+    throw std::invalid_argument("ScaledDotProductAttentionNode: q, k, v must be [B, H, L, D]");
+  }
+  if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0 || k.shape(1) != v.shape(1)) {
+    throw std::invalid_argument("ScaledDotProductAttentionNode: query heads must be a multiple of key/value heads");
+  }
+  auto mask = st.get_optional(n->mask());
+  if (mask && n->causal()) throw std::invalid_argument("ScaledDotProductAttentionNode: mask and causal together");
+  st.set(n->out(), mx::fast::scaled_dot_product_attention(q, k, v, n->scale(), n->causal() ? "causal" : "",
+                                                            mask ? std::optional<mx::array>(*mask) : std::nullopt));
+}
+
+void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {
+  const auto& a = st.get(n->a());
+  if (a.ndim() == 0) throw std::invalid_argument("RmsNormNode: input must have an axis");
+  auto weight = st.get_optional(n->weight());
+  if (weight && (weight->ndim() != 1 || weight->shape(0) != a.shape(-1))) {
+    throw std::invalid_argument("RmsNormNode: weight must be [last dim]");
+  }
+  st.set(n->out(), mx::fast::rms_norm(a, weight, n->eps()));
 }
 
 }  // namespace emlx

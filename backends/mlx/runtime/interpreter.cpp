@@ -5,7 +5,10 @@
 
 #include <flatbuffers/flatbuffers.h>
 
+#include <limits>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "dtype.h"
 
@@ -30,6 +33,16 @@ std::mutex& mlx_mutex() {
 
 std::string slot_str(int64_t s) { return "value slot " + std::to_string(s); }
 
+// Live programs with mutable state, for reset_all_state().
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::set<Program*>& stateful_programs() {
+  static std::set<Program*> s;
+  return s;
+}
+
 mx::array scalar_literal(const ir::Literal* lit) {
   auto dtype = to_mlx_dtype(lit->dtype());
   if (mx::issubdtype(dtype, mx::floating)) {
@@ -47,6 +60,14 @@ mx::array scalar_literal(const ir::Literal* lit) {
 
 void set_last_error(const std::string& msg) { g_last_error = msg; }
 const std::string& last_error() { return g_last_error; }
+
+mx::ShapeElem checked_dim(int64_t d) {
+  if (d < 0 || d > std::numeric_limits<mx::ShapeElem>::max()) {
+    throw std::invalid_argument("dimension " + std::to_string(d) + " outside [0, " +
+                                std::to_string(std::numeric_limits<mx::ShapeElem>::max()) + "]");
+  }
+  return static_cast<mx::ShapeElem>(d);
+}
 
 std::vector<int> to_ints(const flatbuffers::Vector<int32_t>* v) {
   return v ? std::vector<int>(v->begin(), v->end()) : std::vector<int>{};
@@ -85,17 +106,33 @@ std::vector<mx::array> Interpreter::get_list(const flatbuffers::Vector<const ir:
 
 mx::Shape Interpreter::resolve_shape(const flatbuffers::Vector<const ir::IntOrSlot*>* dims) const {
   mx::Shape s;
-  for (auto* d : *dims) {
-    if (d->slot() < 0) {
-      s.push_back(static_cast<mx::ShapeElem>(d->value()));
-    } else {
-      // A run-time dimension: reading it is a host synchronisation.
-      auto v = mx::astype(at(static_cast<uint32_t>(d->slot())), mx::int64);
-      v.eval();
-      s.push_back(static_cast<mx::ShapeElem>(v.item<int64_t>()));
-    }
-  }
+  for (auto* d : *dims) s.push_back(checked_dim(resolve_int(d)));
   return s;
+}
+
+int64_t Interpreter::resolve_int(const ir::IntOrSlot* d) const {
+  if (d->slot() < 0) return d->value();
+  const auto& v = at(static_cast<uint32_t>(d->slot()));
+  if (v.ndim() != 0 || !mx::issubdtype(v.dtype(), mx::integer)) {
+    throw std::invalid_argument(slot_str(d->slot()) + " is not a 0-d integer size");
+  }
+  // SymIntNode values are computed on the host and already available;
+  // anything else is evaluated here, a host synchronisation.
+  auto i = mx::astype(v, mx::int64);
+  i.eval();
+  return i.item<int64_t>();
+}
+
+std::optional<mx::array> Interpreter::take(uint32_t slot) {
+  if (slot >= values_.size()) return std::nullopt;
+  return std::exchange(values_[slot], std::nullopt);
+}
+
+int64_t Interpreter::symbol(int64_t i) const {
+  if (i < 0 || i >= static_cast<int64_t>(symbols_.size())) {
+    throw std::invalid_argument("symbol " + std::to_string(i) + " out of range");
+  }
+  return symbols_[i];
 }
 
 namespace {
@@ -136,23 +173,44 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data) 
     load_constants(named_data);
     // Build the graph once on zero inputs (nothing is evaluated) so that
     // shape and type errors surface at load time, not on the first call.
+    // Dynamic dimensions take their smallest non-empty size.
+    std::vector<int64_t> symbols;
+    for (auto* sym : *graph_->symbols()) symbols.push_back(std::max<int64_t>(sym->min(), 1));
     std::vector<mx::array> probe;
     for (auto* io : *graph_->inputs()) {
       mx::Shape shape;
       for (auto* d : *io->shape()) {
-        shape.push_back(static_cast<mx::ShapeElem>(
-            d->symbol() < 0 ? d->size() : graph_->symbols()->Get(d->symbol())->min()));
+        shape.push_back(checked_dim(d->symbol() < 0 ? d->size() : symbols[d->symbol()]));
       }
       probe.push_back(mx::zeros(shape, to_mlx_dtype(io->dtype())));
     }
     std::lock_guard<std::mutex> lock(mlx_mutex());
-    Interpreter st(graph_->num_values());
+    Interpreter st(graph_->num_values(), symbols);
+    for (size_t i = 0; i < buffer_initial_.size(); ++i) {
+      st.set(graph_->mutable_buffers()->Get(i)->slot(), buffer_initial_[i]);
+    }
     build(st, probe);
+    for (size_t i = 0; i < buffer_initial_.size(); ++i) {
+      const auto& upd = st.at(graph_->mutable_buffers()->Get(i)->update());
+      if (upd.shape() != buffer_initial_[i].shape()) {
+        throw ProgramError("mutable buffer " + std::to_string(i) + ": its update changes its shape");
+      }
+    }
+    state_ = initial_state();
   } catch (const ProgramError&) {
     throw;
   } catch (const std::exception& e) {
     throw ProgramError(std::string("graph does not build: ") + e.what());
   }
+  if (!state_.empty()) {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    stateful_programs().insert(this);
+  }
+}
+
+Program::~Program() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  stateful_programs().erase(this);
 }
 
 void Program::verify(const void* data, size_t size) {
@@ -205,6 +263,8 @@ void Program::verify(const void* data, size_t size) {
   for (auto* b : *graph_->mutable_buffers()) {
     define(b->slot(), "mutable buffer");
     if (b->update() >= n) throw ProgramError("mutable buffer update: " + slot_str(b->update()) + " out of range");
+    if (!valid_dtype(b->dtype())) throw ProgramError("mutable buffer: invalid dtype");
+    if (!b->shape()) throw ProgramError("mutable buffer has no shape");
   }
   std::vector<int64_t> reads, writes;
   for (uint32_t i = 0; i < graph_->nodes()->size(); ++i) {
@@ -261,11 +321,34 @@ void Program::load_constants(const NamedDataMap* named_data) {
     }
     constants_.emplace_back(c->slot(), load(c->name()->c_str(), c->dtype(), std::move(shape)));
   }
-  if (buffers->size()) {
-    throw ProgramError(std::string("mutable buffers (persistent state such as a KV cache) are not "
-                                   "supported by this runtime yet ('") +
-                       buffers->Get(0)->initial()->c_str() + "')");
+  for (auto* b : *buffers) {
+    mx::Shape shape;
+    for (auto d : *b->shape()) shape.push_back(checked_dim(d));
+    if (b->zero_initial()) {
+      buffer_initial_.push_back(mx::zeros(shape, to_mlx_dtype(b->dtype())));
+    } else {
+      buffer_initial_.push_back(load(b->initial()->c_str(), b->dtype(), std::move(shape)));
+    }
   }
+}
+
+std::vector<mx::array> Program::initial_state() const {
+  // Copies that own their memory: buffers are updated in place (donated)
+  // during evaluation, and the initial values must survive that.
+  std::vector<mx::array> state;
+  for (const auto& init : buffer_initial_) state.push_back(mx::copy(init));
+  mx::eval(state);
+  return state;
+}
+
+void Program::reset_state() {
+  std::lock_guard<std::mutex> lock(mlx_mutex());
+  state_ = initial_state();
+}
+
+void reset_all_state() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (auto* p : stateful_programs()) p->reset_state();
 }
 
 void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const {
@@ -276,24 +359,50 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const
   for (auto* node : *graph_->nodes()) execute_node(st, node);
 }
 
-std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs) {
+std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const std::vector<int64_t>& symbols) {
   std::lock_guard<std::mutex> lock(mlx_mutex());
-  std::vector<mx::array> outs;
+  auto* buffers = graph_->mutable_buffers();
+  std::vector<mx::array> outs, updates;
   {
-    Interpreter st(graph_->num_values());
-    build(st, inputs);
-    for (auto* io : *graph_->outputs()) {
-      auto a = st.at(io->slot());
-      auto want = to_mlx_dtype(io->dtype());
-      if (a.dtype() != want) a = mx::astype(a, want);
-      outs.push_back(mx::contiguous(a));
+    Interpreter st(graph_->num_values(), symbols);
+    // The state moves into the slot table: once the table is gone, the
+    // graph holds the only reference, so MLX updates it in place.
+    for (uint32_t i = 0; i < state_.size(); ++i) st.set(buffers->Get(i)->slot(), std::move(state_[i]));
+    try {
+      build(st, inputs);
+      for (auto* io : *graph_->outputs()) {
+        auto a = st.at(io->slot());
+        auto want = to_mlx_dtype(io->dtype());
+        if (a.dtype() != want) a = mx::astype(a, want);
+        outs.push_back(mx::contiguous(a));
+      }
+      for (uint32_t i = 0; i < state_.size(); ++i) {
+        auto u = st.at(buffers->Get(i)->update());
+        if (u.dtype() != buffer_initial_[i].dtype()) u = mx::astype(u, buffer_initial_[i].dtype());
+        updates.push_back(std::move(u));
+      }
+    } catch (...) {
+      // Nothing ran: give the state back untouched.
+      for (uint32_t i = 0; i < state_.size(); ++i) {
+        auto back = st.take(buffers->Get(i)->slot());
+        state_[i] = back ? *back : mx::copy(buffer_initial_[i]);
+      }
+      throw;
     }
   }
   // The slot table is gone: intermediates are referenced by the graph alone,
   // so MLX can reuse (donate) their buffers during evaluation instead of
   // allocating fresh memory for every node. Inputs stay referenced by the
   // caller and constants by this Program, so their memory is never donated.
-  mx::eval(outs);
+  std::vector<mx::array> all = outs;
+  all.insert(all.end(), updates.begin(), updates.end());
+  try {
+    mx::eval(all);
+  } catch (...) {
+    state_ = initial_state();  // the old state may be partly overwritten
+    throw std::runtime_error("evaluation failed; the program's state (KV cache) was reset");
+  }
+  for (uint32_t i = 0; i < state_.size(); ++i) state_[i] = std::move(updates[i]);
   return outs;
 }
 

@@ -31,24 +31,33 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A size as an MLX dimension; throws unless it lies in [0, INT32_MAX].
+mlx::core::ShapeElem checked_dim(int64_t d);
 std::vector<int> to_ints(const flatbuffers::Vector<int32_t>* v);
 mlx::core::Shape to_shape(const flatbuffers::Vector<int32_t>* v);
 
 // Value slots of one execution.
 class Interpreter {
  public:
-  explicit Interpreter(uint32_t num_values) : values_(num_values) {}
+  Interpreter(uint32_t num_values, std::vector<int64_t> symbols)
+      : values_(num_values), symbols_(std::move(symbols)) {}
 
   const mlx::core::array& get(const ir::Tid* t) const;
   std::optional<mlx::core::array> get_optional(const ir::Tid* t) const;
   std::vector<mlx::core::array> get_list(const flatbuffers::Vector<const ir::Tid*>* ts) const;
   mlx::core::Shape resolve_shape(const flatbuffers::Vector<const ir::IntOrSlot*>* dims) const;
+  int64_t resolve_int(const ir::IntOrSlot* d) const;
   void set(const ir::Tid* t, mlx::core::array a);
   void set(uint32_t slot, mlx::core::array a);
   const mlx::core::array& at(uint32_t slot) const;
+  // Takes a value out of its slot (the slot becomes unwritten).
+  std::optional<mlx::core::array> take(uint32_t slot);
+  // The size of dynamic dimension `i` in this execution.
+  int64_t symbol(int64_t i) const;
 
  private:
   std::vector<std::optional<mlx::core::array>> values_;
+  std::vector<int64_t> symbols_;
 };
 
 // A program after `load`: the blob is verified, every reference checked,
@@ -61,15 +70,25 @@ class Program {
 
   const ir::Graph& graph() const { return *graph_; }
 
+  ~Program();
+
   // Runs the graph on `inputs` (one per graph input; ints/floats/bools as
-  // 0-d arrays) and returns the evaluated, row-contiguous outputs. The
-  // caller's references keep the inputs' memory from being reused by MLX.
-  std::vector<mlx::core::array> run(const std::vector<mlx::core::array>& inputs);
+  // 0-d arrays; `symbols` the sizes of the graph's dynamic dimensions) and
+  // returns the evaluated, row-contiguous outputs. The caller's references
+  // keep the inputs' memory from being reused by MLX. Mutable buffers take
+  // their updated values.
+  std::vector<mlx::core::array> run(const std::vector<mlx::core::array>& inputs,
+                                    const std::vector<int64_t>& symbols);
+
+  // Sets every mutable buffer back to its initial value (a new conversation).
+  void reset_state();
 
  private:
   void verify(const void* data, size_t size);
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
   void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
+  // Fresh (writable, evaluated) initial values of the mutable buffers.
+  std::vector<mlx::core::array> initial_state() const;
 
   const ir::Graph* graph_ = nullptr;
   // Declared before constants_, which alias their memory (zero-copy), so
@@ -77,7 +96,14 @@ class Program {
   std::vector<std::unique_ptr<executorch::runtime::FreeableBuffer>> weight_buffers_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
+  // Initial values of the mutable buffers (zero-copy constants, or zeros)
+  // and their current values, owned here between calls.
+  std::vector<mlx::core::array> buffer_initial_;
+  std::vector<mlx::core::array> state_;
 };
+
+// Resets the mutable state of every live Program in the process.
+void reset_all_state();
 
 // Human-readable reason of the last failure on this thread (for Python).
 void set_last_error(const std::string& msg);

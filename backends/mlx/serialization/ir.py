@@ -53,6 +53,24 @@ class AddNode:
 
 
 @dataclass
+class AllNode:
+    a: Tid | None = None
+    axes: list[int] = field(default_factory=list)
+    keepdims: bool = False
+    out: Tid | None = None
+    MLX_FN = 'all'
+
+
+@dataclass
+class AnyNode:
+    a: Tid | None = None
+    axes: list[int] = field(default_factory=list)
+    keepdims: bool = False
+    out: Tid | None = None
+    MLX_FN = 'any'
+
+
+@dataclass
 class ArangeNode:
     start: float = 0
     stop: float = 0
@@ -89,6 +107,30 @@ class AsTypeNode:
 
 
 @dataclass
+class BitwiseAndNode:
+    a: Tid | None = None
+    b: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'bitwise_and'
+
+
+@dataclass
+class BitwiseOrNode:
+    a: Tid | None = None
+    b: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'bitwise_or'
+
+
+@dataclass
+class BitwiseXorNode:
+    a: Tid | None = None
+    b: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'bitwise_xor'
+
+
+@dataclass
 class BroadcastToNode:
     a: Tid | None = None
     shape: list[IntOrSlot] = field(default_factory=list)
@@ -112,6 +154,22 @@ class Constant:
     shape: list[int] = field(default_factory=list)
 
 
+@dataclass
+class CosNode:
+    a: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'cos'
+
+
+@dataclass
+class CumsumNode:
+    a: Tid | None = None
+    axis: int = 0
+    reverse: bool = False
+    inclusive: bool = True
+    out: Tid | None = None
+
+
 @dataclass(frozen=True)
 class Dim:
     size: int = 0
@@ -124,6 +182,22 @@ class DivideNode:
     b: Tid | None = None
     out: Tid | None = None
     MLX_FN = 'divide'
+
+
+@dataclass
+class DynArangeNode:
+    range: list[IntOrSlot] = field(default_factory=list)
+    dtype: DType = DType.float32
+    out: Tid | None = None
+
+
+@dataclass
+class DynSliceNode:
+    a: Tid | None = None
+    start: list[IntOrSlot] = field(default_factory=list)
+    stop: list[IntOrSlot] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)
+    out: Tid | None = None
 
 
 @dataclass
@@ -349,6 +423,9 @@ class MutableBuffer:
     slot: int = 0
     update: int = 0
     initial: str | None = None
+    dtype: DType = DType.float32
+    shape: list[int] = field(default_factory=list)
+    zero_initial: bool = False
 
 
 @dataclass
@@ -405,6 +482,14 @@ class RightShiftNode:
 
 
 @dataclass
+class RmsNormNode:
+    a: Tid | None = None
+    weight: Tid | None = None
+    eps: float = 0
+    out: Tid | None = None
+
+
+@dataclass
 class RsqrtNode:
     a: Tid | None = None
     out: Tid | None = None
@@ -412,10 +497,37 @@ class RsqrtNode:
 
 
 @dataclass
+class ScaledDotProductAttentionNode:
+    q: Tid | None = None
+    k: Tid | None = None
+    v: Tid | None = None
+    mask: Tid | None = None
+    scale: float = 0
+    causal: bool = False
+    out: Tid | None = None
+
+
+@dataclass
+class ScatterNode:
+    a: Tid | None = None
+    indices: list[Tid] = field(default_factory=list)
+    updates: Tid | None = None
+    axes: list[int] = field(default_factory=list)
+    out: Tid | None = None
+
+
+@dataclass
 class SigmoidNode:
     a: Tid | None = None
     out: Tid | None = None
     MLX_FN = 'sigmoid'
+
+
+@dataclass
+class SinNode:
+    a: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'sin'
 
 
 @dataclass
@@ -470,6 +582,12 @@ class SumNode:
 
 
 @dataclass
+class SymIntNode:
+    code: list[int] = field(default_factory=list)
+    out: Tid | None = None
+
+
+@dataclass
 class Symbol:
     name: str | None = None
     min: int = 0
@@ -513,8 +631,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -544,6 +662,50 @@ def _pack_AddNode(b, v):
 
 def _unpack_AddNode(r):
     return AddNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_AllNode(b, v):
+    o_axes = None
+    if v.axes is not None:
+        fb.AllNodeStartAxesVector(b, len(v.axes))
+        for e in reversed(v.axes):
+            b.PrependInt32(e)
+        o_axes = b.EndVector()
+    fb.AllNodeStart(b)
+    if v.a is not None:
+        fb.AllNodeAddA(b, _pack_Tid(b, v.a))
+    if o_axes is not None:
+        fb.AllNodeAddAxes(b, o_axes)
+    fb.AllNodeAddKeepdims(b, v.keepdims)
+    if v.out is not None:
+        fb.AllNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.AllNodeEnd(b)
+
+
+def _unpack_AllNode(r):
+    return AllNode(a=_opt(_unpack_Tid, r.A()), axes=[r.Axes(i) for i in range(r.AxesLength())], keepdims=r.Keepdims(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_AnyNode(b, v):
+    o_axes = None
+    if v.axes is not None:
+        fb.AnyNodeStartAxesVector(b, len(v.axes))
+        for e in reversed(v.axes):
+            b.PrependInt32(e)
+        o_axes = b.EndVector()
+    fb.AnyNodeStart(b)
+    if v.a is not None:
+        fb.AnyNodeAddA(b, _pack_Tid(b, v.a))
+    if o_axes is not None:
+        fb.AnyNodeAddAxes(b, o_axes)
+    fb.AnyNodeAddKeepdims(b, v.keepdims)
+    if v.out is not None:
+        fb.AnyNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.AnyNodeEnd(b)
+
+
+def _unpack_AnyNode(r):
+    return AnyNode(a=_opt(_unpack_Tid, r.A()), axes=[r.Axes(i) for i in range(r.AxesLength())], keepdims=r.Keepdims(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ArangeNode(b, v):
@@ -603,6 +765,51 @@ def _pack_AsTypeNode(b, v):
 
 def _unpack_AsTypeNode(r):
     return AsTypeNode(a=_opt(_unpack_Tid, r.A()), dtype=DType(r.Dtype()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_BitwiseAndNode(b, v):
+    fb.BitwiseAndNodeStart(b)
+    if v.a is not None:
+        fb.BitwiseAndNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.BitwiseAndNodeAddB(b, _pack_Tid(b, v.b))
+    if v.out is not None:
+        fb.BitwiseAndNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.BitwiseAndNodeEnd(b)
+
+
+def _unpack_BitwiseAndNode(r):
+    return BitwiseAndNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_BitwiseOrNode(b, v):
+    fb.BitwiseOrNodeStart(b)
+    if v.a is not None:
+        fb.BitwiseOrNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.BitwiseOrNodeAddB(b, _pack_Tid(b, v.b))
+    if v.out is not None:
+        fb.BitwiseOrNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.BitwiseOrNodeEnd(b)
+
+
+def _unpack_BitwiseOrNode(r):
+    return BitwiseOrNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_BitwiseXorNode(b, v):
+    fb.BitwiseXorNodeStart(b)
+    if v.a is not None:
+        fb.BitwiseXorNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.BitwiseXorNodeAddB(b, _pack_Tid(b, v.b))
+    if v.out is not None:
+        fb.BitwiseXorNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.BitwiseXorNodeEnd(b)
+
+
+def _unpack_BitwiseXorNode(r):
+    return BitwiseXorNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_BroadcastToNode(b, v):
@@ -668,6 +875,35 @@ def _unpack_Constant(r):
     return Constant(slot=r.Slot(), name=_str(r.Name()), dtype=DType(r.Dtype()), shape=[r.Shape(i) for i in range(r.ShapeLength())])
 
 
+def _pack_CosNode(b, v):
+    fb.CosNodeStart(b)
+    if v.a is not None:
+        fb.CosNodeAddA(b, _pack_Tid(b, v.a))
+    if v.out is not None:
+        fb.CosNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.CosNodeEnd(b)
+
+
+def _unpack_CosNode(r):
+    return CosNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_CumsumNode(b, v):
+    fb.CumsumNodeStart(b)
+    if v.a is not None:
+        fb.CumsumNodeAddA(b, _pack_Tid(b, v.a))
+    fb.CumsumNodeAddAxis(b, v.axis)
+    fb.CumsumNodeAddReverse(b, v.reverse)
+    fb.CumsumNodeAddInclusive(b, v.inclusive)
+    if v.out is not None:
+        fb.CumsumNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.CumsumNodeEnd(b)
+
+
+def _unpack_CumsumNode(r):
+    return CumsumNode(a=_opt(_unpack_Tid, r.A()), axis=r.Axis(), reverse=r.Reverse(), inclusive=r.Inclusive(), out=_opt(_unpack_Tid, r.Out()))
+
+
 def _pack_Dim(b, v):
     return fb.CreateDim(b, v.size, v.symbol)
 
@@ -689,6 +925,63 @@ def _pack_DivideNode(b, v):
 
 def _unpack_DivideNode(r):
     return DivideNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_DynArangeNode(b, v):
+    o_range = None
+    if v.range is not None:
+        fb.DynArangeNodeStartRangeVector(b, len(v.range))
+        for e in reversed(v.range):
+            _pack_IntOrSlot(b, e)
+        o_range = b.EndVector()
+    fb.DynArangeNodeStart(b)
+    if o_range is not None:
+        fb.DynArangeNodeAddRange(b, o_range)
+    fb.DynArangeNodeAddDtype(b, int(v.dtype))
+    if v.out is not None:
+        fb.DynArangeNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.DynArangeNodeEnd(b)
+
+
+def _unpack_DynArangeNode(r):
+    return DynArangeNode(range=[_unpack_IntOrSlot(r.Range(i)) for i in range(r.RangeLength())], dtype=DType(r.Dtype()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_DynSliceNode(b, v):
+    o_start = None
+    if v.start is not None:
+        fb.DynSliceNodeStartStartVector(b, len(v.start))
+        for e in reversed(v.start):
+            _pack_IntOrSlot(b, e)
+        o_start = b.EndVector()
+    o_stop = None
+    if v.stop is not None:
+        fb.DynSliceNodeStartStopVector(b, len(v.stop))
+        for e in reversed(v.stop):
+            _pack_IntOrSlot(b, e)
+        o_stop = b.EndVector()
+    o_strides = None
+    if v.strides is not None:
+        fb.DynSliceNodeStartStridesVector(b, len(v.strides))
+        for e in reversed(v.strides):
+            b.PrependInt32(e)
+        o_strides = b.EndVector()
+    fb.DynSliceNodeStart(b)
+    if v.a is not None:
+        fb.DynSliceNodeAddA(b, _pack_Tid(b, v.a))
+    if o_start is not None:
+        fb.DynSliceNodeAddStart(b, o_start)
+    if o_stop is not None:
+        fb.DynSliceNodeAddStop(b, o_stop)
+    if o_strides is not None:
+        fb.DynSliceNodeAddStrides(b, o_strides)
+    if v.out is not None:
+        fb.DynSliceNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.DynSliceNodeEnd(b)
+
+
+def _unpack_DynSliceNode(r):
+    return DynSliceNode(a=_opt(_unpack_Tid, r.A()), start=[_unpack_IntOrSlot(r.Start(i)) for i in range(r.StartLength())], stop=[_unpack_IntOrSlot(r.Stop(i)) for i in range(r.StopLength())], strides=[r.Strides(i) for i in range(r.StridesLength())], out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_EqualNode(b, v):
@@ -1182,16 +1475,26 @@ def _unpack_MultiplyNode(r):
 
 def _pack_MutableBuffer(b, v):
     o_initial = b.CreateString(v.initial) if v.initial is not None else None
+    o_shape = None
+    if v.shape is not None:
+        fb.MutableBufferStartShapeVector(b, len(v.shape))
+        for e in reversed(v.shape):
+            b.PrependInt64(e)
+        o_shape = b.EndVector()
     fb.MutableBufferStart(b)
     fb.MutableBufferAddSlot(b, v.slot)
     fb.MutableBufferAddUpdate(b, v.update)
     if o_initial is not None:
         fb.MutableBufferAddInitial(b, o_initial)
+    fb.MutableBufferAddDtype(b, int(v.dtype))
+    if o_shape is not None:
+        fb.MutableBufferAddShape(b, o_shape)
+    fb.MutableBufferAddZeroInitial(b, v.zero_initial)
     return fb.MutableBufferEnd(b)
 
 
 def _unpack_MutableBuffer(r):
-    return MutableBuffer(slot=r.Slot(), update=r.Update(), initial=_str(r.Initial()))
+    return MutableBuffer(slot=r.Slot(), update=r.Update(), initial=_str(r.Initial()), dtype=DType(r.Dtype()), shape=[r.Shape(i) for i in range(r.ShapeLength())], zero_initial=r.ZeroInitial())
 
 
 def _pack_NegativeNode(b, v):
@@ -1310,6 +1613,22 @@ def _unpack_RightShiftNode(r):
     return RightShiftNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
 
 
+def _pack_RmsNormNode(b, v):
+    fb.RmsNormNodeStart(b)
+    if v.a is not None:
+        fb.RmsNormNodeAddA(b, _pack_Tid(b, v.a))
+    if v.weight is not None:
+        fb.RmsNormNodeAddWeight(b, _pack_Tid(b, v.weight))
+    fb.RmsNormNodeAddEps(b, v.eps)
+    if v.out is not None:
+        fb.RmsNormNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.RmsNormNodeEnd(b)
+
+
+def _unpack_RmsNormNode(r):
+    return RmsNormNode(a=_opt(_unpack_Tid, r.A()), weight=_opt(_unpack_Tid, r.Weight()), eps=r.Eps(), out=_opt(_unpack_Tid, r.Out()))
+
+
 def _pack_RsqrtNode(b, v):
     fb.RsqrtNodeStart(b)
     if v.a is not None:
@@ -1323,6 +1642,58 @@ def _unpack_RsqrtNode(r):
     return RsqrtNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
 
 
+def _pack_ScaledDotProductAttentionNode(b, v):
+    fb.ScaledDotProductAttentionNodeStart(b)
+    if v.q is not None:
+        fb.ScaledDotProductAttentionNodeAddQ(b, _pack_Tid(b, v.q))
+    if v.k is not None:
+        fb.ScaledDotProductAttentionNodeAddK(b, _pack_Tid(b, v.k))
+    if v.v is not None:
+        fb.ScaledDotProductAttentionNodeAddV(b, _pack_Tid(b, v.v))
+    if v.mask is not None:
+        fb.ScaledDotProductAttentionNodeAddMask(b, _pack_Tid(b, v.mask))
+    fb.ScaledDotProductAttentionNodeAddScale(b, v.scale)
+    fb.ScaledDotProductAttentionNodeAddCausal(b, v.causal)
+    if v.out is not None:
+        fb.ScaledDotProductAttentionNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.ScaledDotProductAttentionNodeEnd(b)
+
+
+def _unpack_ScaledDotProductAttentionNode(r):
+    return ScaledDotProductAttentionNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), mask=_opt(_unpack_Tid, r.Mask()), scale=r.Scale(), causal=r.Causal(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_ScatterNode(b, v):
+    o_indices = None
+    if v.indices is not None:
+        fb.ScatterNodeStartIndicesVector(b, len(v.indices))
+        for e in reversed(v.indices):
+            _pack_Tid(b, e)
+        o_indices = b.EndVector()
+    o_axes = None
+    if v.axes is not None:
+        fb.ScatterNodeStartAxesVector(b, len(v.axes))
+        for e in reversed(v.axes):
+            b.PrependInt32(e)
+        o_axes = b.EndVector()
+    fb.ScatterNodeStart(b)
+    if v.a is not None:
+        fb.ScatterNodeAddA(b, _pack_Tid(b, v.a))
+    if o_indices is not None:
+        fb.ScatterNodeAddIndices(b, o_indices)
+    if v.updates is not None:
+        fb.ScatterNodeAddUpdates(b, _pack_Tid(b, v.updates))
+    if o_axes is not None:
+        fb.ScatterNodeAddAxes(b, o_axes)
+    if v.out is not None:
+        fb.ScatterNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.ScatterNodeEnd(b)
+
+
+def _unpack_ScatterNode(r):
+    return ScatterNode(a=_opt(_unpack_Tid, r.A()), indices=[_unpack_Tid(r.Indices(i)) for i in range(r.IndicesLength())], updates=_opt(_unpack_Tid, r.Updates()), axes=[r.Axes(i) for i in range(r.AxesLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
 def _pack_SigmoidNode(b, v):
     fb.SigmoidNodeStart(b)
     if v.a is not None:
@@ -1334,6 +1705,19 @@ def _pack_SigmoidNode(b, v):
 
 def _unpack_SigmoidNode(r):
     return SigmoidNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SinNode(b, v):
+    fb.SinNodeStart(b)
+    if v.a is not None:
+        fb.SinNodeAddA(b, _pack_Tid(b, v.a))
+    if v.out is not None:
+        fb.SinNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SinNodeEnd(b)
+
+
+def _unpack_SinNode(r):
+    return SinNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_SliceNode(b, v):
@@ -1464,6 +1848,25 @@ def _pack_SumNode(b, v):
 
 def _unpack_SumNode(r):
     return SumNode(a=_opt(_unpack_Tid, r.A()), axes=[r.Axes(i) for i in range(r.AxesLength())], keepdims=r.Keepdims(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SymIntNode(b, v):
+    o_code = None
+    if v.code is not None:
+        fb.SymIntNodeStartCodeVector(b, len(v.code))
+        for e in reversed(v.code):
+            b.PrependInt64(e)
+        o_code = b.EndVector()
+    fb.SymIntNodeStart(b)
+    if o_code is not None:
+        fb.SymIntNodeAddCode(b, o_code)
+    if v.out is not None:
+        fb.SymIntNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SymIntNodeEnd(b)
+
+
+def _unpack_SymIntNode(r):
+    return SymIntNode(code=[r.Code(i) for i in range(r.CodeLength())], out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_Symbol(b, v):

@@ -187,6 +187,48 @@ struct ArangeNodeBuilder;
 struct RandomBitsNode;
 struct RandomBitsNodeBuilder;
 
+struct SinNode;
+struct SinNodeBuilder;
+
+struct CosNode;
+struct CosNodeBuilder;
+
+struct AnyNode;
+struct AnyNodeBuilder;
+
+struct AllNode;
+struct AllNodeBuilder;
+
+struct BitwiseAndNode;
+struct BitwiseAndNodeBuilder;
+
+struct BitwiseOrNode;
+struct BitwiseOrNodeBuilder;
+
+struct BitwiseXorNode;
+struct BitwiseXorNodeBuilder;
+
+struct CumsumNode;
+struct CumsumNodeBuilder;
+
+struct SymIntNode;
+struct SymIntNodeBuilder;
+
+struct DynArangeNode;
+struct DynArangeNodeBuilder;
+
+struct DynSliceNode;
+struct DynSliceNodeBuilder;
+
+struct ScatterNode;
+struct ScatterNodeBuilder;
+
+struct ScaledDotProductAttentionNode;
+struct ScaledDotProductAttentionNodeBuilder;
+
+struct RmsNormNode;
+struct RmsNormNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -339,11 +381,25 @@ enum class Op : uint8_t {
   FullNode = 48,
   ArangeNode = 49,
   RandomBitsNode = 50,
+  SinNode = 51,
+  CosNode = 52,
+  AnyNode = 53,
+  AllNode = 54,
+  BitwiseAndNode = 55,
+  BitwiseOrNode = 56,
+  BitwiseXorNode = 57,
+  CumsumNode = 58,
+  SymIntNode = 59,
+  DynArangeNode = 60,
+  DynSliceNode = 61,
+  ScatterNode = 62,
+  ScaledDotProductAttentionNode = 63,
+  RmsNormNode = 64,
   MIN = NONE,
-  MAX = RandomBitsNode
+  MAX = RmsNormNode
 };
 
-inline const Op (&EnumValuesOp())[51] {
+inline const Op (&EnumValuesOp())[65] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -395,13 +451,27 @@ inline const Op (&EnumValuesOp())[51] {
     Op::ConcatenateNode,
     Op::FullNode,
     Op::ArangeNode,
-    Op::RandomBitsNode
+    Op::RandomBitsNode,
+    Op::SinNode,
+    Op::CosNode,
+    Op::AnyNode,
+    Op::AllNode,
+    Op::BitwiseAndNode,
+    Op::BitwiseOrNode,
+    Op::BitwiseXorNode,
+    Op::CumsumNode,
+    Op::SymIntNode,
+    Op::DynArangeNode,
+    Op::DynSliceNode,
+    Op::ScatterNode,
+    Op::ScaledDotProductAttentionNode,
+    Op::RmsNormNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[52] = {
+  static const char * const names[66] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -453,13 +523,27 @@ inline const char * const *EnumNamesOp() {
     "FullNode",
     "ArangeNode",
     "RandomBitsNode",
+    "SinNode",
+    "CosNode",
+    "AnyNode",
+    "AllNode",
+    "BitwiseAndNode",
+    "BitwiseOrNode",
+    "BitwiseXorNode",
+    "CumsumNode",
+    "SymIntNode",
+    "DynArangeNode",
+    "DynSliceNode",
+    "ScatterNode",
+    "ScaledDotProductAttentionNode",
+    "RmsNormNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RandomBitsNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RmsNormNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -666,6 +750,62 @@ template<> struct OpTraits<emlx::ir::ArangeNode> {
 
 template<> struct OpTraits<emlx::ir::RandomBitsNode> {
   static const Op enum_value = Op::RandomBitsNode;
+};
+
+template<> struct OpTraits<emlx::ir::SinNode> {
+  static const Op enum_value = Op::SinNode;
+};
+
+template<> struct OpTraits<emlx::ir::CosNode> {
+  static const Op enum_value = Op::CosNode;
+};
+
+template<> struct OpTraits<emlx::ir::AnyNode> {
+  static const Op enum_value = Op::AnyNode;
+};
+
+template<> struct OpTraits<emlx::ir::AllNode> {
+  static const Op enum_value = Op::AllNode;
+};
+
+template<> struct OpTraits<emlx::ir::BitwiseAndNode> {
+  static const Op enum_value = Op::BitwiseAndNode;
+};
+
+template<> struct OpTraits<emlx::ir::BitwiseOrNode> {
+  static const Op enum_value = Op::BitwiseOrNode;
+};
+
+template<> struct OpTraits<emlx::ir::BitwiseXorNode> {
+  static const Op enum_value = Op::BitwiseXorNode;
+};
+
+template<> struct OpTraits<emlx::ir::CumsumNode> {
+  static const Op enum_value = Op::CumsumNode;
+};
+
+template<> struct OpTraits<emlx::ir::SymIntNode> {
+  static const Op enum_value = Op::SymIntNode;
+};
+
+template<> struct OpTraits<emlx::ir::DynArangeNode> {
+  static const Op enum_value = Op::DynArangeNode;
+};
+
+template<> struct OpTraits<emlx::ir::DynSliceNode> {
+  static const Op enum_value = Op::DynSliceNode;
+};
+
+template<> struct OpTraits<emlx::ir::ScatterNode> {
+  static const Op enum_value = Op::ScatterNode;
+};
+
+template<> struct OpTraits<emlx::ir::ScaledDotProductAttentionNode> {
+  static const Op enum_value = Op::ScaledDotProductAttentionNode;
+};
+
+template<> struct OpTraits<emlx::ir::RmsNormNode> {
+  static const Op enum_value = Op::RmsNormNode;
 };
 
 template <bool B = false>
@@ -1128,7 +1268,10 @@ struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
     VT_SLOT = 4,
     VT_UPDATE = 6,
-    VT_INITIAL = 8
+    VT_INITIAL = 8,
+    VT_DTYPE = 10,
+    VT_SHAPE = 12,
+    VT_ZERO_INITIAL = 14
   };
   uint32_t slot() const {
     return GetField<uint32_t>(VT_SLOT, 0);
@@ -1139,6 +1282,15 @@ struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const ::flatbuffers::String *initial() const {
     return GetPointer<const ::flatbuffers::String *>(VT_INITIAL);
   }
+  emlx::ir::DType dtype() const {
+    return static_cast<emlx::ir::DType>(GetField<int8_t>(VT_DTYPE, 0));
+  }
+  const ::flatbuffers::Vector<int64_t> *shape() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_SHAPE);
+  }
+  bool zero_initial() const {
+    return GetField<uint8_t>(VT_ZERO_INITIAL, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -1146,6 +1298,10 @@ struct MutableBuffer FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<uint32_t>(verifier, VT_UPDATE, 4) &&
            VerifyOffsetRequired(verifier, VT_INITIAL) &&
            verifier.VerifyString(initial()) &&
+           VerifyField<int8_t>(verifier, VT_DTYPE, 1) &&
+           VerifyOffset(verifier, VT_SHAPE) &&
+           verifier.VerifyVector(shape()) &&
+           VerifyField<uint8_t>(verifier, VT_ZERO_INITIAL, 1) &&
            verifier.EndTable();
   }
 };
@@ -1163,6 +1319,15 @@ struct MutableBufferBuilder {
   void add_initial(::flatbuffers::Offset<::flatbuffers::String> initial) {
     fbb_.AddOffset(MutableBuffer::VT_INITIAL, initial);
   }
+  void add_dtype(emlx::ir::DType dtype) {
+    fbb_.AddElement<int8_t>(MutableBuffer::VT_DTYPE, static_cast<int8_t>(dtype), 0);
+  }
+  void add_shape(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> shape) {
+    fbb_.AddOffset(MutableBuffer::VT_SHAPE, shape);
+  }
+  void add_zero_initial(bool zero_initial) {
+    fbb_.AddElement<uint8_t>(MutableBuffer::VT_ZERO_INITIAL, static_cast<uint8_t>(zero_initial), 0);
+  }
   explicit MutableBufferBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -1179,11 +1344,17 @@ inline ::flatbuffers::Offset<MutableBuffer> CreateMutableBuffer(
     ::flatbuffers::FlatBufferBuilder &_fbb,
     uint32_t slot = 0,
     uint32_t update = 0,
-    ::flatbuffers::Offset<::flatbuffers::String> initial = 0) {
+    ::flatbuffers::Offset<::flatbuffers::String> initial = 0,
+    emlx::ir::DType dtype = emlx::ir::DType::float32,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> shape = 0,
+    bool zero_initial = false) {
   MutableBufferBuilder builder_(_fbb);
+  builder_.add_shape(shape);
   builder_.add_initial(initial);
   builder_.add_update(update);
   builder_.add_slot(slot);
+  builder_.add_zero_initial(zero_initial);
+  builder_.add_dtype(dtype);
   return builder_.Finish();
 }
 
@@ -1196,13 +1367,20 @@ inline ::flatbuffers::Offset<MutableBuffer> CreateMutableBufferDirect(
     ::flatbuffers::FlatBufferBuilder &_fbb,
     uint32_t slot = 0,
     uint32_t update = 0,
-    const char *initial = nullptr) {
+    const char *initial = nullptr,
+    emlx::ir::DType dtype = emlx::ir::DType::float32,
+    const std::vector<int64_t> *shape = nullptr,
+    bool zero_initial = false) {
   auto initial__ = initial ? _fbb.CreateString(initial) : 0;
+  auto shape__ = shape ? _fbb.CreateVector<int64_t>(*shape) : 0;
   return emlx::ir::CreateMutableBuffer(
       _fbb,
       slot,
       update,
-      initial__);
+      initial__,
+      dtype,
+      shape__,
+      zero_initial);
 }
 
 struct AddNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
@@ -5027,6 +5205,1218 @@ inline ::flatbuffers::Offset<RandomBitsNode> CreateRandomBitsNodeDirect(
       out);
 }
 
+struct SinNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SinNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_OUT = 6
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SinNodeBuilder {
+  typedef SinNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(SinNode::VT_A, a);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SinNode::VT_OUT, out);
+  }
+  explicit SinNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SinNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SinNode>(end);
+    fbb_.Required(o, SinNode::VT_A);
+    fbb_.Required(o, SinNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SinNode> CreateSinNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  SinNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct SinNode::Traits {
+  using type = SinNode;
+  static auto constexpr Create = CreateSinNode;
+};
+
+struct CosNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef CosNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_OUT = 6
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct CosNodeBuilder {
+  typedef CosNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(CosNode::VT_A, a);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(CosNode::VT_OUT, out);
+  }
+  explicit CosNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<CosNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<CosNode>(end);
+    fbb_.Required(o, CosNode::VT_A);
+    fbb_.Required(o, CosNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<CosNode> CreateCosNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  CosNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct CosNode::Traits {
+  using type = CosNode;
+  static auto constexpr Create = CreateCosNode;
+};
+
+struct AnyNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AnyNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_AXES = 6,
+    VT_KEEPDIMS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const ::flatbuffers::Vector<int32_t> *axes() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_AXES);
+  }
+  bool keepdims() const {
+    return GetField<uint8_t>(VT_KEEPDIMS, 0) != 0;
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyOffsetRequired(verifier, VT_AXES) &&
+           verifier.VerifyVector(axes()) &&
+           VerifyField<uint8_t>(verifier, VT_KEEPDIMS, 1) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AnyNodeBuilder {
+  typedef AnyNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(AnyNode::VT_A, a);
+  }
+  void add_axes(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes) {
+    fbb_.AddOffset(AnyNode::VT_AXES, axes);
+  }
+  void add_keepdims(bool keepdims) {
+    fbb_.AddElement<uint8_t>(AnyNode::VT_KEEPDIMS, static_cast<uint8_t>(keepdims), 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(AnyNode::VT_OUT, out);
+  }
+  explicit AnyNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AnyNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AnyNode>(end);
+    fbb_.Required(o, AnyNode::VT_A);
+    fbb_.Required(o, AnyNode::VT_AXES);
+    fbb_.Required(o, AnyNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AnyNode> CreateAnyNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes = 0,
+    bool keepdims = false,
+    const emlx::ir::Tid *out = nullptr) {
+  AnyNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axes(axes);
+  builder_.add_a(a);
+  builder_.add_keepdims(keepdims);
+  return builder_.Finish();
+}
+
+struct AnyNode::Traits {
+  using type = AnyNode;
+  static auto constexpr Create = CreateAnyNode;
+};
+
+inline ::flatbuffers::Offset<AnyNode> CreateAnyNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const std::vector<int32_t> *axes = nullptr,
+    bool keepdims = false,
+    const emlx::ir::Tid *out = nullptr) {
+  auto axes__ = axes ? _fbb.CreateVector<int32_t>(*axes) : 0;
+  return emlx::ir::CreateAnyNode(
+      _fbb,
+      a,
+      axes__,
+      keepdims,
+      out);
+}
+
+struct AllNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AllNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_AXES = 6,
+    VT_KEEPDIMS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const ::flatbuffers::Vector<int32_t> *axes() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_AXES);
+  }
+  bool keepdims() const {
+    return GetField<uint8_t>(VT_KEEPDIMS, 0) != 0;
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyOffsetRequired(verifier, VT_AXES) &&
+           verifier.VerifyVector(axes()) &&
+           VerifyField<uint8_t>(verifier, VT_KEEPDIMS, 1) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AllNodeBuilder {
+  typedef AllNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(AllNode::VT_A, a);
+  }
+  void add_axes(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes) {
+    fbb_.AddOffset(AllNode::VT_AXES, axes);
+  }
+  void add_keepdims(bool keepdims) {
+    fbb_.AddElement<uint8_t>(AllNode::VT_KEEPDIMS, static_cast<uint8_t>(keepdims), 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(AllNode::VT_OUT, out);
+  }
+  explicit AllNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AllNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AllNode>(end);
+    fbb_.Required(o, AllNode::VT_A);
+    fbb_.Required(o, AllNode::VT_AXES);
+    fbb_.Required(o, AllNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AllNode> CreateAllNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes = 0,
+    bool keepdims = false,
+    const emlx::ir::Tid *out = nullptr) {
+  AllNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axes(axes);
+  builder_.add_a(a);
+  builder_.add_keepdims(keepdims);
+  return builder_.Finish();
+}
+
+struct AllNode::Traits {
+  using type = AllNode;
+  static auto constexpr Create = CreateAllNode;
+};
+
+inline ::flatbuffers::Offset<AllNode> CreateAllNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const std::vector<int32_t> *axes = nullptr,
+    bool keepdims = false,
+    const emlx::ir::Tid *out = nullptr) {
+  auto axes__ = axes ? _fbb.CreateVector<int32_t>(*axes) : 0;
+  return emlx::ir::CreateAllNode(
+      _fbb,
+      a,
+      axes__,
+      keepdims,
+      out);
+}
+
+struct BitwiseAndNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef BitwiseAndNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct BitwiseAndNodeBuilder {
+  typedef BitwiseAndNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(BitwiseAndNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(BitwiseAndNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(BitwiseAndNode::VT_OUT, out);
+  }
+  explicit BitwiseAndNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<BitwiseAndNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<BitwiseAndNode>(end);
+    fbb_.Required(o, BitwiseAndNode::VT_A);
+    fbb_.Required(o, BitwiseAndNode::VT_B);
+    fbb_.Required(o, BitwiseAndNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<BitwiseAndNode> CreateBitwiseAndNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  BitwiseAndNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct BitwiseAndNode::Traits {
+  using type = BitwiseAndNode;
+  static auto constexpr Create = CreateBitwiseAndNode;
+};
+
+struct BitwiseOrNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef BitwiseOrNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct BitwiseOrNodeBuilder {
+  typedef BitwiseOrNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(BitwiseOrNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(BitwiseOrNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(BitwiseOrNode::VT_OUT, out);
+  }
+  explicit BitwiseOrNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<BitwiseOrNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<BitwiseOrNode>(end);
+    fbb_.Required(o, BitwiseOrNode::VT_A);
+    fbb_.Required(o, BitwiseOrNode::VT_B);
+    fbb_.Required(o, BitwiseOrNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<BitwiseOrNode> CreateBitwiseOrNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  BitwiseOrNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct BitwiseOrNode::Traits {
+  using type = BitwiseOrNode;
+  static auto constexpr Create = CreateBitwiseOrNode;
+};
+
+struct BitwiseXorNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef BitwiseXorNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct BitwiseXorNodeBuilder {
+  typedef BitwiseXorNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(BitwiseXorNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(BitwiseXorNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(BitwiseXorNode::VT_OUT, out);
+  }
+  explicit BitwiseXorNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<BitwiseXorNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<BitwiseXorNode>(end);
+    fbb_.Required(o, BitwiseXorNode::VT_A);
+    fbb_.Required(o, BitwiseXorNode::VT_B);
+    fbb_.Required(o, BitwiseXorNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<BitwiseXorNode> CreateBitwiseXorNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  BitwiseXorNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct BitwiseXorNode::Traits {
+  using type = BitwiseXorNode;
+  static auto constexpr Create = CreateBitwiseXorNode;
+};
+
+/// Inclusive (or exclusive) cumulative sum along `axis` (non-negative).
+struct CumsumNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef CumsumNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_AXIS = 6,
+    VT_REVERSE = 8,
+    VT_INCLUSIVE = 10,
+    VT_OUT = 12
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  int32_t axis() const {
+    return GetField<int32_t>(VT_AXIS, 0);
+  }
+  bool reverse() const {
+    return GetField<uint8_t>(VT_REVERSE, 0) != 0;
+  }
+  bool inclusive() const {
+    return GetField<uint8_t>(VT_INCLUSIVE, 1) != 0;
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyField<int32_t>(verifier, VT_AXIS, 4) &&
+           VerifyField<uint8_t>(verifier, VT_REVERSE, 1) &&
+           VerifyField<uint8_t>(verifier, VT_INCLUSIVE, 1) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct CumsumNodeBuilder {
+  typedef CumsumNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(CumsumNode::VT_A, a);
+  }
+  void add_axis(int32_t axis) {
+    fbb_.AddElement<int32_t>(CumsumNode::VT_AXIS, axis, 0);
+  }
+  void add_reverse(bool reverse) {
+    fbb_.AddElement<uint8_t>(CumsumNode::VT_REVERSE, static_cast<uint8_t>(reverse), 0);
+  }
+  void add_inclusive(bool inclusive) {
+    fbb_.AddElement<uint8_t>(CumsumNode::VT_INCLUSIVE, static_cast<uint8_t>(inclusive), 1);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(CumsumNode::VT_OUT, out);
+  }
+  explicit CumsumNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<CumsumNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<CumsumNode>(end);
+    fbb_.Required(o, CumsumNode::VT_A);
+    fbb_.Required(o, CumsumNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<CumsumNode> CreateCumsumNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    int32_t axis = 0,
+    bool reverse = false,
+    bool inclusive = true,
+    const emlx::ir::Tid *out = nullptr) {
+  CumsumNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axis(axis);
+  builder_.add_a(a);
+  builder_.add_inclusive(inclusive);
+  builder_.add_reverse(reverse);
+  return builder_.Finish();
+}
+
+struct CumsumNode::Traits {
+  using type = CumsumNode;
+  static auto constexpr Create = CreateCumsumNode;
+};
+
+/// A 0-d int64 value computed on the host from the graph's symbols (sizes
+/// of dynamic input dimensions, known when inputs are bound: reading it
+/// never synchronises). `code` is a postfix program over an int64 stack:
+/// pairs (opcode, operand) with opcode 0: push operand; 1: push symbol
+/// `operand`; 2: add; 3: mul; 4: floor-div; 5: mod (Python semantics);
+/// 6: max; 7: min (binary opcodes ignore their operand).
+struct SymIntNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SymIntNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_CODE = 4,
+    VT_OUT = 6
+  };
+  const ::flatbuffers::Vector<int64_t> *code() const {
+    return GetPointer<const ::flatbuffers::Vector<int64_t> *>(VT_CODE);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyOffsetRequired(verifier, VT_CODE) &&
+           verifier.VerifyVector(code()) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SymIntNodeBuilder {
+  typedef SymIntNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_code(::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> code) {
+    fbb_.AddOffset(SymIntNode::VT_CODE, code);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SymIntNode::VT_OUT, out);
+  }
+  explicit SymIntNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SymIntNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SymIntNode>(end);
+    fbb_.Required(o, SymIntNode::VT_CODE);
+    fbb_.Required(o, SymIntNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SymIntNode> CreateSymIntNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int64_t>> code = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  SymIntNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_code(code);
+  return builder_.Finish();
+}
+
+struct SymIntNode::Traits {
+  using type = SymIntNode;
+  static auto constexpr Create = CreateSymIntNode;
+};
+
+inline ::flatbuffers::Offset<SymIntNode> CreateSymIntNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const std::vector<int64_t> *code = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  auto code__ = code ? _fbb.CreateVector<int64_t>(*code) : 0;
+  return emlx::ir::CreateSymIntNode(
+      _fbb,
+      code__,
+      out);
+}
+
+/// arange(start, stop, step), `range` = [start, stop, step], each of which
+/// may be a run-time size.
+struct DynArangeNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef DynArangeNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_RANGE = 4,
+    VT_DTYPE = 6,
+    VT_OUT = 8
+  };
+  const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *range() const {
+    return GetPointer<const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *>(VT_RANGE);
+  }
+  emlx::ir::DType dtype() const {
+    return static_cast<emlx::ir::DType>(GetField<int8_t>(VT_DTYPE, 0));
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyOffsetRequired(verifier, VT_RANGE) &&
+           verifier.VerifyVector(range()) &&
+           VerifyField<int8_t>(verifier, VT_DTYPE, 1) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct DynArangeNodeBuilder {
+  typedef DynArangeNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_range(::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> range) {
+    fbb_.AddOffset(DynArangeNode::VT_RANGE, range);
+  }
+  void add_dtype(emlx::ir::DType dtype) {
+    fbb_.AddElement<int8_t>(DynArangeNode::VT_DTYPE, static_cast<int8_t>(dtype), 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(DynArangeNode::VT_OUT, out);
+  }
+  explicit DynArangeNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<DynArangeNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<DynArangeNode>(end);
+    fbb_.Required(o, DynArangeNode::VT_RANGE);
+    fbb_.Required(o, DynArangeNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<DynArangeNode> CreateDynArangeNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    ::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> range = 0,
+    emlx::ir::DType dtype = emlx::ir::DType::float32,
+    const emlx::ir::Tid *out = nullptr) {
+  DynArangeNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_range(range);
+  builder_.add_dtype(dtype);
+  return builder_.Finish();
+}
+
+struct DynArangeNode::Traits {
+  using type = DynArangeNode;
+  static auto constexpr Create = CreateDynArangeNode;
+};
+
+inline ::flatbuffers::Offset<DynArangeNode> CreateDynArangeNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const std::vector<emlx::ir::IntOrSlot> *range = nullptr,
+    emlx::ir::DType dtype = emlx::ir::DType::float32,
+    const emlx::ir::Tid *out = nullptr) {
+  auto range__ = range ? _fbb.CreateVectorOfStructs<emlx::ir::IntOrSlot>(*range) : 0;
+  return emlx::ir::CreateDynArangeNode(
+      _fbb,
+      range__,
+      dtype,
+      out);
+}
+
+/// Strided slice whose bounds may be run-time sizes (clamped like Python).
+struct DynSliceNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef DynSliceNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_START = 6,
+    VT_STOP = 8,
+    VT_STRIDES = 10,
+    VT_OUT = 12
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *start() const {
+    return GetPointer<const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *>(VT_START);
+  }
+  const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *stop() const {
+    return GetPointer<const ::flatbuffers::Vector<const emlx::ir::IntOrSlot *> *>(VT_STOP);
+  }
+  const ::flatbuffers::Vector<int32_t> *strides() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_STRIDES);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyOffsetRequired(verifier, VT_START) &&
+           verifier.VerifyVector(start()) &&
+           VerifyOffsetRequired(verifier, VT_STOP) &&
+           verifier.VerifyVector(stop()) &&
+           VerifyOffsetRequired(verifier, VT_STRIDES) &&
+           verifier.VerifyVector(strides()) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct DynSliceNodeBuilder {
+  typedef DynSliceNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(DynSliceNode::VT_A, a);
+  }
+  void add_start(::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> start) {
+    fbb_.AddOffset(DynSliceNode::VT_START, start);
+  }
+  void add_stop(::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> stop) {
+    fbb_.AddOffset(DynSliceNode::VT_STOP, stop);
+  }
+  void add_strides(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> strides) {
+    fbb_.AddOffset(DynSliceNode::VT_STRIDES, strides);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(DynSliceNode::VT_OUT, out);
+  }
+  explicit DynSliceNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<DynSliceNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<DynSliceNode>(end);
+    fbb_.Required(o, DynSliceNode::VT_A);
+    fbb_.Required(o, DynSliceNode::VT_START);
+    fbb_.Required(o, DynSliceNode::VT_STOP);
+    fbb_.Required(o, DynSliceNode::VT_STRIDES);
+    fbb_.Required(o, DynSliceNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<DynSliceNode> CreateDynSliceNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> start = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::IntOrSlot *>> stop = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> strides = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  DynSliceNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_strides(strides);
+  builder_.add_stop(stop);
+  builder_.add_start(start);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct DynSliceNode::Traits {
+  using type = DynSliceNode;
+  static auto constexpr Create = CreateDynSliceNode;
+};
+
+inline ::flatbuffers::Offset<DynSliceNode> CreateDynSliceNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const std::vector<emlx::ir::IntOrSlot> *start = nullptr,
+    const std::vector<emlx::ir::IntOrSlot> *stop = nullptr,
+    const std::vector<int32_t> *strides = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  auto start__ = start ? _fbb.CreateVectorOfStructs<emlx::ir::IntOrSlot>(*start) : 0;
+  auto stop__ = stop ? _fbb.CreateVectorOfStructs<emlx::ir::IntOrSlot>(*stop) : 0;
+  auto strides__ = strides ? _fbb.CreateVector<int32_t>(*strides) : 0;
+  return emlx::ir::CreateDynSliceNode(
+      _fbb,
+      a,
+      start__,
+      stop__,
+      strides__,
+      out);
+}
+
+/// out = a with out[..., indices[i], ...] = updates[i] along `axes`
+/// (mlx::core::scatter; updates has shape indices.shape + slice shape, the
+/// slice being 1 along `axes`). Indices are clamped into range first: MLX
+/// does not bounds-check, and no index may write outside `a`.
+struct ScatterNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef ScatterNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_INDICES = 6,
+    VT_UPDATES = 8,
+    VT_AXES = 10,
+    VT_OUT = 12
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const ::flatbuffers::Vector<const emlx::ir::Tid *> *indices() const {
+    return GetPointer<const ::flatbuffers::Vector<const emlx::ir::Tid *> *>(VT_INDICES);
+  }
+  const emlx::ir::Tid *updates() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_UPDATES);
+  }
+  const ::flatbuffers::Vector<int32_t> *axes() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_AXES);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyOffsetRequired(verifier, VT_INDICES) &&
+           verifier.VerifyVector(indices()) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_UPDATES, 4) &&
+           VerifyOffsetRequired(verifier, VT_AXES) &&
+           verifier.VerifyVector(axes()) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct ScatterNodeBuilder {
+  typedef ScatterNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(ScatterNode::VT_A, a);
+  }
+  void add_indices(::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::Tid *>> indices) {
+    fbb_.AddOffset(ScatterNode::VT_INDICES, indices);
+  }
+  void add_updates(const emlx::ir::Tid *updates) {
+    fbb_.AddStruct(ScatterNode::VT_UPDATES, updates);
+  }
+  void add_axes(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes) {
+    fbb_.AddOffset(ScatterNode::VT_AXES, axes);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(ScatterNode::VT_OUT, out);
+  }
+  explicit ScatterNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<ScatterNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<ScatterNode>(end);
+    fbb_.Required(o, ScatterNode::VT_A);
+    fbb_.Required(o, ScatterNode::VT_INDICES);
+    fbb_.Required(o, ScatterNode::VT_UPDATES);
+    fbb_.Required(o, ScatterNode::VT_AXES);
+    fbb_.Required(o, ScatterNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<ScatterNode> CreateScatterNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<const emlx::ir::Tid *>> indices = 0,
+    const emlx::ir::Tid *updates = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> axes = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  ScatterNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axes(axes);
+  builder_.add_updates(updates);
+  builder_.add_indices(indices);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct ScatterNode::Traits {
+  using type = ScatterNode;
+  static auto constexpr Create = CreateScatterNode;
+};
+
+inline ::flatbuffers::Offset<ScatterNode> CreateScatterNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const std::vector<emlx::ir::Tid> *indices = nullptr,
+    const emlx::ir::Tid *updates = nullptr,
+    const std::vector<int32_t> *axes = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  auto indices__ = indices ? _fbb.CreateVectorOfStructs<emlx::ir::Tid>(*indices) : 0;
+  auto axes__ = axes ? _fbb.CreateVector<int32_t>(*axes) : 0;
+  return emlx::ir::CreateScatterNode(
+      _fbb,
+      a,
+      indices__,
+      updates,
+      axes__,
+      out);
+}
+
+/// mlx::core::fast::scaled_dot_product_attention on [B, H, L, D] queries and
+/// [B, Hkv, S, D] keys/values (H a multiple of Hkv: grouped-query attention
+/// without repeating K/V). `mask` is boolean (true = attend) or additive,
+/// broadcastable to [B, H, L, S]; `causal` uses MLX's own causal mask.
+struct ScaledDotProductAttentionNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef ScaledDotProductAttentionNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_Q = 4,
+    VT_K = 6,
+    VT_V = 8,
+    VT_MASK = 10,
+    VT_SCALE = 12,
+    VT_CAUSAL = 14,
+    VT_OUT = 16
+  };
+  const emlx::ir::Tid *q() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_Q);
+  }
+  const emlx::ir::Tid *k() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_K);
+  }
+  const emlx::ir::Tid *v() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_V);
+  }
+  const emlx::ir::Tid *mask() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_MASK);
+  }
+  float scale() const {
+    return GetField<float>(VT_SCALE, 0.0f);
+  }
+  bool causal() const {
+    return GetField<uint8_t>(VT_CAUSAL, 0) != 0;
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_Q, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_K, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_V, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_MASK, 4) &&
+           VerifyField<float>(verifier, VT_SCALE, 4) &&
+           VerifyField<uint8_t>(verifier, VT_CAUSAL, 1) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct ScaledDotProductAttentionNodeBuilder {
+  typedef ScaledDotProductAttentionNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_q(const emlx::ir::Tid *q) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_Q, q);
+  }
+  void add_k(const emlx::ir::Tid *k) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_K, k);
+  }
+  void add_v(const emlx::ir::Tid *v) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_V, v);
+  }
+  void add_mask(const emlx::ir::Tid *mask) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_MASK, mask);
+  }
+  void add_scale(float scale) {
+    fbb_.AddElement<float>(ScaledDotProductAttentionNode::VT_SCALE, scale, 0.0f);
+  }
+  void add_causal(bool causal) {
+    fbb_.AddElement<uint8_t>(ScaledDotProductAttentionNode::VT_CAUSAL, static_cast<uint8_t>(causal), 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_OUT, out);
+  }
+  explicit ScaledDotProductAttentionNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<ScaledDotProductAttentionNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<ScaledDotProductAttentionNode>(end);
+    fbb_.Required(o, ScaledDotProductAttentionNode::VT_Q);
+    fbb_.Required(o, ScaledDotProductAttentionNode::VT_K);
+    fbb_.Required(o, ScaledDotProductAttentionNode::VT_V);
+    fbb_.Required(o, ScaledDotProductAttentionNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<ScaledDotProductAttentionNode> CreateScaledDotProductAttentionNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *q = nullptr,
+    const emlx::ir::Tid *k = nullptr,
+    const emlx::ir::Tid *v = nullptr,
+    const emlx::ir::Tid *mask = nullptr,
+    float scale = 0.0f,
+    bool causal = false,
+    const emlx::ir::Tid *out = nullptr) {
+  ScaledDotProductAttentionNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_scale(scale);
+  builder_.add_mask(mask);
+  builder_.add_v(v);
+  builder_.add_k(k);
+  builder_.add_q(q);
+  builder_.add_causal(causal);
+  return builder_.Finish();
+}
+
+struct ScaledDotProductAttentionNode::Traits {
+  using type = ScaledDotProductAttentionNode;
+  static auto constexpr Create = CreateScaledDotProductAttentionNode;
+};
+
+/// mlx::core::fast::rms_norm over the last axis: x * rsqrt(mean(x^2) + eps) * weight.
+struct RmsNormNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RmsNormNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_WEIGHT = 6,
+    VT_EPS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  float eps() const {
+    return GetField<float>(VT_EPS, 0.0f);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyField<float>(verifier, VT_EPS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RmsNormNodeBuilder {
+  typedef RmsNormNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(RmsNormNode::VT_A, a);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(RmsNormNode::VT_WEIGHT, weight);
+  }
+  void add_eps(float eps) {
+    fbb_.AddElement<float>(RmsNormNode::VT_EPS, eps, 0.0f);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(RmsNormNode::VT_OUT, out);
+  }
+  explicit RmsNormNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RmsNormNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RmsNormNode>(end);
+    fbb_.Required(o, RmsNormNode::VT_A);
+    fbb_.Required(o, RmsNormNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RmsNormNode> CreateRmsNormNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    float eps = 0.0f,
+    const emlx::ir::Tid *out = nullptr) {
+  RmsNormNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_eps(eps);
+  builder_.add_weight(weight);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct RmsNormNode::Traits {
+  using type = RmsNormNode;
+  static auto constexpr Create = CreateRmsNormNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -5190,6 +6580,48 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::RandomBitsNode *op_as_RandomBitsNode() const {
     return op_type() == emlx::ir::Op::RandomBitsNode ? static_cast<const emlx::ir::RandomBitsNode *>(op()) : nullptr;
+  }
+  const emlx::ir::SinNode *op_as_SinNode() const {
+    return op_type() == emlx::ir::Op::SinNode ? static_cast<const emlx::ir::SinNode *>(op()) : nullptr;
+  }
+  const emlx::ir::CosNode *op_as_CosNode() const {
+    return op_type() == emlx::ir::Op::CosNode ? static_cast<const emlx::ir::CosNode *>(op()) : nullptr;
+  }
+  const emlx::ir::AnyNode *op_as_AnyNode() const {
+    return op_type() == emlx::ir::Op::AnyNode ? static_cast<const emlx::ir::AnyNode *>(op()) : nullptr;
+  }
+  const emlx::ir::AllNode *op_as_AllNode() const {
+    return op_type() == emlx::ir::Op::AllNode ? static_cast<const emlx::ir::AllNode *>(op()) : nullptr;
+  }
+  const emlx::ir::BitwiseAndNode *op_as_BitwiseAndNode() const {
+    return op_type() == emlx::ir::Op::BitwiseAndNode ? static_cast<const emlx::ir::BitwiseAndNode *>(op()) : nullptr;
+  }
+  const emlx::ir::BitwiseOrNode *op_as_BitwiseOrNode() const {
+    return op_type() == emlx::ir::Op::BitwiseOrNode ? static_cast<const emlx::ir::BitwiseOrNode *>(op()) : nullptr;
+  }
+  const emlx::ir::BitwiseXorNode *op_as_BitwiseXorNode() const {
+    return op_type() == emlx::ir::Op::BitwiseXorNode ? static_cast<const emlx::ir::BitwiseXorNode *>(op()) : nullptr;
+  }
+  const emlx::ir::CumsumNode *op_as_CumsumNode() const {
+    return op_type() == emlx::ir::Op::CumsumNode ? static_cast<const emlx::ir::CumsumNode *>(op()) : nullptr;
+  }
+  const emlx::ir::SymIntNode *op_as_SymIntNode() const {
+    return op_type() == emlx::ir::Op::SymIntNode ? static_cast<const emlx::ir::SymIntNode *>(op()) : nullptr;
+  }
+  const emlx::ir::DynArangeNode *op_as_DynArangeNode() const {
+    return op_type() == emlx::ir::Op::DynArangeNode ? static_cast<const emlx::ir::DynArangeNode *>(op()) : nullptr;
+  }
+  const emlx::ir::DynSliceNode *op_as_DynSliceNode() const {
+    return op_type() == emlx::ir::Op::DynSliceNode ? static_cast<const emlx::ir::DynSliceNode *>(op()) : nullptr;
+  }
+  const emlx::ir::ScatterNode *op_as_ScatterNode() const {
+    return op_type() == emlx::ir::Op::ScatterNode ? static_cast<const emlx::ir::ScatterNode *>(op()) : nullptr;
+  }
+  const emlx::ir::ScaledDotProductAttentionNode *op_as_ScaledDotProductAttentionNode() const {
+    return op_type() == emlx::ir::Op::ScaledDotProductAttentionNode ? static_cast<const emlx::ir::ScaledDotProductAttentionNode *>(op()) : nullptr;
+  }
+  const emlx::ir::RmsNormNode *op_as_RmsNormNode() const {
+    return op_type() == emlx::ir::Op::RmsNormNode ? static_cast<const emlx::ir::RmsNormNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -5399,6 +6831,62 @@ template<> inline const emlx::ir::ArangeNode *Node::op_as<emlx::ir::ArangeNode>(
 
 template<> inline const emlx::ir::RandomBitsNode *Node::op_as<emlx::ir::RandomBitsNode>() const {
   return op_as_RandomBitsNode();
+}
+
+template<> inline const emlx::ir::SinNode *Node::op_as<emlx::ir::SinNode>() const {
+  return op_as_SinNode();
+}
+
+template<> inline const emlx::ir::CosNode *Node::op_as<emlx::ir::CosNode>() const {
+  return op_as_CosNode();
+}
+
+template<> inline const emlx::ir::AnyNode *Node::op_as<emlx::ir::AnyNode>() const {
+  return op_as_AnyNode();
+}
+
+template<> inline const emlx::ir::AllNode *Node::op_as<emlx::ir::AllNode>() const {
+  return op_as_AllNode();
+}
+
+template<> inline const emlx::ir::BitwiseAndNode *Node::op_as<emlx::ir::BitwiseAndNode>() const {
+  return op_as_BitwiseAndNode();
+}
+
+template<> inline const emlx::ir::BitwiseOrNode *Node::op_as<emlx::ir::BitwiseOrNode>() const {
+  return op_as_BitwiseOrNode();
+}
+
+template<> inline const emlx::ir::BitwiseXorNode *Node::op_as<emlx::ir::BitwiseXorNode>() const {
+  return op_as_BitwiseXorNode();
+}
+
+template<> inline const emlx::ir::CumsumNode *Node::op_as<emlx::ir::CumsumNode>() const {
+  return op_as_CumsumNode();
+}
+
+template<> inline const emlx::ir::SymIntNode *Node::op_as<emlx::ir::SymIntNode>() const {
+  return op_as_SymIntNode();
+}
+
+template<> inline const emlx::ir::DynArangeNode *Node::op_as<emlx::ir::DynArangeNode>() const {
+  return op_as_DynArangeNode();
+}
+
+template<> inline const emlx::ir::DynSliceNode *Node::op_as<emlx::ir::DynSliceNode>() const {
+  return op_as_DynSliceNode();
+}
+
+template<> inline const emlx::ir::ScatterNode *Node::op_as<emlx::ir::ScatterNode>() const {
+  return op_as_ScatterNode();
+}
+
+template<> inline const emlx::ir::ScaledDotProductAttentionNode *Node::op_as<emlx::ir::ScaledDotProductAttentionNode>() const {
+  return op_as_ScaledDotProductAttentionNode();
+}
+
+template<> inline const emlx::ir::RmsNormNode *Node::op_as<emlx::ir::RmsNormNode>() const {
+  return op_as_RmsNormNode();
 }
 
 struct NodeBuilder {
@@ -5815,6 +7303,62 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::RandomBitsNode: {
       auto ptr = reinterpret_cast<const emlx::ir::RandomBitsNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SinNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SinNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::CosNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::CosNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::AnyNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::AnyNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::AllNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::AllNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::BitwiseAndNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::BitwiseAndNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::BitwiseOrNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::BitwiseOrNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::BitwiseXorNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::BitwiseXorNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::CumsumNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::CumsumNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SymIntNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SymIntNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::DynArangeNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::DynArangeNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::DynSliceNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::DynSliceNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::ScatterNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::ScatterNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::ScaledDotProductAttentionNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::ScaledDotProductAttentionNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::RmsNormNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::RmsNormNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
