@@ -26,6 +26,7 @@ def _quiet(*names):
 
 with _quiet("torchao", "torch.utils._pytree"):
     from ._runtime_library import load as _load_runtime
+    from ._runtime_library import reset_state
     from .backend import MLXGraphBackend
     from .custom_kernel_ops import sample as _sample_op  # registers torch.ops.mlx.sample
     from .partitioner import MLXPartitioner
@@ -34,4 +35,4 @@ with _quiet("torchao", "torch.utils._pytree"):
 
 BACKEND_ID = MLXGraphBackend.__name__
 
-__all__ = ["BACKEND_ID", "MLXGraphBackend", "MLXPartitioner"]
+__all__ = ["BACKEND_ID", "MLXGraphBackend", "MLXPartitioner", "reset_state"]

@@ -48,3 +48,10 @@ def load() -> ctypes.CDLL:
 def last_error() -> str:
     """The runtime's reason for the last failure on this thread ('' if none)."""
     return load().emlx_last_error().decode()
+
+
+def reset_state() -> None:
+    """Sets the persistent state (KV caches) of every program loaded in this
+    process back to its initial value: a new conversation without a reload."""
+    if load().emlx_reset_state() != 0:
+        raise RuntimeError(last_error())

@@ -293,9 +293,9 @@ void Program::verify(const void* data, size_t size) {
 void Program::load_constants(const NamedDataMap* named_data) {
   auto* consts = graph_->constants();
   auto* buffers = graph_->mutable_buffers();
-  if ((consts->size() || buffers->size()) && !named_data) {
-    throw ProgramError("program has constants but no named data map was provided");
-  }
+  bool needs_data = consts->size() > 0;
+  for (auto* b : *buffers) needs_data |= !b->zero_initial();
+  if (needs_data && !named_data) throw ProgramError("program has constants but no named data map was provided");
   auto load = [&](const char* name, ir::DType dtype, mx::Shape shape) {
     auto data = named_data->get_data(name);
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");

@@ -1,0 +1,192 @@
+"""Ops and runtime features that decoder LLMs need: rotary/attention ops,
+run-time sizes from dynamic dimensions, and buffers mutated in place (the KV
+cache) that the delegate keeps between calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops
+from test_ops import check, rand
+
+import executorch_mlx
+from executorch.runtime import Runtime
+
+
+# ------------------------------------------------------------ elementwise --
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sin_cos(dtype):
+    check(lambda x: torch.sin(x) + torch.cos(x), rand(dtype=dtype), nodes=["SinNode", "CosNode"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64])
+def test_bitwise(dtype):
+    x, y = rand(dtype=dtype, lo=0, hi=64), rand(dtype=dtype, lo=0, hi=64)
+    check(lambda a, b: ((a & b) | (a ^ b)), x, y, nodes=["BitwiseAndNode", "BitwiseOrNode", "BitwiseXorNode"])
+
+
+def test_any_all():
+    x = rand(dtype=torch.bool)
+    check(lambda a: torch.any(a, dim=-1, keepdim=True) & torch.all(a, dim=-1, keepdim=True), x,
+          nodes=["AnyNode"])  # torch decomposes all() into any()
+    check(lambda a: torch.any(a > 2.5, dim=1), rand(), nodes=["AnyNode"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_cumsum(dtype):
+    check(lambda a: torch.cumsum(a, dim=1), rand(dtype=dtype), nodes=["CumsumNode"])
+
+
+def test_copy_into_buffer_shape():
+    # functional copy: src cast and broadcast to self's shape and dtype
+    check(lambda a, b: torch.ops.aten.copy.default(a, b), rand((2, 3)), rand((3,), torch.int32))
+
+
+# ------------------------------------------------------ indexing, split --
+def test_split_with_sizes():
+    check(lambda a: [t * 2 for t in torch.split(a, [1, 3], dim=-1)], rand(), nodes=["SliceNode"])
+
+
+def test_index_tensor():
+    idx = torch.tensor([2, 0, 1, 1])
+    check(lambda a, i: a[:, i], rand(), idx, nodes=["TakeNode"])
+
+
+def test_index_put():
+    idx = torch.tensor([3, 0])
+    check(lambda a, i, v: torch.ops.aten.index_put.default(a, [None, None, i], v), rand(), idx, rand((2, 3, 2)),
+          nodes=["ScatterNode"])
+
+
+def test_index_put_clamps_out_of_range_indices():
+    """MLX's scatter does not bounds-check; the runtime clamps (no stray write)."""
+    fn = lambda a, i, v: torch.ops.aten.index_put.default(a, [i], v)  # noqa: E731
+    a, v = torch.zeros(4, 2), torch.ones(1, 2)
+    edge = lower(check_module := _Fn(fn), (a, torch.tensor([1]), v))
+    assert undelegated_ops(edge) == []
+    out = run(edge.to_executorch().buffer, [a, torch.tensor([1000]), v])[0]
+    assert torch.equal(out, fn(a, torch.tensor([3]), v))  # clamped to the last row
+    del check_module
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+# -------------------------------------------------------------- attention --
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "boolmask"])
+def test_sdpa(kv_heads, masked):
+    q, k, v = rand((1, 4, 5, 8)), rand((1, kv_heads, 7, 8)), rand((1, kv_heads, 7, 8))
+    mask = torch.rand(1, 1, 5, 7) < 0.7
+    mask[..., 0] = True  # every query sees something
+
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m if masked else None,
+                                              enable_gqa=kv_heads != 4)
+
+    edge = lower(_Fn(fn), (q, k, v, mask))
+    assert undelegated_ops(edge) == []
+    assert "ScaledDotProductAttentionNode" in node_types(edge)
+    got = run(edge.to_executorch().buffer, [q, k, v, mask])[0]
+    torch.testing.assert_close(got, fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_causal_square():
+    q, k, v = rand((1, 2, 6, 8)), rand((1, 2, 6, 8)), rand((1, 2, 6, 8))
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
+          nodes=["ScaledDotProductAttentionNode"])
+
+
+# ---------------------------------------------------------- dynamic sizes --
+class Dynamic(torch.nn.Module):
+    """Sizes of a dynamic dimension in view, expand, arange, slice, full."""
+
+    def forward(self, x):
+        n = x.shape[1]
+        pos = torch.arange(n) + 1
+        h = x.view(x.shape[0], n, 2, 2).reshape(x.shape[0], n, 4) * pos[None, :, None]
+        ones = torch.ones(x.shape[0], n, 1)
+        h = torch.cat([h, ones.expand(x.shape[0], n, 1)], dim=-1)
+        return h[:, :, 1:], h[:, -1, :], torch.full((n,), 2.0) * n
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 16])
+def test_dynamic_sizes_run_at_every_length(length):
+    seq = torch.export.Dim("seq", min=1, max=16)
+    x = rand((2, 5, 4))
+    edge = lower(Dynamic(), (x,), dynamic_shapes={"x": {1: seq}})
+    assert undelegated_ops(edge) == []
+    assert {"SymIntNode", "DynArangeNode", "DynSliceNode"} <= node_types(edge)
+    graph = delegate_graphs(edge)[0]
+    # torch.export reports Dim(min=1) as min 2, yet the program accepts 1
+    assert [(s.min, s.max) for s in graph.symbols] == [(0, 16)]
+    x = rand((2, length, 4))
+    got = run(edge.to_executorch().buffer, [x])
+    for g, w in zip(got, Dynamic()(x)):
+        torch.testing.assert_close(g, w)
+
+
+# ---------------------------------------------- mutable buffers (KV cache) --
+class Cache(torch.nn.Module):
+    """A toy KV cache: writes rows at `pos`, returns the running sum of rows
+    written so far (reads the whole cache)."""
+
+    def __init__(self, slots=8, width=4):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(1, slots, width), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x, pos):
+        self.cache[:, pos] = x
+        self.steps.add_(1)
+        return self.cache.sum(dim=1) + 0.0, self.steps + 0
+
+
+def _cache_program():
+    seq = torch.export.Dim("seq", min=1, max=8)
+    x, pos = rand((1, 3, 4)), torch.arange(3)
+    edge = lower(Cache(), (x, pos), dynamic_shapes={"x": {1: seq}, "pos": {0: seq}}, strict=True)
+    return edge
+
+
+def test_kv_cache_lives_in_the_delegate_and_persists():
+    edge = _cache_program()
+    assert undelegated_ops(edge) == [], "the cache writes must not run on portable kernels"
+    graph = delegate_graphs(edge)[0]
+    assert len(graph.mutable_buffers) == 2 and all(b.zero_initial for b in graph.mutable_buffers)
+    assert "ScatterNode" in node_types(edge)
+    program = Runtime.get().load_program(edge.to_executorch().buffer)
+    method = program.load_method("forward")
+    eager = Cache()
+    xs = [(rand((1, 3, 4)), torch.arange(3)), (rand((1, 1, 4)), torch.tensor([3])), (rand((1, 2, 4)), torch.tensor([4, 5]))]
+    for x, pos in xs:
+        got = method.execute([x, pos])
+        want = eager(x, pos)
+        torch.testing.assert_close(got[0], want[0])
+        assert int(got[1]) == int(want[1])
+    # A reset starts over: the same call now sees an empty cache.
+    executorch_mlx.reset_state()
+    x, pos = xs[1]
+    got = method.execute([x, pos])
+    torch.testing.assert_close(got[0], Cache()(x, pos)[0])
+    assert int(got[1]) == 1
+
+
+def test_two_loads_of_one_program_keep_separate_state():
+    pte = _cache_program().to_executorch().buffer
+    a = Runtime.get().load_program(pte).load_method("forward")
+    prog_b = Runtime.get().load_program(pte)
+    b = prog_b.load_method("forward")
+    x = rand((1, 1, 4))
+    a.execute([x, torch.tensor([0])])
+    a.execute([x, torch.tensor([1])])
+    got = b.execute([x, torch.tensor([2])])
+    torch.testing.assert_close(got[0], x[:, 0])  # b saw only its own write
+    assert int(got[1]) == 1
