@@ -10,7 +10,7 @@ from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner impor
     generate_partitions_from_list_of_nodes,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-from executorch.exir.backend.utils import tag_constant_data, tag_mutated_buffer
+from executorch.exir.backend.utils import tag_constant_data
 from torch.export import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -64,6 +64,26 @@ def can_lower(node: torch.fx.Node) -> bool:
     return True
 
 
+def tag_owned_buffers(ep: ExportedProgram) -> None:
+    """Gives each mutated buffer (a KV cache) to the partition that reads it
+    and computes its new value, when that is one partition: the runtime then
+    keeps it between calls and nothing of it crosses to the host. A buffer
+    split across partitions stays with ExecuTorch (correct, but copied)."""
+    from torch.export.graph_signature import OutputKind
+
+    sig = ep.graph_signature
+    producers = {spec.target: spec.arg.name for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+    nodes = {n.name: n for n in ep.graph.nodes}
+    for node in ep.graph.nodes:
+        fqn = sig.inputs_to_buffers.get(node.name) if node.op == "placeholder" else None
+        if fqn not in producers:
+            continue
+        tags = {user.meta.get("delegation_tag") for user in node.users}
+        tags.add(nodes[producers[fqn]].meta.get("delegation_tag"))
+        if len(tags) == 1 and None not in tags:
+            node.meta["delegation_tag"] = tags.pop()
+
+
 class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         return can_lower(node)
@@ -95,10 +115,7 @@ class MLXPartitioner(Partitioner):
                 node.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
         tag_constant_data(exported_program)
-        # Buffers mutated inside a partition (a KV cache) belong to it: the
-        # runtime keeps them between calls, and nothing of them crosses to
-        # the host.
-        tag_mutated_buffer(exported_program)
+        tag_owned_buffers(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 

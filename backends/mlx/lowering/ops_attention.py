@@ -13,11 +13,39 @@ from .registry import Unsupported, handles
 aten = torch.ops.aten
 
 
+def _target_name(node) -> str:
+    return str(getattr(node, "target", ""))
+
+
+def unrepeated_kv(b: GraphBuilder, arg):
+    """The [B, Hkv, S, D] source of a key/value that was repeated to every
+    query head (transformers' repeat_kv: unsqueeze(2), expand, clone, view),
+    or `arg` itself. MLX's attention takes fewer key/value heads directly, so
+    the copy of the whole cache per layer and step is never made."""
+    node = arg
+    if "view" not in _target_name(node):
+        return arg
+    node = node.args[0]
+    if "clone" in _target_name(node):
+        node = node.args[0]
+    if "expand" not in _target_name(node):
+        return arg
+    node = node.args[0]
+    if "unsqueeze" not in _target_name(node) or node.args[1] != 2:
+        return arg
+    src = node.args[0]
+    src_shape, out_shape = meta_val(src).shape, meta_val(arg).shape
+    if len(src_shape) != 4 or len(out_shape) != 4 or str(src_shape[2:]) != str(out_shape[2:]):
+        return arg
+    return src if src in b.values else arg  # a support check sees only the node's own inputs
+
+
 @handles(aten.scaled_dot_product_attention.default)
 def sdpa(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Kept whole by the partitioner (see ops_to_not_decompose). Grouped
     query attention (fewer key/value heads) needs no repeated K/V in MLX."""
-    q, k, v = (b.get(a) for a in node.args[:3])
+    q = b.get(node.args[0])
+    k, v = (b.get(unrepeated_kv(b, a)) for a in node.args[1:3])
     out = meta_val(node)
     mask_arg = node_arg(node, 3, "attn_mask")
     dropout = node_arg(node, 4, "dropout_p", 0.0)
