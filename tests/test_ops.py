@@ -392,7 +392,7 @@ class Linear(torch.nn.Module):
 @floats
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_linear(dtype, bias):
-    nodes = {"MatmulNode", "TransposeNode"} | ({"AddNode"} if bias else set())
+    nodes = {"LinearNode"}
     assert_matches_eager(Linear(bias, dtype), (rand(dtype=dtype),), expect_nodes=nodes)
 
 
@@ -777,7 +777,7 @@ class MLP(torch.nn.Module):
 def test_mlp():
     model = MLP().eval()
     x = rand((3, 8))
-    assert_matches_eager(model, (x,), expect_nodes={"MatmulNode", "AddNode", "MaximumNode", "SoftmaxNode"})
+    assert_matches_eager(model, (x,), expect_nodes={"LinearNode", "MaximumNode", "SoftmaxNode"})
     edge = lower(model, (x,))
     assert len(delegate_graphs(edge)) == 1  # one delegate holds the whole model
 
@@ -804,7 +804,7 @@ def test_mixed_model_partial_delegation():
     graphs = delegate_graphs(edge)
     assert len(graphs) == 2, "the ops before and after flip are two delegates"
     types = node_types(edge)
-    assert {"MatmulNode", "MaximumNode", "SoftmaxNode", "SubtractNode"} <= types, types
+    assert {"LinearNode", "MaximumNode", "SoftmaxNode", "SubtractNode"} <= types, types
     got = run(edge.to_executorch().buffer, [x])
     assert len(got) == 1
     torch.testing.assert_close(got[0], model(x), atol=1e-5, rtol=1e-5)

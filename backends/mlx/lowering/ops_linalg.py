@@ -44,11 +44,11 @@ def addmm(b: GraphBuilder, node: torch.fx.Node) -> None:
 def linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     """x @ W^T + bias (kept whole by the partitioner: see ops_to_not_decompose)."""
     out = meta_val(node)
-    w = b.cast(b.get(node.args[1]), out.dtype)
-    wt = b.emit(ir.TransposeNode, w.dtype, tuple(reversed(w.shape)), a=w.tid, axes=list(range(len(w.shape)))[::-1])
-    x = b.cast(b.get(node.args[0]), out.dtype)
-    r = b.emit(ir.MatmulNode, out.dtype, out.shape, a=x.tid, b=wt.tid)
+    if not out.dtype.is_floating_point:
+        raise Unsupported("integer linear")
+    x, w = (b.cast(b.get(a), out.dtype) for a in node.args[:2])
     bias = node_arg(node, 2, "bias")
+    fields = dict(x=x.tid, weight=w.tid)
     if bias is not None:
-        r = b.emit(ir.AddNode, out.dtype, out.shape, a=r.tid, b=b.cast(b.get(bias), out.dtype).tid)
-    b.bind(node, r)
+        fields["bias"] = b.cast(b.get(bias), out.dtype).tid
+    b.bind(node, b.emit(ir.LinearNode, out.dtype, out.shape, **fields))

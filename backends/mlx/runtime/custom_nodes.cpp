@@ -7,6 +7,7 @@
 
 #include "dtype.h"
 #include "interpreter.h"
+#include "linear.h"
 
 namespace emlx {
 
@@ -217,6 +218,10 @@ void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {
     throw std::invalid_argument("RmsNormNode: weight must be [last dim]");
   }
   st.set(n->out(), mx::fast::rms_norm(a, weight, n->eps()));
+}
+
+void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
+  st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), st.get_optional(n->bias())));
 }
 
 }  // namespace emlx

@@ -313,6 +313,14 @@ class LessNode:
 
 
 @dataclass
+class LinearNode:
+    x: Tid | None = None
+    weight: Tid | None = None
+    bias: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
 class Literal:
     slot: int = 0
     dtype: DType = DType.float32
@@ -631,8 +639,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -1254,6 +1262,23 @@ def _pack_LessNode(b, v):
 
 def _unpack_LessNode(r):
     return LessNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_LinearNode(b, v):
+    fb.LinearNodeStart(b)
+    if v.x is not None:
+        fb.LinearNodeAddX(b, _pack_Tid(b, v.x))
+    if v.weight is not None:
+        fb.LinearNodeAddWeight(b, _pack_Tid(b, v.weight))
+    if v.bias is not None:
+        fb.LinearNodeAddBias(b, _pack_Tid(b, v.bias))
+    if v.out is not None:
+        fb.LinearNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.LinearNodeEnd(b)
+
+
+def _unpack_LinearNode(r):
+    return LinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_Literal(b, v):

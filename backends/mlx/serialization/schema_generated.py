@@ -95,6 +95,7 @@ class Op(object):
     ScatterNode = 62
     ScaledDotProductAttentionNode = 63
     RmsNormNode = 64
+    LinearNode = 65
 
 
 # Reference to a value slot of the graph.
@@ -5548,6 +5549,91 @@ def ScaledDotProductAttentionNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def ScaledDotProductAttentionNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# x @ weight^T (+ bias): x [..., K], weight [N, K], bias [N]. On the CPU
+# with float32 operands the runtime runs its own multi-threaded kernel;
+# elsewhere mlx::core::matmul.
+class LinearNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = LinearNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsLinearNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def LinearNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # LinearNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # LinearNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # LinearNode
+    def Weight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # LinearNode
+    def Bias(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # LinearNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def LinearNodeStart(builder):
+    builder.StartObject(4)
+
+def LinearNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def LinearNodeAddWeight(builder, weight):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(weight), 0)
+
+def LinearNodeAddBias(builder, bias):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(bias), 0)
+
+def LinearNodeAddOut(builder, out):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def LinearNodeEnd(builder):
     return builder.EndObject()
 
 

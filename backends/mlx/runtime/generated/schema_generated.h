@@ -226,6 +226,9 @@ struct ScatterNodeBuilder;
 struct ScaledDotProductAttentionNode;
 struct ScaledDotProductAttentionNodeBuilder;
 
+struct LinearNode;
+struct LinearNodeBuilder;
+
 struct RmsNormNode;
 struct RmsNormNodeBuilder;
 
@@ -395,11 +398,12 @@ enum class Op : uint8_t {
   ScatterNode = 62,
   ScaledDotProductAttentionNode = 63,
   RmsNormNode = 64,
+  LinearNode = 65,
   MIN = NONE,
-  MAX = RmsNormNode
+  MAX = LinearNode
 };
 
-inline const Op (&EnumValuesOp())[65] {
+inline const Op (&EnumValuesOp())[66] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -465,13 +469,14 @@ inline const Op (&EnumValuesOp())[65] {
     Op::DynSliceNode,
     Op::ScatterNode,
     Op::ScaledDotProductAttentionNode,
-    Op::RmsNormNode
+    Op::RmsNormNode,
+    Op::LinearNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[66] = {
+  static const char * const names[67] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -537,13 +542,14 @@ inline const char * const *EnumNamesOp() {
     "ScatterNode",
     "ScaledDotProductAttentionNode",
     "RmsNormNode",
+    "LinearNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RmsNormNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::LinearNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -806,6 +812,10 @@ template<> struct OpTraits<emlx::ir::ScaledDotProductAttentionNode> {
 
 template<> struct OpTraits<emlx::ir::RmsNormNode> {
   static const Op enum_value = Op::RmsNormNode;
+};
+
+template<> struct OpTraits<emlx::ir::LinearNode> {
+  static const Op enum_value = Op::LinearNode;
 };
 
 template <bool B = false>
@@ -6336,6 +6346,90 @@ struct ScaledDotProductAttentionNode::Traits {
   static auto constexpr Create = CreateScaledDotProductAttentionNode;
 };
 
+/// x @ weight^T (+ bias): x [..., K], weight [N, K], bias [N]. On the CPU
+/// with float32 operands the runtime runs its own multi-threaded kernel;
+/// elsewhere mlx::core::matmul.
+struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef LinearNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_BIAS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *bias() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIAS);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct LinearNodeBuilder {
+  typedef LinearNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(LinearNode::VT_X, x);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(LinearNode::VT_WEIGHT, weight);
+  }
+  void add_bias(const emlx::ir::Tid *bias) {
+    fbb_.AddStruct(LinearNode::VT_BIAS, bias);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(LinearNode::VT_OUT, out);
+  }
+  explicit LinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<LinearNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<LinearNode>(end);
+    fbb_.Required(o, LinearNode::VT_X);
+    fbb_.Required(o, LinearNode::VT_WEIGHT);
+    fbb_.Required(o, LinearNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<LinearNode> CreateLinearNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *bias = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  LinearNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bias(bias);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct LinearNode::Traits {
+  using type = LinearNode;
+  static auto constexpr Create = CreateLinearNode;
+};
+
 /// mlx::core::fast::rms_norm over the last axis: x * rsqrt(mean(x^2) + eps) * weight.
 struct RmsNormNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef RmsNormNodeBuilder Builder;
@@ -6623,6 +6717,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::RmsNormNode *op_as_RmsNormNode() const {
     return op_type() == emlx::ir::Op::RmsNormNode ? static_cast<const emlx::ir::RmsNormNode *>(op()) : nullptr;
   }
+  const emlx::ir::LinearNode *op_as_LinearNode() const {
+    return op_type() == emlx::ir::Op::LinearNode ? static_cast<const emlx::ir::LinearNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -6887,6 +6984,10 @@ template<> inline const emlx::ir::ScaledDotProductAttentionNode *Node::op_as<eml
 
 template<> inline const emlx::ir::RmsNormNode *Node::op_as<emlx::ir::RmsNormNode>() const {
   return op_as_RmsNormNode();
+}
+
+template<> inline const emlx::ir::LinearNode *Node::op_as<emlx::ir::LinearNode>() const {
+  return op_as_LinearNode();
 }
 
 struct NodeBuilder {
@@ -7359,6 +7460,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::RmsNormNode: {
       auto ptr = reinterpret_cast<const emlx::ir::RmsNormNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::LinearNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::LinearNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

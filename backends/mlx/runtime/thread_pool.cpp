@@ -1,0 +1,109 @@
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace emlx {
+
+namespace {
+
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+  }
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  int size() const { return static_cast<int>(threads_.size()) + 1; }
+
+  void run(int n, const std::function<void(int)>& fn) {
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      fn_ = &fn;
+      n_ = n;
+      pending_.store(n);
+      gen = ++generation_;
+      ticket_.store(gen << 32);
+    }
+    cv_.notify_all();
+    drain(gen);
+    // Workers may still be finishing their last item.
+    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+ private:
+  // Claims and runs items of run `gen`. The ticket holds (generation, next
+  // index), so a worker that wakes late never claims an item of a later run.
+  void drain(uint64_t gen) {
+    while (true) {
+      uint64_t t = ticket_.load();
+      if ((t >> 32) != (gen & 0xffffffffu) || static_cast<int>(t & 0xffffffffu) >= n_) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1)) continue;
+      (*fn_)(static_cast<int>(t & 0xffffffffu));
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+      }
+      drain(seen);
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  const std::function<void(int)>* fn_ = nullptr;
+  int n_ = 0;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int> pending_{0};
+};
+
+Pool& pool() {
+  // EMLX_NUM_THREADS overrides the number of threads (the caller included).
+  static Pool p([] {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("EMLX_NUM_THREADS")) n = std::atoi(env);
+    return std::clamp(n, 1, 64) - 1;
+  }());
+  return p;
+}
+
+}  // namespace
+
+void parallel_for(int n, const std::function<void(int)>& fn) {
+  if (n <= 1 || pool().size() == 1) {
+    for (int i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  pool().run(n, fn);
+}
+
+int pool_size() { return pool().size(); }
+
+}  // namespace emlx
