@@ -247,3 +247,26 @@ def test_linear_paths_agree_in_subprocesses():
     for y in outs:
         torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(outs[0], outs[1]), "the thread count must not change the result"
+
+
+class RMSNorm(torch.nn.Module):
+    """transformers' LlamaRMSNorm, as it decomposes in export."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_fused(dtype):
+    model = RMSNorm(48).to(dtype).eval()
+    x = rand((2, 5, 48), dtype)
+    assert_matches_eager(model, (x,), expect_nodes={"RmsNormNode"})
+    types = node_types(lower(model, (x,)))
+    assert not {"PowerNode", "MeanNode", "RsqrtNode"} & types, f"the decomposed norm is left in the IR: {types}"

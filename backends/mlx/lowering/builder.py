@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import operator
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ class GraphBuilder:
     _literals: dict[tuple, Value] = field(default_factory=dict)
     _symbols: dict[str, int] = field(default_factory=dict)
     _sym_values: dict[str, Value] = field(default_factory=dict)
+    _literal_values: dict[int, object] = field(default_factory=dict)
     range_constraints: dict = field(default_factory=dict)
     # A support check on one node (the partitioner's): sizes need not resolve.
     scratch: bool = False
@@ -124,7 +126,12 @@ class GraphBuilder:
                 lit.int_value = int(value)
             self.graph.literals.append(lit)
             self._literals[key] = v
+            self._literal_values[v.tid.idx] = value
         return self._literals[key]
+
+    def literal_value(self, v: Value):
+        """The Python value of a literal, or None if `v` is not one."""
+        return self._literal_values.get(v.tid.idx)
 
     def bind(self, node: torch.fx.Node, value: Value) -> None:
         self.values[node] = value
@@ -187,12 +194,14 @@ class GraphBuilder:
             self._sym_values[key] = self.emit(ir.SymIntNode, torch.int64, (), code=code)
         return self._sym_values[key]
 
-    def io_dims(self, shape) -> list[ir.Dim]:
+    def io_dims(self, shape, output: bool = False) -> list[ir.Dim]:
         out = []
         for d in shape:
             if isinstance(d, torch.SymInt):
                 name = str(d.node.expr)
-                if not d.node.expr.is_Symbol:
+                if not d.node.expr.is_Symbol and not output:
+                    # an input's sizes define the symbols; outputs are resized
+                    # to what the graph computes, so theirs may be expressions
                     raise Unsupported(f"derived dynamic dimension {name} at the delegate boundary")
                 if name not in self._symbols:
                     r = self.range_constraints.get(d.node.expr)
@@ -261,7 +270,8 @@ class GraphBuilder:
 
     def add_output(self, arg) -> None:
         v = self.get(arg)
-        self.graph.outputs.append(ir.IOValue(slot=v.tid.idx, dtype=ir_dtype(v.dtype), shape=self.io_dims(v.shape)))
+        self.graph.outputs.append(ir.IOValue(slot=v.tid.idx, dtype=ir_dtype(v.dtype),
+                                             shape=self.io_dims(v.shape, output=True)))
 
     def lower_node(self, node: torch.fx.Node) -> None:
         if node.target is operator.getitem:  # one output of a multi-output op
@@ -286,6 +296,32 @@ def constant_tensor(ep: ExportedProgram, node: torch.fx.Node) -> torch.Tensor | 
             fqn = table[node.name]
             return ep.state_dict[fqn] if fqn in ep.state_dict else ep.constants[fqn]
     return None
+
+
+def _reads(op) -> list[int]:
+    """The value slots an IR node reads (every Tid, [Tid] and run-time size field)."""
+    slots = []
+    for f in dataclasses.fields(op):
+        v = getattr(op, f.name)
+        items = v if isinstance(v, list) else [v]
+        for item in items:
+            if isinstance(item, ir.Tid) and f.name != "out":
+                slots.append(item.idx)
+            elif isinstance(item, ir.IntOrSlot) and item.slot >= 0:
+                slots.append(item.slot)
+    return slots
+
+
+def drop_dead_nodes(graph: ir.Graph) -> None:
+    """Removes nodes whose results nothing uses (e.g. the pieces of a pattern
+    that was lowered as one fused node)."""
+    live = {io.slot for io in graph.outputs} | {b.update for b in graph.mutable_buffers}
+    kept = []
+    for node in reversed(graph.nodes):
+        if node.op.out.idx in live:
+            kept.append(node)
+            live.update(_reads(node.op))
+    graph.nodes = kept[::-1]
 
 
 def lower_program(ep: ExportedProgram) -> GraphBuilder:
@@ -322,4 +358,5 @@ def lower_program(ep: ExportedProgram) -> GraphBuilder:
                     b.set_buffer_update(buffer_values[spec.target], b.get(arg))
                 else:
                     b.add_output(arg)
+    drop_dead_nodes(b.graph)
     return b

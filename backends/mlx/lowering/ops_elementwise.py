@@ -43,7 +43,7 @@ def _binary_handler(op_cls, *ops):
 
 
 for _cls, _ops in [
-    (ir.MultiplyNode, (aten.mul.Tensor, aten.mul.Scalar)),
+    (ir.MultiplyNode, (aten.mul.Scalar,)),
     (ir.MaximumNode, (aten.maximum.default,)),
     (ir.MinimumNode, (aten.minimum.default,)),
     (ir.EqualNode, (aten.eq.Tensor, aten.eq.Scalar)),
@@ -58,6 +58,41 @@ for _cls, _ops in [
     (ir.BitwiseXorNode, (aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar)),
 ]:
     _binary_handler(_cls, *_ops)
+
+
+def _is(node, *ops) -> bool:
+    return isinstance(node, torch.fx.Node) and aten_op(node.target) in ops
+
+
+def rms_norm_eps(b: GraphBuilder, x, r):
+    """eps if `r` is rsqrt(mean(x^2 over the last axis, keepdim) + eps)
+    (the RMSNorm of transformers' models, decomposed), else None."""
+    if not _is(r, aten.rsqrt.default) or not _is(r.args[0], aten.add.Tensor, aten.add.Scalar):
+        return None
+    mean, eps = r.args[0].args[:2]
+    if not _is(mean, aten.mean.dim) or not _is(mean.args[0], aten.pow.Tensor_Scalar):
+        return None
+    sq = mean.args[0]
+    dims, keepdim = node_arg(mean, 1, "dim"), node_arg(mean, 2, "keepdim", False)
+    rank = len(meta_val(x).shape)
+    if sq.args[0] is not x or sq.args[1] != 2 or not keepdim or [d % rank for d in dims] != [rank - 1]:
+        return None
+    if isinstance(eps, torch.fx.Node):
+        eps = b.literal_value(b.get(eps)) if eps in b.values else None
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+@handles(aten.mul.Tensor)
+def mul(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x * rsqrt(mean(x^2) + eps) is one RmsNormNode (mx::fast::rms_norm)."""
+    x, y = node.args[:2]
+    out = meta_val(node)
+    for a, r in ((x, y), (y, x)):
+        eps = rms_norm_eps(b, a, r) if isinstance(a, torch.fx.Node) else None
+        if eps is not None and meta_val(a).dtype == out.dtype and out.dtype.is_floating_point:
+            b.bind(node, b.emit(ir.RmsNormNode, out.dtype, out.shape, a=b.get(a).tid, eps=eps))
+            return
+    bind_binary(b, node, ir.MultiplyNode, x, y)
 
 
 def _add_sub_handler(op_cls, *ops):
