@@ -97,7 +97,11 @@ Pool& pool() {
 }  // namespace
 
 void parallel_for(int n, const std::function<void(int)>& fn) {
-  if (n <= 1 || pool().size() == 1) {
+  // One run at a time: a second caller (another MLX stream's thread) works
+  // alone rather than wait.
+  static std::mutex busy;
+  std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
+  if (n <= 1 || pool().size() == 1 || !lock.owns_lock()) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }

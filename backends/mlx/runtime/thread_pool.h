@@ -8,8 +8,8 @@
 namespace emlx {
 
 // Runs fn(0) ... fn(n - 1), spread over the pool and the calling thread;
-// returns when all are done. Not reentrant: call it from one thread at a time
-// (MLX's CPU stream thread).
+// returns when all are done. Thread-safe: while the pool is busy, another
+// caller runs its items alone.
 void parallel_for(int n, const std::function<void(int)>& fn);
 
 // Threads that parallel_for uses, the caller included.
