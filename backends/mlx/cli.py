@@ -1,16 +1,16 @@
 """The `executorch-mlx` command line.
 
-    executorch-mlx demo                 export, lower and run built-in models
-    executorch-mlx inspect FILE.pte     print the MLX delegate graphs
-    executorch-mlx generate FILE.pte    decode with a SamplingHead program
+    executorch-mlx demo                                  a small LLM: build, export, generate
+    executorch-mlx export MODEL_DIR -o FILE.pte          Hugging Face folder -> .pte
+    executorch-mlx generate FILE.pte --tokenizer MODEL_DIR --prompt TEXT
+    executorch-mlx inspect FILE.pte                      print the MLX delegate graphs
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 import sys
-import time
 
 
 def cmd_inspect(args) -> int:
@@ -20,118 +20,65 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    import torch
+def cmd_export(args) -> int:
+    from .llm.hf_export import export_llm
 
-    from .llm.decode import SampledDecoder
-
-    dec = SampledDecoder(args.pte)
-    if args.prompt:
-        ids = [int(t) for t in args.prompt.split(",")]
-        if len(ids) != dec.window:
-            print(f"--prompt needs {dec.window} token ids, got {len(ids)}", file=sys.stderr)
-            return 2
-        prompt = torch.tensor([ids] * dec.batch, dtype=torch.int64)
-    else:
-        prompt = torch.zeros(dec.batch, dec.window, dtype=torch.int64)
-    seed = args.seed
-    if dec.seeded and seed is None:
-        seed = 0
-    if not dec.seeded and seed is not None:
-        print("this program was exported without a seed input; --seed is ignored", file=sys.stderr)
-        seed = None
-    result = dec.generate(prompt, args.steps, temperature=args.temperature, seed=seed)
-    for row in result.tokens.tolist():
-        print(" ".join(map(str, row)))
-    ms = [t * 1e3 for t in result.step_seconds]
-    print(f"{args.steps} steps, median {statistics.median(ms):.3f} ms/step", file=sys.stderr)
+    export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
+               sampling=not args.no_sampling, progress=lambda line: print(line, file=sys.stderr))
     return 0
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` runs after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+def cmd_generate(args) -> int:
+    from .llm.runner import LLMRunner
+
+    runner = LLMRunner(args.pte, args.tokenizer)
+    stream = None if args.json else (lambda text: print(text, end="", flush=True))
+    result = runner.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             seed=args.seed, on_text=stream)
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+                          "prefill_tokens_per_s": result.prefill_tokens_per_s,
+                          "decode_tokens_per_s": result.decode_tokens_per_s}))
+    else:
+        print()
+        print(f"prefill {result.prefill_tokens_per_s:.1f} tokens/s, decode {result.decode_tokens_per_s:.1f} "
+              f"tokens/s ({len(result.token_ids)} tokens, stopped at {result.stop_reason})", file=sys.stderr)
+    return 0
 
 
 def cmd_demo(args) -> int:
-    import warnings
+    import tempfile
 
-    import torch
-
-    # torch.export's own deprecation notice (pytree internals), not actionable here
-    warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec.*", category=FutureWarning)
-    from executorch.exir import to_edge_transform_and_lower
-    from executorch.runtime import Runtime
-
-    from . import MLXPartitioner
-    from .inspector import delegate_blobs, undelegated_ops
-    from .llm.decode import SampledDecoder
-    from .llm.sampling import export_sampling_head
-    from .llm.tiny_lm import TinyLM
+    from .inspector import delegate_blobs
+    from .llm.hf_export import export_llm
+    from .llm.model_folders import write_model_folder
+    from .llm.runner import LLMRunner
     from .serialization import ir
 
-    torch.manual_seed(0)
-    model = TinyLM().eval()
-    batch = 2
-    prompt = torch.randint(0, 256, (batch, model.window))
+    with tempfile.TemporaryDirectory() as tmp:
+        print("== 1. A Llama-family model folder: random weights, a tokenizer trained just now ==")
+        folder = write_model_folder(f"{tmp}/model", "llama", layers=4, hidden=256, heads=8, kv_heads=2,
+                                    intermediate=512)
+        print(f"{folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
 
-    print("== 1. Lower a small language model (logits out) ==")
-    ep = torch.export.export(model, (prompt,))
-    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()])
-    prog = edge.to_executorch()
-    for method, i, backend_id, blob in delegate_blobs(prog.buffer):
-        g = ir.deserialize(blob)
-        kinds = sorted({type(n.op).__name__.removesuffix("Node") for n in g.nodes})
-        print(f"delegate {i} of '{method}' -> {backend_id}: {len(g.nodes)} nodes, "
-              f"{len(g.constants)} weights; ops: {', '.join(kinds)}")
-    print(f"ops left on portable kernels: {undelegated_ops(edge) or 'none'}")
-    program = Runtime.get().load_program(prog.buffer)  # must outlive its Method
-    method = program.load_method("forward")
-    got = method.execute([prompt])[0]
-    with torch.no_grad():
-        want = model(prompt)
-    print(f"max |pte - eager| = {(got - want).abs().max().item():.3g} over {want.numel()} logits")
-    print(f"time per run: {_timed(lambda: method.execute([prompt]), 50) * 1e3:.3f} ms (median of 50)")
+        print("\n== 2. Export: the KV cache and the sampler inside one MLX delegate ==")
+        pte = export_llm(folder, f"{tmp}/model.pte", max_context=256)
+        for method, i, backend_id, blob in delegate_blobs(pte.read_bytes()):
+            g = ir.deserialize(blob)
+            print(f"delegate {i} of '{method}' -> {backend_id}: {len(g.nodes)} nodes, {len(g.constants)} weights, "
+                  f"{len(g.mutable_buffers)} buffers kept between calls")
 
-    print("\n== 2. Sample on the device: SamplingHead, seeded ==")
-    sampler = SampledDecoder(export_sampling_head(model, (prompt,), seeded=True, per_row=True).buffer)
-    seeds = torch.tensor([42, 43])  # one seed per request
-    result = sampler.generate(prompt, args.steps, temperature=0.8, seed=seeds)
-    for b, row in enumerate(result.tokens.tolist()):
-        print(f"row {b} (seed {int(seeds[b])}): {' '.join(map(str, row))}")
-    again = sampler.generate(prompt, args.steps, temperature=0.8, seed=seeds)
-    print(f"same seeds again -> identical tokens: {torch.equal(again.tokens, result.tokens)}")
-    on_device = statistics.median(result.step_seconds)
-
-    print("\n== 3. The same step with host-side sampling (logits copied out) ==")
-    gen = torch.Generator().manual_seed(42)
-
-    def host_step_times() -> list[float]:
-        window, times = prompt.clone(), []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            logits = method.execute([window])[0][:, -1, :]
-            ids = torch.multinomial(torch.softmax(logits / 0.8, dim=-1), 1, generator=gen)[:, 0]
-            times.append(time.perf_counter() - t0)
-            window = torch.cat([window[:, 1:], ids[:, None]], dim=1)
-        return times
-
-    threads = torch.get_num_threads()
-    host_default = statistics.median(host_step_times())
-    torch.set_num_threads(1)
-    host_single = statistics.median(host_step_times())
-    torch.set_num_threads(threads)
-    print(f"per step (median of {args.steps}; batch {batch}, vocab 256, window {model.window}):")
-    print(f"  on-device sampling                    {on_device * 1e3:8.3f} ms")
-    print(f"  host-side sampling, torch {threads} threads   {host_default * 1e3:8.3f} ms")
-    print(f"  host-side sampling, torch 1 thread    {host_single * 1e3:8.3f} ms")
-    print("  (on few cores, torch's spinning thread pool starves MLX's threads between steps)")
+        print("\n== 3. Generate: prefill in one call, decode on the device, text streamed ==")
+        runner = LLMRunner(pte, folder)
+        for temperature, seed in ((0.0, None), (0.8, 42), (0.8, 42)):
+            label = "greedy" if temperature <= 0 else f"temperature {temperature}, seed {seed}"
+            print(f"[{label}] ", end="")
+            result = runner.generate("Once upon a time", max_new_tokens=args.max_new_tokens,
+                                     temperature=temperature, seed=seed,
+                                     on_text=lambda text: print(text, end="", flush=True))
+            print(f"\n  -> {len(result.token_ids)} tokens; prefill {result.prefill_tokens_per_s:.0f} tokens/s, "
+                  f"decode {result.decode_tokens_per_s:.0f} tokens/s")
+        print("(random weights: the text is noise; the same seed gives the same tokens)")
     return 0
 
 
@@ -139,25 +86,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="executorch-mlx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="export, lower and run built-in models")
-    p.add_argument("--steps", type=int, default=32, help="tokens to decode (default 32)")
+    p = sub.add_parser("demo", help="build a small Llama folder, export it and generate text")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("export", help="export a Hugging Face model folder to a .pte")
+    p.add_argument("model_dir", help="folder with config.json, *.safetensors and tokenizer.json")
+    p.add_argument("-o", "--output", required=True, help="the .pte to write")
+    p.add_argument("--max-context", type=int, default=256, help="KV cache length in tokens (default 256)")
+    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights and compute type")
+    p.add_argument("--no-sampling", action="store_true",
+                   help="return logits (runs in ExecuTorch's TextLLMRunner) instead of sampled token ids")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")
     p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("generate", help="decode with a SamplingHead .pte (tokens window in, ids out)")
+    p = sub.add_parser("generate", help="generate text with a .pte made by `executorch-mlx export`")
     p.add_argument("pte")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="64-bit seed (seeded programs; default 0)")
-    p.add_argument("--steps", type=int, default=16, help="tokens to decode (default 16)")
-    p.add_argument("--prompt", default=None, help="comma-separated token ids filling the window (default zeros)")
+    p.add_argument("--tokenizer", required=True, help="the model folder (its tokenizer.json)")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=None, help="64-bit sampling seed (default 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: token_ids, text, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"executorch-mlx {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

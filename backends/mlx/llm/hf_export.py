@@ -1,0 +1,153 @@
+"""Export a Hugging Face decoder-only model folder to a `.pte` for our backend.
+
+The program has one method, `forward`, that prefills (a whole prompt chunk
+in one call, dynamic length) and decodes (one token) with the KV cache kept
+inside the MLX delegate. Its inputs, in this order (C++ callers pass them the
+same way; runners read the names from the `emlx_input_names` metadata):
+
+    input_ids       int64 [1, S]     S in [1, max_chunk]
+    cache_position  int64 [S]        positions of those tokens: start, start+1, ...
+    temperature     float32 []       sampling programs only (<= 0: greedy)
+    seed            int64 []         sampling programs only
+    position        int64 []         sampling programs only: index of the generated token
+
+A sampling program (the default) returns the next token id, int64 [1]; a
+`sampling=False` program returns the last position's logits [1, 1, vocab]
+(what ExecuTorch's own TextLLMRunner expects). Metadata are constant methods
+with ExecuTorch's LLM-runner names plus ours (see `metadata`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# config.json model_type -> what we export and test
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INPUT_NAMES = ("input_ids", "cache_position")
+SAMPLING_INPUT_NAMES = INPUT_NAMES + ("temperature", "seed", "position")
+
+
+def read_config(model_dir: str | Path) -> dict:
+    """config.json of a model folder, checked for what export needs."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model folder {model_dir} does not exist")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} is missing: a Hugging Face model folder has config.json")
+    config = json.loads(config_path.read_text())
+    arch = config.get("model_type")
+    if arch not in SUPPORTED:
+        raise ValueError(f"unsupported architecture {arch!r} in {config_path}; supported: {', '.join(SUPPORTED)}")
+    if not list(model_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"no weights in {model_dir}: expected *.safetensors files")
+    return config
+
+
+class CachedLM(torch.nn.Module):
+    """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
+    with a static KV cache registered as buffers (transformers' exportable
+    cache: the writes are `index_put` on them)."""
+
+    def __init__(self, model, max_context: int):
+        super().__init__()
+        from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+        model.generation_config.cache_implementation = "static"
+        self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
+        self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(cache_position[0])
+        out = self.wrapper.model(input_ids=input_ids, attention_mask=None, past_key_values=self.cache,
+                                 use_cache=True, logits_to_keep=1)  # no [S, V] logits on prefill
+        return out.logits
+
+
+class SampledLM(torch.nn.Module):
+    """CachedLM behind a SamplingHead, with an explicit signature for export."""
+
+    def __init__(self, lm: CachedLM):
+        super().__init__()
+        from .sampling import SamplingHead
+
+        self.head = SamplingHead(lm)
+
+    def forward(self, input_ids, cache_position, temperature, seed, position):
+        return self.head(input_ids, cache_position, temperature=temperature, seed=seed, position=position)
+
+
+def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool) -> dict:
+    """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
+    eos = config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    bos = config.get("bos_token_id")
+    return {
+        "get_max_seq_len": max_chunk,
+        "get_max_context_len": max_context,
+        "get_vocab_size": int(config["vocab_size"]),
+        "use_kv_cache": True,
+        "enable_dynamic_shape": True,
+        "use_sdpa_with_kv_cache": False,
+        "get_bos_id": -1 if bos is None else int(bos),
+        "get_eos_ids": [int(e) for e in eos_ids],
+        "emlx_samples": sampling,
+        "emlx_input_names": ",".join(SAMPLING_INPUT_NAMES if sampling else INPUT_NAMES),
+        "emlx_model_type": config["model_type"],
+    }
+
+
+def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
+               sampling: bool = True, progress: Callable[[str], None] | None = print) -> Path:
+    """Exports the model folder to `output_path` (a .pte); returns its path.
+
+    `max_context` is the KV cache length: prompt plus generated tokens never
+    exceed it. A prompt prefills in chunks of at most max_context - 1 tokens."""
+    from executorch.exir import to_edge_transform_and_lower
+    from transformers import AutoModelForCausalLM
+
+    from ..partitioner import MLXPartitioner
+
+    config = read_config(model_dir)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not 2 <= max_context <= 1 << 20:
+        raise ValueError(f"max_context must be in [2, 2**20], got {max_context}")
+    say = progress or (lambda _: None)
+    started = time.perf_counter()
+
+    def stage(text: str) -> None:
+        say(f"[{time.perf_counter() - started:6.1f} s] {text}")
+
+    stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    max_chunk = max_context - 1
+    lm = CachedLM(model, max_context)
+    seq = torch.export.Dim("seq", min=1, max=max_chunk)
+    example = (torch.tensor([[0, 0]], dtype=torch.int64), torch.arange(2))
+    dynamic = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+    if sampling:
+        module = SampledLM(lm)
+        example += (torch.tensor(1.0), torch.tensor(0), torch.tensor(0))
+        dynamic.update(temperature=None, seed=None, position=None)
+    else:
+        module = lm
+    stage("exporting (torch.export, strict)")
+    with torch.no_grad():
+        ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
+    stage("lowering to MLX")
+    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
+                                       constant_methods=metadata(config, max_context, max_chunk, sampling))
+    program = edge.to_executorch()
+    output_path = Path(output_path)
+    stage(f"writing {output_path}")
+    output_path.write_bytes(program.buffer)
+    stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
+    return output_path

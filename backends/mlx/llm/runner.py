@@ -1,0 +1,147 @@
+"""Text in, text out: runs a `.pte` made by `export_llm` with its tokenizer.
+
+    runner = LLMRunner("model.pte", "model_dir")
+    result = runner.generate("Once upon a time", max_new_tokens=32, temperature=0.8, seed=42,
+                             on_text=lambda s: print(s, end="", flush=True))
+
+The prompt prefills in one call (in chunks of the program's maximum length
+above it); each decode step is one call that returns the next token id,
+sampled on the device. Inputs are found by name from the program's metadata.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .sampling import sampling_inputs
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # the generated ids only
+    text: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    stop_reason: str = "max_new_tokens"  # or "eos"
+    step_seconds: list[float] = field(default_factory=list, repr=False)
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_dir)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer {path} is missing: pass the model folder (with tokenizer.json)")
+    return Tokenizer.from_file(str(path))
+
+
+class LLMRunner:
+    def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None):
+        import executorch_mlx  # noqa: F401  (registers the backend)
+        from executorch.runtime import Runtime
+
+        data = pte if isinstance(pte, (bytes, bytearray)) else Path(pte).read_bytes()
+        # Keep the Program: a Method does not keep its Program alive.
+        self.program = Runtime.get().load_program(bytes(data))
+        names = self.program.method_names
+        if "emlx_input_names" not in names:
+            raise ValueError("this .pte has no emlx_input_names metadata: export it with executorch-mlx export")
+        meta = {n: self.program.load_method(n).execute([]) for n in names if n != "forward"}
+        self.input_names = meta["emlx_input_names"][0].split(",")
+        self.samples = bool(meta["emlx_samples"][0])
+        self.max_context = int(meta["get_max_context_len"][0])
+        self.max_chunk = int(meta["get_max_seq_len"][0])
+        self.eos_ids = {int(e) for e in meta.get("get_eos_ids", [])}
+        self.vocab_size = int(meta["get_vocab_size"][0])
+        self.method = self.program.load_method("forward")
+        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+
+    def reset(self) -> None:
+        """A new conversation: the KV cache starts empty."""
+        import executorch_mlx
+
+        executorch_mlx.reset_state()
+
+    def _step(self, ids: list[int], start: int, sampling: dict[str, torch.Tensor]) -> int:
+        values = {"input_ids": torch.tensor([ids], dtype=torch.int64),
+                  "cache_position": torch.arange(start, start + len(ids), dtype=torch.int64), **sampling}
+        out = self.method.execute([values[name] for name in self.input_names])[0]
+        token = int(out.reshape(-1)[0]) if self.samples else int(torch.argmax(out.reshape(-1, out.shape[-1])[-1]))
+        if not 0 <= token < self.vocab_size:
+            raise RuntimeError(f"the model produced no valid token (id {token}): its logits are all NaN or -inf")
+        return token
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                 seed: int | None = None, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        """Prefills `prompt` (text, or token ids), then decodes on the device
+        until an end-of-sequence id or `max_new_tokens`.
+
+        temperature <= 0 is greedy. Sampling is seeded: the same seed, prompt
+        and settings give the same tokens (seed None means 0)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this program's max context is {self.max_context} "
+                             f"(room for the prompt and at least one generated token): re-export with a larger "
+                             f"--max-context")
+        if len(ids) + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the max "
+                             f"context of {self.max_context}: the KV cache would overflow")
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        sampling = {}
+        if self.samples:
+            sampling = sampling_inputs(1, temperature, 0 if seed is None else seed, 0)
+        elif temperature > 0:
+            raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
+        self.reset()
+
+        t0 = time.perf_counter()
+        for start in range(0, len(ids), self.max_chunk):
+            token = self._step(ids[start:start + self.max_chunk], start, sampling)
+        prefill_s = time.perf_counter() - t0
+
+        out, steps, printed = [token], [], ""
+        stop = "eos" if token in self.eos_ids else "max_new_tokens"
+        printed = self._stream(out, printed, on_text)
+        while stop != "eos" and len(out) < max_new_tokens:
+            if self.samples:
+                sampling["position"] = torch.tensor(len(out), dtype=torch.int64)
+            t = time.perf_counter()
+            token = self._step([token], len(ids) + len(out) - 1, sampling)
+            steps.append(time.perf_counter() - t)
+            out.append(token)
+            if token in self.eos_ids:
+                stop = "eos"
+            printed = self._stream(out, printed, on_text)
+        text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        return GenerationResult(token_ids=out, text=text, prefill_tokens_per_s=len(ids) / prefill_s,
+                                decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
+                                stop_reason=stop, step_seconds=steps)
+
+    def _stream(self, ids: list[int], printed: str, on_text) -> str:
+        """Emits the new suffix of the decoded text (pieces of a multi-byte
+        character wait until it is complete)."""
+        if on_text is None or self.tokenizer is None:
+            return printed
+        text = self.tokenizer.decode(ids)
+        if text.endswith("\ufffd") or not text.startswith(printed):
+            return printed
+        if len(text) > len(printed):
+            on_text(text[len(printed):])
+        return text
