@@ -1,0 +1,191 @@
+"""Hugging Face decoder-only LLMs end to end: a model folder (random weights,
+a tokenizer trained on the fly) is exported to a .pte whose KV cache and
+sampler live in one MLX delegate, then generates text through ExecuTorch's
+runtime. Greedy ids must equal transformers' own greedy generation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.model_folders import FAMILIES, write_model_folder
+from executorch_mlx.llm.runner import LLMRunner
+
+MAX_CONTEXT = 128
+PROMPT = "Once upon a time"
+
+
+def non_delegated_ops(pte: bytes, method: str = "forward") -> list[str]:
+    """Kernels a method calls outside delegates (ExecuTorch's own view)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte)
+    program = getattr(program, "program", program)
+    (plan,) = [p for p in program.execution_plan if p.name == method]
+    return [op.name for op in plan.operators]
+
+
+def eager_greedy(folder, ids: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """family -> (folder, .pte path), built once per family on first use."""
+    root = tmp_path_factory.mktemp("llm")
+    cache = {}
+
+    def get(family: str, sampling: bool = True):
+        key = (family, sampling)
+        if key not in cache:
+            folder = root / family
+            if not folder.exists():
+                write_model_folder(folder, family)
+            cache[key] = (folder, export_llm(folder, root / f"{family}_{int(sampling)}.pte", max_context=MAX_CONTEXT,
+                                             sampling=sampling, progress=None))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_equals_transformers(exported, family):
+    folder, pte = exported(family)
+    assert non_delegated_ops(pte.read_bytes()) == [], "every op of a step runs in the MLX delegate"
+    runner = LLMRunner(pte, folder)
+    result = runner.generate(PROMPT, max_new_tokens=32)
+    ids = runner.tokenizer.encode(PROMPT).ids
+    assert result.token_ids == eager_greedy(folder, ids, 32)
+    assert result.text == runner.tokenizer.decode(result.token_ids)
+    assert result.prefill_tokens_per_s > 0 and result.decode_tokens_per_s > 0
+
+
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_prompts_prefill_in_one_call_then_decode(exported, length):
+    folder, pte = exported("llama")
+    runner = LLMRunner(pte, folder)
+    calls = []
+    execute = runner.method.execute
+    runner.method = type("Counting", (), {"execute": lambda self, xs: calls.append(xs[0].shape[1]) or execute(xs)})()
+    ids = [(7 * i + 3) % runner.vocab_size for i in range(length)]
+    result = runner.generate(ids, max_new_tokens=12)
+    assert calls[0] == length and set(calls[1:]) <= {1}, calls  # one prefill call, then one token per call
+    assert result.token_ids == eager_greedy(folder, ids, 12)
+
+
+def test_long_prompts_prefill_in_chunks(exported):
+    folder, pte = exported("qwen2")
+    runner = LLMRunner(pte, folder)
+    runner.max_chunk = 5  # as if exported with a smaller maximum chunk
+    ids = [(5 * i + 1) % runner.vocab_size for i in range(23)]
+    assert runner.generate(ids, max_new_tokens=6).token_ids == eager_greedy(folder, ids, 6)
+
+
+def test_the_cache_persists_between_calls_and_resets(exported):
+    """Logits of a decode step equal eager's with the right cache; after a
+    reset (an empty cache) the same step gives different logits."""
+    from transformers.cache_utils import DynamicCache
+
+    folder, pte = exported("llama", sampling=False)
+    runner = LLMRunner(pte, folder)
+    ids = [5, 9, 17, 33, 2, 7, 11]
+    step = lambda tok, pos: runner.method.execute([torch.tensor([[tok]]), torch.tensor([pos])])[0]  # noqa: E731
+    runner.method.execute([torch.tensor([ids]), torch.arange(len(ids))])
+    got = step(4, len(ids))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        want = model(torch.tensor([[4]]), past_key_values=cache, use_cache=True).logits[:, -1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    runner.reset()
+    assert (step(4, len(ids)) - got).abs().max() > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(exported):
+    folder, pte = exported("llama")
+    runner = LLMRunner(pte, folder)
+    runs = [runner.generate(PROMPT, max_new_tokens=24, temperature=0.9, seed=s).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert runs[0] != runner.generate(PROMPT, max_new_tokens=24).token_ids  # not greedy
+
+
+def test_streamed_text_is_the_whole_text(exported):
+    folder, pte = exported("llama")
+    pieces = []
+    result = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=16, on_text=pieces.append)
+    assert "".join(pieces) == result.text.rstrip("\ufffd")
+
+
+def test_no_sampling_export_runs_in_executorchs_text_runner(exported):
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    folder, pte = exported("llama", sampling=False)
+    ours = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8)
+    pieces = []
+    runner = TextLLMRunner(str(pte), str(folder / "tokenizer.json"))
+    runner.generate(PROMPT, GenerationConfig(max_new_tokens=8, temperature=0.0, echo=False),
+                    token_callback=pieces.append)
+    assert "".join(pieces) == ours.text
+
+
+# ---------------------------------------------------------------- errors --
+def test_unsupported_architecture_names_it_and_the_supported_list(exported, tmp_path):
+    folder, _ = exported("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*supported: llama, qwen2"):
+        export_llm(bad, tmp_path / "x.pte", progress=None)
+
+
+def test_missing_weights_config_or_tokenizer(exported, tmp_path):
+    folder, pte = exported("llama")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(folder, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        export_llm(no_weights, tmp_path / "x.pte", progress=None)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        export_llm(tmp_path, tmp_path / "x.pte", progress=None)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        LLMRunner(pte, tmp_path)
+
+
+def test_context_overflow_is_refused(exported):
+    folder, pte = exported("llama")
+    runner = LLMRunner(pte, folder)
+    with pytest.raises(ValueError, match="max context is 128"):
+        runner.generate(list(range(1, 129)), max_new_tokens=1)
+    with pytest.raises(ValueError, match="exceeds the max context of 128"):
+        runner.generate(list(range(1, 100)), max_new_tokens=40)
+    with pytest.raises(ValueError, match="empty"):
+        runner.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        runner.generate(PROMPT, max_new_tokens=0)
+
+
+def test_cli_generate_json(exported):
+    folder, pte = exported("llama")
+    res = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
+                          str(folder), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)  # exactly one JSON object on stdout
+    assert set(out) == {"token_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert out["token_ids"] == LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8).token_ids
+    bad = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
+                          str(folder), "--prompt", PROMPT, "--max-new-tokens", "500"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "max context" in bad.stderr and "Traceback" not in bad.stderr
