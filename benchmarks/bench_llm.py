@@ -1,0 +1,207 @@
+"""Prefill and decode tokens per second of a Llama model, ours against peers.
+
+    .venv/bin/python benchmarks/bench_llm.py            # ~104M-parameter config
+    .venv/bin/python benchmarks/bench_llm.py --small    # 2 layers, hidden 256
+
+Contenders, all on the same random-weight folder and prompt, measured in one
+process with their steps interleaved so that machine noise hits all alike:
+
+  ours (sampled)   executorch-mlx .pte, sampler on the device (T=0.8, seeded)
+  ours (greedy)    the same program with T=0
+  mlx-lm           the folder run natively on MLX (make_sampler: T=0.8 / greedy)
+  xnnpack          the same export lowered to ExecuTorch's XNNPACK backend,
+                   logits to the host, torch sampling at 1 thread (T=0.8)
+  portable         the same export on ExecuTorch's portable kernels, host sampling
+
+Needs mlx-lm (`pip install -e .[bench]`), a benchmark-only dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TEMPERATURE = 0.8
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} cores, {cpu}"
+
+
+def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hidden = hidden or (256 if small else 1024)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers or (2 if small else 8), num_attention_heads=max(4, hidden // 64),
+                      num_key_value_heads=max(1, hidden // 256), max_position_embeddings=2048,
+                      tie_word_embeddings=True, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(path)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {cfg.num_hidden_layers} "
+          f"layers, hidden {hidden}, vocab 32000, fp32 ({path})", flush=True)
+    return path
+
+
+# ------------------------------------------------------------ contenders --
+# Each is (name, prefill(ids) -> first token, decode(token, pos) -> token).
+def ours(folder: Path, out: Path, max_context: int):
+    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.runner import LLMRunner
+
+    runner = LLMRunner(export_llm(folder, out / "ours.pte", max_context=max_context))
+
+    def make(temperature: float):
+        values = {"temperature": torch.tensor(temperature), "seed": torch.tensor(42), "position": torch.tensor(0)}
+
+        def call(ids: list[int], start: int) -> int:
+            values["input_ids"] = torch.tensor([ids])
+            values["cache_position"] = torch.arange(start, start + len(ids))
+            values["position"] = torch.tensor(start)
+            return int(runner.method.execute([values[n] for n in runner.input_names])[0][0])
+
+        return call
+
+    return [("ours (sampled)", make(TEMPERATURE)), ("ours (greedy)", make(0.0))]
+
+
+def mlx_lm_native(folder: Path):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    state = {}
+
+    def make(temperature: float):
+        sampler = make_sampler(temp=temperature)
+
+        def call(ids: list[int], start: int) -> int:
+            if start == 0:
+                state["cache"] = make_prompt_cache(model)
+            logits = model(mx.array([ids]), cache=state["cache"])[:, -1, :]
+            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            return int(token.item())
+
+        return call
+
+    return [("mlx-lm (sampled)", make(TEMPERATURE)), ("mlx-lm (greedy)", make(0.0))]
+
+
+def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
+    """The same HF export as ours (logits of the last position), lowered to
+    another ExecuTorch backend; sampling on the host."""
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.hf_export import CachedLM
+
+    t0 = time.perf_counter()
+    lm = CachedLM(AutoModelForCausalLM.from_pretrained(folder).eval(), max_context)
+    seq = torch.export.Dim("seq", min=1, max=max_context - 1)
+    with torch.no_grad():
+        ep = torch.export.export(lm, (torch.tensor([[0, 0]]), torch.arange(2)),
+                                 dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}}, strict=True)
+    pte = to_edge_transform_and_lower(ep, partitioner=partitioner).to_executorch().buffer
+    print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    program = Runtime.get().load_program(pte)
+    method = program.load_method("forward")
+    gen = torch.Generator().manual_seed(42)
+
+    def call(ids: list[int], start: int) -> int:
+        logits = method.execute([torch.tensor([ids]), torch.arange(start, start + len(ids))])[0][0, -1]
+        probs = torch.softmax(logits / TEMPERATURE, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    call.program = program  # a Method does not keep its Program alive
+    return [(f"{name} (sampled, host)", call)]
+
+
+# ----------------------------------------------------------------- timing --
+def run_once(call, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode seconds per token, tokens)."""
+    t0 = time.perf_counter()
+    token = call(prompt, 0)
+    prefill = time.perf_counter() - t0
+    tokens, t0 = [token], time.perf_counter()
+    for i in range(steps):
+        token = call([token], len(prompt) + i)
+        tokens.append(token)
+    return prefill, (time.perf_counter() - t0) / steps, tokens
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--folder", type=Path, help="an existing Llama folder (default: write a random one)")
+    ap.add_argument("--small", action="store_true", help="2 layers, hidden 256")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=32, help="decode steps per repetition")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-context", type=int, default=256)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["xnnpack", "portable"])
+    args = ap.parse_args()
+    try:
+        import mlx_lm  # noqa: F401
+    except ImportError:
+        print("mlx-lm is missing: pip install -e '.[bench]' (mlx-lm==0.32.2)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
+    print("command: " + " ".join(sys.argv))
+    print(f"machine: {machine()}", flush=True)
+    import executorch_mlx  # noqa: F401
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        folder = args.folder or write_folder(tmp / "model", args.small, args.layers, args.hidden)
+        contenders = ours(folder, tmp, args.max_context) + mlx_lm_native(folder)
+        if "xnnpack" not in args.skip:
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+            contenders += executorch_baseline(folder, "xnnpack", [XnnpackPartitioner()], args.max_context)
+        if "portable" not in args.skip:
+            contenders += executorch_baseline(folder, "portable", [], args.max_context)
+
+        prompt = [(31 * i + 7) % 32000 for i in range(args.prompt_len)]
+        results = {name: [] for name, _ in contenders}
+        for _, call in contenders:
+            run_once(call, prompt[:4], 2)  # warm-up
+        for rep in range(args.reps):
+            for name, call in contenders:
+                results[name].append(run_once(call, prompt, args.decode))
+            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+
+    greedy = {name: r[0][2] for name, r in results.items() if "greedy" in name}
+    agree = sum(a == b for a, b in zip(greedy["ours (greedy)"], greedy["mlx-lm (greedy)"]))
+    print(f"\ngreedy ids, ours vs mlx-lm: {agree}/{args.decode + 1} equal (random weights: near-ties may differ)")
+    decode_tps = {name: 1 / statistics.median(r[1] for r in runs) for name, runs in results.items()}
+    base = {"sampled": decode_tps["mlx-lm (sampled)"], "greedy": decode_tps["mlx-lm (greedy)"]}
+    print(f"\nprompt {args.prompt_len} tokens, {args.decode} decode steps, median of {args.reps}\n")
+    print("| contender | prefill tok/s | decode tok/s | decode ms/token | decode vs mlx-lm |")
+    print("|---|---|---|---|---|")
+    for name, runs in results.items():
+        prefill = args.prompt_len / statistics.median(r[0] for r in runs)
+        ratio = decode_tps[name] / base["greedy" if "greedy" in name else "sampled"]
+        print(f"| {name} | {prefill:.1f} | {decode_tps[name]:.1f} | {1e3 / decode_tps[name]:.2f} | {ratio:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
