@@ -59,6 +59,16 @@ def test_index_put():
           nodes=["ScatterNode"])
 
 
+def test_index_copy():
+    idx = torch.tensor([3, 1])
+    check(lambda a, i, v: a.index_copy(1, i, v), rand((2, 5, 3)), idx, rand((2, 2, 3)), nodes=["ScatterNode"])
+
+
+def test_slice_scatter():
+    check(lambda a, v: torch.slice_scatter(a, v, dim=1, start=1, end=3), rand(), rand((2, 2, 4)),
+          nodes=["SliceUpdateNode"])
+
+
 def test_index_put_clamps_out_of_range_indices():
     """MLX's scatter does not bounds-check; the runtime clamps (no stray write)."""
     fn = lambda a, i, v: torch.ops.aten.index_put.default(a, [i], v)  # noqa: E731

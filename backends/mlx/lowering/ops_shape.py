@@ -180,12 +180,45 @@ def index_put(b: GraphBuilder, node: torch.fx.Node) -> None:
     """x[..., idx, ...] = values (one integer index tensor, no accumulate):
     a scatter along that axis, in place when x is a mutable buffer (KV cache
     writes at cache_position)."""
-    x = b.get(node.args[0])
     axis, t = _advanced_index(node.args[1])
     if node_arg(node, 3, "accumulate", False):
         raise Unsupported("index_put with accumulate=True")
-    idx = b.get(t)
-    values = b.cast(b.get(node.args[2]), x.dtype)
+    _scatter(b, node, b.get(node.args[0]), axis, b.get(t), b.get(node.args[2]))
+
+
+@handles(aten.index_copy.default, aten.index_copy_.default)
+def index_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x.index_copy(dim, idx, source): the same write as x[..., idx, ...] = source."""
+    x = b.get(node.args[0])
+    idx = b.get(node.args[2])
+    if len(idx.shape) != 1:
+        raise Unsupported("index_copy with a multi-dimensional index")
+    _scatter(b, node, x, node.args[1] % len(x.shape), idx, b.get(node.args[3]))
+
+
+@handles(aten.slice_scatter.default)
+def slice_scatter(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x with x[start:end:step] along dim replaced by src (static bounds)."""
+    x, src = b.get(node.args[0]), b.get(node.args[1])
+    rank = len(x.shape)
+    dim = node_arg(node, 2, "dim", 0) % rank
+    start, end, step = node_arg(node, 3, "start"), node_arg(node, 4, "end"), node_arg(node, 5, "step", 1)
+    if not all(_is_static(v) for v in (start, end, step, *x.shape)) or any(isinstance(v, torch.fx.Node)
+                                                                            for v in (start, end)):
+        raise Unsupported("slice_scatter with dynamic bounds")
+    size = int(x.shape[dim])
+    start = 0 if start is None else max(0, min(start + size if start < 0 else start, size))
+    end = size if end is None else max(start, min(end + size if end < 0 else end, size))
+    starts, stops, strides = [0] * rank, [int(d) for d in x.shape], [1] * rank
+    starts[dim], stops[dim], strides[dim] = start, end, step
+    src = b.cast(src, x.dtype)
+    b.bind(node, b.emit(ir.SliceUpdateNode, x.dtype, meta_val(node).shape, a=x.tid, update=src.tid, start=starts,
+                        stop=stops, strides=strides))
+
+
+def _scatter(b: GraphBuilder, node: torch.fx.Node, x, axis: int, idx, values) -> None:
+    """x with x[..., idx, ...] (idx along `axis`) set to `values`."""
+    values = b.cast(values, x.dtype)
     # values broadcast to x[..., idx, ...]'s shape: x.shape[:axis] + idx.shape + x.shape[axis+1:]
     k = len(idx.shape)
     target = tuple(x.shape[:axis]) + tuple(idx.shape) + tuple(x.shape[axis + 1:])

@@ -549,6 +549,17 @@ class SliceNode:
 
 
 @dataclass
+class SliceUpdateNode:
+    a: Tid | None = None
+    update: Tid | None = None
+    start: list[int] = field(default_factory=list)
+    stop: list[int] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)
+    out: Tid | None = None
+    MLX_FN = 'slice_update'
+
+
+@dataclass
 class SoftmaxNode:
     a: Tid | None = None
     axes: list[int] = field(default_factory=list)
@@ -639,8 +650,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -1780,6 +1791,45 @@ def _pack_SliceNode(b, v):
 
 def _unpack_SliceNode(r):
     return SliceNode(a=_opt(_unpack_Tid, r.A()), start=[r.Start(i) for i in range(r.StartLength())], stop=[r.Stop(i) for i in range(r.StopLength())], strides=[r.Strides(i) for i in range(r.StridesLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SliceUpdateNode(b, v):
+    o_start = None
+    if v.start is not None:
+        fb.SliceUpdateNodeStartStartVector(b, len(v.start))
+        for e in reversed(v.start):
+            b.PrependInt32(e)
+        o_start = b.EndVector()
+    o_stop = None
+    if v.stop is not None:
+        fb.SliceUpdateNodeStartStopVector(b, len(v.stop))
+        for e in reversed(v.stop):
+            b.PrependInt32(e)
+        o_stop = b.EndVector()
+    o_strides = None
+    if v.strides is not None:
+        fb.SliceUpdateNodeStartStridesVector(b, len(v.strides))
+        for e in reversed(v.strides):
+            b.PrependInt32(e)
+        o_strides = b.EndVector()
+    fb.SliceUpdateNodeStart(b)
+    if v.a is not None:
+        fb.SliceUpdateNodeAddA(b, _pack_Tid(b, v.a))
+    if v.update is not None:
+        fb.SliceUpdateNodeAddUpdate(b, _pack_Tid(b, v.update))
+    if o_start is not None:
+        fb.SliceUpdateNodeAddStart(b, o_start)
+    if o_stop is not None:
+        fb.SliceUpdateNodeAddStop(b, o_stop)
+    if o_strides is not None:
+        fb.SliceUpdateNodeAddStrides(b, o_strides)
+    if v.out is not None:
+        fb.SliceUpdateNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SliceUpdateNodeEnd(b)
+
+
+def _unpack_SliceUpdateNode(r):
+    return SliceUpdateNode(a=_opt(_unpack_Tid, r.A()), update=_opt(_unpack_Tid, r.Update()), start=[r.Start(i) for i in range(r.StartLength())], stop=[r.Stop(i) for i in range(r.StopLength())], strides=[r.Strides(i) for i in range(r.StridesLength())], out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_SoftmaxNode(b, v):

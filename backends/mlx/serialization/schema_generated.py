@@ -96,6 +96,7 @@ class Op(object):
     ScaledDotProductAttentionNode = 63
     RmsNormNode = 64
     LinearNode = 65
+    SliceUpdateNode = 66
 
 
 # Reference to a value slot of the graph.
@@ -5549,6 +5550,175 @@ def ScaledDotProductAttentionNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def ScaledDotProductAttentionNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# `a` with a[start:stop:strides] replaced by `update` (mlx::core::slice_update).
+class SliceUpdateNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = SliceUpdateNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSliceUpdateNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SliceUpdateNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # SliceUpdateNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # SliceUpdateNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SliceUpdateNode
+    def Update(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SliceUpdateNode
+    def Start(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # SliceUpdateNode
+    def StartAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int32Flags, o)
+        return 0
+
+    # SliceUpdateNode
+    def StartLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # SliceUpdateNode
+    def StartIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        return o == 0
+
+    # SliceUpdateNode
+    def Stop(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # SliceUpdateNode
+    def StopAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int32Flags, o)
+        return 0
+
+    # SliceUpdateNode
+    def StopLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # SliceUpdateNode
+    def StopIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        return o == 0
+
+    # SliceUpdateNode
+    def Strides(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # SliceUpdateNode
+    def StridesAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int32Flags, o)
+        return 0
+
+    # SliceUpdateNode
+    def StridesLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # SliceUpdateNode
+    def StridesIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        return o == 0
+
+    # SliceUpdateNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def SliceUpdateNodeStart(builder):
+    builder.StartObject(6)
+
+def SliceUpdateNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def SliceUpdateNodeAddUpdate(builder, update):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(update), 0)
+
+def SliceUpdateNodeAddStart(builder, start):
+    builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(start), 0)
+
+def SliceUpdateNodeStartStartVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def SliceUpdateNodeAddStop(builder, stop):
+    builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(stop), 0)
+
+def SliceUpdateNodeStartStopVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def SliceUpdateNodeAddStrides(builder, strides):
+    builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(strides), 0)
+
+def SliceUpdateNodeStartStridesVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def SliceUpdateNodeAddOut(builder, out):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SliceUpdateNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -226,6 +226,9 @@ struct ScatterNodeBuilder;
 struct ScaledDotProductAttentionNode;
 struct ScaledDotProductAttentionNodeBuilder;
 
+struct SliceUpdateNode;
+struct SliceUpdateNodeBuilder;
+
 struct LinearNode;
 struct LinearNodeBuilder;
 
@@ -399,11 +402,12 @@ enum class Op : uint8_t {
   ScaledDotProductAttentionNode = 63,
   RmsNormNode = 64,
   LinearNode = 65,
+  SliceUpdateNode = 66,
   MIN = NONE,
-  MAX = LinearNode
+  MAX = SliceUpdateNode
 };
 
-inline const Op (&EnumValuesOp())[66] {
+inline const Op (&EnumValuesOp())[67] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -470,13 +474,14 @@ inline const Op (&EnumValuesOp())[66] {
     Op::ScatterNode,
     Op::ScaledDotProductAttentionNode,
     Op::RmsNormNode,
-    Op::LinearNode
+    Op::LinearNode,
+    Op::SliceUpdateNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[67] = {
+  static const char * const names[68] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -543,13 +548,14 @@ inline const char * const *EnumNamesOp() {
     "ScaledDotProductAttentionNode",
     "RmsNormNode",
     "LinearNode",
+    "SliceUpdateNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::LinearNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SliceUpdateNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -816,6 +822,10 @@ template<> struct OpTraits<emlx::ir::RmsNormNode> {
 
 template<> struct OpTraits<emlx::ir::LinearNode> {
   static const Op enum_value = Op::LinearNode;
+};
+
+template<> struct OpTraits<emlx::ir::SliceUpdateNode> {
+  static const Op enum_value = Op::SliceUpdateNode;
 };
 
 template <bool B = false>
@@ -6346,6 +6356,135 @@ struct ScaledDotProductAttentionNode::Traits {
   static auto constexpr Create = CreateScaledDotProductAttentionNode;
 };
 
+/// `a` with a[start:stop:strides] replaced by `update` (mlx::core::slice_update).
+struct SliceUpdateNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SliceUpdateNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_UPDATE = 6,
+    VT_START = 8,
+    VT_STOP = 10,
+    VT_STRIDES = 12,
+    VT_OUT = 14
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *update() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_UPDATE);
+  }
+  const ::flatbuffers::Vector<int32_t> *start() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_START);
+  }
+  const ::flatbuffers::Vector<int32_t> *stop() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_STOP);
+  }
+  const ::flatbuffers::Vector<int32_t> *strides() const {
+    return GetPointer<const ::flatbuffers::Vector<int32_t> *>(VT_STRIDES);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_UPDATE, 4) &&
+           VerifyOffsetRequired(verifier, VT_START) &&
+           verifier.VerifyVector(start()) &&
+           VerifyOffsetRequired(verifier, VT_STOP) &&
+           verifier.VerifyVector(stop()) &&
+           VerifyOffsetRequired(verifier, VT_STRIDES) &&
+           verifier.VerifyVector(strides()) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SliceUpdateNodeBuilder {
+  typedef SliceUpdateNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(SliceUpdateNode::VT_A, a);
+  }
+  void add_update(const emlx::ir::Tid *update) {
+    fbb_.AddStruct(SliceUpdateNode::VT_UPDATE, update);
+  }
+  void add_start(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> start) {
+    fbb_.AddOffset(SliceUpdateNode::VT_START, start);
+  }
+  void add_stop(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> stop) {
+    fbb_.AddOffset(SliceUpdateNode::VT_STOP, stop);
+  }
+  void add_strides(::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> strides) {
+    fbb_.AddOffset(SliceUpdateNode::VT_STRIDES, strides);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SliceUpdateNode::VT_OUT, out);
+  }
+  explicit SliceUpdateNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SliceUpdateNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SliceUpdateNode>(end);
+    fbb_.Required(o, SliceUpdateNode::VT_A);
+    fbb_.Required(o, SliceUpdateNode::VT_UPDATE);
+    fbb_.Required(o, SliceUpdateNode::VT_START);
+    fbb_.Required(o, SliceUpdateNode::VT_STOP);
+    fbb_.Required(o, SliceUpdateNode::VT_STRIDES);
+    fbb_.Required(o, SliceUpdateNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SliceUpdateNode> CreateSliceUpdateNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *update = nullptr,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> start = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> stop = 0,
+    ::flatbuffers::Offset<::flatbuffers::Vector<int32_t>> strides = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  SliceUpdateNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_strides(strides);
+  builder_.add_stop(stop);
+  builder_.add_start(start);
+  builder_.add_update(update);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct SliceUpdateNode::Traits {
+  using type = SliceUpdateNode;
+  static auto constexpr Create = CreateSliceUpdateNode;
+};
+
+inline ::flatbuffers::Offset<SliceUpdateNode> CreateSliceUpdateNodeDirect(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *update = nullptr,
+    const std::vector<int32_t> *start = nullptr,
+    const std::vector<int32_t> *stop = nullptr,
+    const std::vector<int32_t> *strides = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  auto start__ = start ? _fbb.CreateVector<int32_t>(*start) : 0;
+  auto stop__ = stop ? _fbb.CreateVector<int32_t>(*stop) : 0;
+  auto strides__ = strides ? _fbb.CreateVector<int32_t>(*strides) : 0;
+  return emlx::ir::CreateSliceUpdateNode(
+      _fbb,
+      a,
+      update,
+      start__,
+      stop__,
+      strides__,
+      out);
+}
+
 /// x @ weight^T (+ bias): x [..., K], weight [N, K], bias [N]. On the CPU
 /// with float32 operands the runtime runs its own multi-threaded kernel;
 /// elsewhere mlx::core::matmul.
@@ -6720,6 +6859,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::LinearNode *op_as_LinearNode() const {
     return op_type() == emlx::ir::Op::LinearNode ? static_cast<const emlx::ir::LinearNode *>(op()) : nullptr;
   }
+  const emlx::ir::SliceUpdateNode *op_as_SliceUpdateNode() const {
+    return op_type() == emlx::ir::Op::SliceUpdateNode ? static_cast<const emlx::ir::SliceUpdateNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -6988,6 +7130,10 @@ template<> inline const emlx::ir::RmsNormNode *Node::op_as<emlx::ir::RmsNormNode
 
 template<> inline const emlx::ir::LinearNode *Node::op_as<emlx::ir::LinearNode>() const {
   return op_as_LinearNode();
+}
+
+template<> inline const emlx::ir::SliceUpdateNode *Node::op_as<emlx::ir::SliceUpdateNode>() const {
+  return op_as_SliceUpdateNode();
 }
 
 struct NodeBuilder {
@@ -7464,6 +7610,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::LinearNode: {
       auto ptr = reinterpret_cast<const emlx::ir::LinearNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SliceUpdateNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SliceUpdateNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
