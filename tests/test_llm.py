@@ -70,6 +70,17 @@ def test_greedy_generation_equals_transformers(exported, family):
     assert result.prefill_tokens_per_s > 0 and result.decode_tokens_per_s > 0
 
 
+def test_bfloat16_export_matches_transformers(exported, tmp_path):
+    folder, _ = exported("llama")
+    pte = export_llm(folder, tmp_path / "bf16.pte", max_context=64, dtype="bf16", progress=None)
+    runner = LLMRunner(pte, folder)
+    ids = runner.tokenizer.encode(PROMPT).ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+    assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
+
+
 @pytest.mark.parametrize("length", [1, 7, 64])
 def test_prompts_prefill_in_one_call_then_decode(exported, length):
     folder, pte = exported("llama")

@@ -225,6 +225,36 @@ def test_strict_export_lowers_the_whole_sampler_with_runtime_inputs():
 
 
 # ---------------------------------------------------------- edge cases --
+def _both_paths(logits, temperature, draws=300):
+    """Tokens drawn by the lowered sampler and by the CPU reference."""
+    pte = sampler_pte(*logits.shape)
+    t = torch.full((logits.shape[0],), float(temperature))
+    device = [sample(pte, logits, temperature, s, 3) for s in range(draws)]
+    reference = [torch.ops.mlx.sample(logits, t, torch.full_like(t, s, dtype=torch.int64),
+                                      torch.full_like(t, 3, dtype=torch.int64)) for s in range(draws)]
+    return torch.stack(device), torch.stack(reference)
+
+
+def test_infinite_temperature_never_revives_masked_tokens():
+    """T = +inf makes the finite tokens uniform; -inf / inf is NaN, which an
+    argmax would take: a masked (-inf) token must never be drawn."""
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 0.0, 3.0, -inf, -1.0, -inf]])
+    for drawn in _both_paths(logits, inf):
+        assert set(drawn.flatten().tolist()) == {1, 2, 4}
+
+
+@pytest.mark.parametrize("logits,temperature", [
+    ([1.0, 3.0, 2.0, 3.0 - 1e-6, 0.0], 1e-45),       # logits / T overflows float32
+    ([-3.0e38, 3.0e38, 2.9e38, 3.1e38, 1.0], 0.5),   # so does 3e38 / 0.5
+], ids=["tiny-T", "huge-logits"])
+def test_overflowing_logits_over_temperature_pick_the_largest_logit(logits, temperature):
+    logits = torch.tensor([logits])
+    want = int(logits.argmax())
+    for drawn in _both_paths(logits, temperature, draws=50):
+        assert set(drawn.flatten().tolist()) == {want}
+
+
 def test_nan_inf_and_empty_rows():
     pte = sampler_pte(3, 5)
     inf, nan = float("inf"), float("nan")

@@ -13,7 +13,7 @@
   among them; a row with neither finite nor +inf logits yields -1.
 
 The CPU reference below is exact (inverse CDF in float64 on float32
-z = logits / T). The MLX lowering draws with the Gumbel-max trick from
+z = (logits - row max) / T). The MLX lowering draws with the Gumbel-max trick from
 RandomBitsNode bits.
 """
 
@@ -89,7 +89,11 @@ def sample_reference(logits, temperature, seed=None, position=None):
     temps = _per_row(temperature.float(), rows, "temperature")
     posinf = torch.isposinf(x)
     any_posinf = posinf.any(dim=1, keepdim=True)
-    z = torch.where(any_posinf, torch.where(posinf, 0.0, float("-inf")), x / temps[:, None])
+    # SAMPLING.md step 3: subtract the row max first (logits / T may overflow
+    # float32 for tiny T), and -inf stays -inf whatever T (-inf / inf is NaN)
+    row_max = x.amax(dim=1, keepdim=True) if vocab else x.new_zeros(rows, 1)
+    scaled = torch.where(x > float("-inf"), (x - row_max) / temps[:, None], float("-inf"))
+    z = torch.where(any_posinf, torch.where(posinf, 0.0, float("-inf")), scaled)
     has_candidate = x.amax(dim=1) > float("-inf") if vocab else torch.zeros(rows, dtype=torch.bool)
     # rows without candidates get a harmless uniform distribution, masked below
     z = torch.where(has_candidate[:, None], z, 0.0).double()
@@ -150,7 +154,10 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
 
     # sampling branch: z = x / T; a row with +inf logits samples among them
     temp = b.cast(b.get(temp_arg), F32)
-    z = binop(ir.DivideNode, x, _as_column(b, temp, rows))
+    # SAMPLING.md step 3: z = (x - row max) / T, which cannot overflow for
+    # tiny T; -inf stays -inf whatever T (-inf / inf would be NaN)
+    z = binop(ir.DivideNode, binop(ir.SubtractNode, x, row_max), _as_column(b, temp, rows))
+    z = where(binop(ir.GreaterNode, x, neg_inf, torch.bool), z, neg_inf, F32, shape)
     any_posinf = binop(ir.EqualNode, row_max, pos_inf, torch.bool, (rows, 1))
     only_posinf = where(emit(ir.IsPosInfNode, torch.bool, shape, a=x.tid), b.literal(0.0, F32), neg_inf, F32, shape)
     z = where(any_posinf, only_posinf, z, F32, shape)
