@@ -95,6 +95,27 @@ def _huge_value(g, blob):
     return _serialize(g)
 
 
+def _zero_stride(g, blob):
+    # MLX divides by slice strides (SIGFPE on 0): refused before MLX sees it
+    n = g.num_values
+    g.nodes.append(ir.Node(op=ir.SliceNode(a=ir.Tid(g.outputs[0].slot), start=[0, 0], stop=[2, 3], strides=[1, 0],
+                                           out=ir.Tid(n))))
+    g.outputs[0].slot = n
+    g.num_values += 1
+    return _serialize(g)
+
+
+def _dimension_beyond_int32(g, blob):
+    # MLX's shapes are int32: a 2^32 + 5 fill must not be truncated to 5
+    g.literals.append(ir.Literal(slot=g.num_values, dtype=ir.DType.float32, float_value=1.0))
+    n = g.num_values
+    g.nodes.append(ir.Node(op=ir.FullNode(shape=[ir.IntOrSlot(2**32 + 5, -1)], value=ir.Tid(n),
+                                          dtype=ir.DType.float32, out=ir.Tid(n + 1))))
+    g.outputs.append(ir.IOValue(slot=n + 1, dtype=ir.DType.float32, shape=[ir.Dim(size=5, symbol=-1)]))
+    g.num_values += 2
+    return _serialize(g)
+
+
 CORRUPTIONS = {
     "truncated": (lambda g, blob: blob[: len(blob) // 2], "verification failed"),
     "wrong identifier": (lambda g, blob: blob[:4] + b"NOPE" + blob[8:], "wrong file identifier"),
@@ -106,6 +127,8 @@ CORRUPTIONS = {
     "read before write": (_read_before_write, "before it is written"),
     "shapes do not broadcast": (_bad_rank, "graph does not build"),
     "value beyond the memory limit": (_huge_value, "exceeds MLX's memory limit"),
+    "zero slice stride": (_zero_stride, "a stride is 0"),
+    "dimension beyond int32": (_dimension_beyond_int32, "dimension 4294967301 outside"),
 }
 
 

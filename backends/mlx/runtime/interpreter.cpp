@@ -81,6 +81,14 @@ mx::Shape to_shape(const flatbuffers::Vector<int32_t>* v) {
   return s;
 }
 
+mx::Shape to_strides(const flatbuffers::Vector<int32_t>* v) {
+  mx::Shape s = to_shape(v);
+  for (auto x : s) {
+    if (x == 0) throw std::invalid_argument("a stride is 0");
+  }
+  return s;
+}
+
 const mx::array& Interpreter::at(uint32_t slot) const {
   if (slot >= values_.size() || !values_[slot]) {
     throw std::invalid_argument(slot_str(slot) + " read before it was written");

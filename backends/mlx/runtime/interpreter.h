@@ -35,6 +35,8 @@ struct InputError : std::runtime_error {
 mlx::core::ShapeElem checked_dim(int64_t d);
 std::vector<int> to_ints(const flatbuffers::Vector<int32_t>* v);
 mlx::core::Shape to_shape(const flatbuffers::Vector<int32_t>* v);
+// Strides as an MLX shape; throws on a zero stride.
+mlx::core::Shape to_strides(const flatbuffers::Vector<int32_t>* v);
 
 // Value slots of one execution.
 class Interpreter {

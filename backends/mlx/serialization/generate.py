@@ -435,6 +435,8 @@ class CppGen:
             if el == "IntOrSlot":
                 return f"st.resolve_shape({acc})"
         if t.base == "Vector" and t.element == "Int":
+            if "stride" in f.attributes:
+                return f"to_strides({acc})"
             return f"to_shape({acc})" if "shape" in f.attributes else f"to_ints({acc})"
         if t.base in _SCALARS:
             if t.index >= 0 and self.s.enums[t.index].name == "DType":
@@ -447,7 +449,7 @@ class CppGen:
         out = [CPP_HEADER,
                "// Included by runtime/interpreter.cpp inside namespace emlx.",
                "// Needs: Interpreter (get/get_optional/get_list/resolve_shape/set),",
-               "// to_ints, to_shape, to_mlx_dtype, and exec_<Node> for custom nodes.\n",
+               "// to_ints, to_shape, to_strides, to_mlx_dtype, and exec_<Node> for custom nodes.\n",
                f"constexpr uint32_t kSchemaVersion = {s.version};",
                f'constexpr const char* kFileIdentifier = "{s.file_ident}";\n']
         nodes = s.nodes()
