@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops
-from test_ops import check, rand
+from test_ops import Fn, check, rand
 
 import executorch_mlx
 from executorch.runtime import Runtime
@@ -73,20 +73,10 @@ def test_index_put_clamps_out_of_range_indices():
     """MLX's scatter does not bounds-check; the runtime clamps (no stray write)."""
     fn = lambda a, i, v: torch.ops.aten.index_put.default(a, [i], v)  # noqa: E731
     a, v = torch.zeros(4, 2), torch.ones(1, 2)
-    edge = lower(check_module := _Fn(fn), (a, torch.tensor([1]), v))
+    edge = lower(Fn(fn), (a, torch.tensor([1]), v))
     assert undelegated_ops(edge) == []
     out = run(edge.to_executorch().buffer, [a, torch.tensor([1000]), v])[0]
     assert torch.equal(out, fn(a, torch.tensor([3]), v))  # clamped to the last row
-    del check_module
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args):
-        return self.fn(*args)
 
 
 # -------------------------------------------------------------- attention --
@@ -101,7 +91,7 @@ def test_sdpa(kv_heads, masked):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m if masked else None,
                                               enable_gqa=kv_heads != 4)
 
-    edge = lower(_Fn(fn), (q, k, v, mask))
+    edge = lower(Fn(fn), (q, k, v, mask))
     assert undelegated_ops(edge) == []
     assert "ScaledDotProductAttentionNode" in node_types(edge)
     got = run(edge.to_executorch().buffer, [q, k, v, mask])[0]
