@@ -12,6 +12,7 @@ from test_ops import Fn, check, rand
 
 import executorch_mlx
 from executorch.runtime import Runtime
+from executorch_mlx.serialization import ir
 
 
 # ------------------------------------------------------------ elementwise --
@@ -131,6 +132,26 @@ def test_dynamic_sizes_run_at_every_length(length):
     got = run(edge.to_executorch().buffer, [x])
     for g, w in zip(got, Dynamic()(x)):
         torch.testing.assert_close(g, w)
+
+
+class SizeAcrossPartitions(torch.nn.Module):
+    """A dynamic size used on both sides of an op we do not lower (flip)."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        a = torch.flip((x * 2).reshape(n, 2, -1), [0])
+        return (a + 1).reshape(n * 2, -1) + n
+
+
+def test_a_size_shared_by_two_delegates_is_an_input_of_the_second():
+    edge = lower(SizeAcrossPartitions(), (rand((4, 6)),), dynamic_shapes={"x": {0: torch.export.Dim("n", max=16)}})
+    assert len(delegate_graphs(edge)) == 2
+    kinds = [io.kind for g in delegate_graphs(edge) for io in g.inputs]
+    assert ir.IOKind.int_scalar in kinds  # the size crosses as an int, never as a delegate output
+    pte = edge.to_executorch().buffer
+    for n in (1, 3, 5):
+        x = rand((n, 6))
+        torch.testing.assert_close(run(pte, [x])[0], SizeAcrossPartitions()(x))
 
 
 # ---------------------------------------------- mutable buffers (KV cache) --

@@ -64,6 +64,16 @@ def can_lower(node: torch.fx.Node) -> bool:
     return True
 
 
+def untag_shared_sizes(ep: ExportedProgram) -> None:
+    """A size (sym_size) used outside its partition stays with ExecuTorch: a
+    delegate cannot return a SymInt, but it can take one as an input."""
+    for node in ep.graph.nodes:
+        tag = node.meta.get("delegation_tag")
+        if tag and isinstance(node.meta.get("val"), torch.SymInt):
+            if any(user.meta.get("delegation_tag") != tag for user in node.users):
+                del node.meta["delegation_tag"]
+
+
 def tag_owned_buffers(ep: ExportedProgram) -> None:
     """Gives each mutated buffer (a KV cache) to the partition that reads it
     and computes its new value, when that is one partition: the runtime then
@@ -114,6 +124,7 @@ class MLXPartitioner(Partitioner):
             for node in partition.nodes:
                 node.meta["delegation_tag"] = tag
             tags[tag] = self.delegation_spec
+        untag_shared_sizes(exported_program)
         tag_constant_data(exported_program)
         tag_owned_buffers(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
