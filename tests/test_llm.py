@@ -123,6 +123,15 @@ def test_the_cache_persists_between_calls_and_resets(exported):
     assert (step(4, len(ids)) - got).abs().max() > 1e-3
 
 
+def test_a_new_conversation_needs_no_reset(exported):
+    """Whatever an earlier, longer generation left in the cache is never read."""
+    folder, pte = exported("qwen3")
+    runner = LLMRunner(pte, folder)
+    runner.generate(list(range(3, 60)), max_new_tokens=20)
+    ids = [9, 4, 22]
+    assert runner.generate(ids, max_new_tokens=10).token_ids == eager_greedy(folder, ids, 10)
+
+
 def test_seeded_sampling_is_reproducible(exported):
     folder, pte = exported("llama")
     runner = LLMRunner(pte, folder)

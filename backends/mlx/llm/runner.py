@@ -64,7 +64,7 @@ class LLMRunner:
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
 
     def reset(self) -> None:
-        """A new conversation: the KV cache starts empty."""
+        """Empties the KV cache (of every program loaded in this process)."""
         import executorch_mlx
 
         executorch_mlx.reset_state()
@@ -109,7 +109,10 @@ class LLMRunner:
             sampling = sampling_inputs(1, temperature, 0 if seed is None else seed, 0)
         elif temperature > 0:
             raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
-        self.reset()
+        # No reset needed: the prompt is written from position 0, and attention
+        # never looks past the current position, so what an earlier
+        # conversation left in the cache is never read. (reset_state() would
+        # also empty the caches of other programs in this process.)
 
         t0 = time.perf_counter()
         for start in range(0, len(ids), self.max_chunk):
