@@ -31,7 +31,10 @@ def test_backend_is_registered_in_a_fresh_process():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert executorch_mlx.BACKEND_ID in out
-    assert executorch_mlx.BACKEND_ID != "MLXBackend"  # upstream's id
+    # the C++ plugin registers the very id the Python backend lowers for
+    from executorch_mlx._runtime_library import load
+
+    assert load().emlx_backend_id().decode() == executorch_mlx.BACKEND_ID
 
 
 def _pte_with_blob(monkeypatch, mutate) -> bytes:
@@ -158,7 +161,8 @@ def test_intact_blob_still_runs(monkeypatch):
 )
 def test_wrong_inputs_get_a_clean_error(bad_inputs):
     pte = lower(AddMul(), ARGS).to_executorch().buffer
-    with pytest.raises((RuntimeError, ValueError)):
+    # ExecuTorch checks static inputs before any delegate runs
+    with pytest.raises(RuntimeError, match=r"set_inputs\(\) for method 'forward' failed"):
         run(pte, bad_inputs)
     # the process is intact and the program still runs on good inputs
     torch.testing.assert_close(run(pte, list(ARGS))[0], (ARGS[0] + ARGS[1]) * ARGS[0])
@@ -221,7 +225,7 @@ import executorch_mlx
 from executorch.runtime import Runtime
 base, blob = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()
 rng = random.Random(int(sys.argv[3]))
-refused = 0
+refused = ran = 0
 for n in range(int(sys.argv[4])):
     data = bytearray(blob)
     for _ in range(rng.randint(1, 4)):
@@ -229,9 +233,10 @@ for n in range(int(sys.argv[4])):
     program = Runtime.get().load_program(base.replace(blob, bytes(data)))
     try:
         program.load_method('forward').execute([torch.randn(3, 6), torch.tensor([0, 2, 4])])
+        ran += 1
     except RuntimeError:
         refused += 1
-print('survived', refused)
+print('survived', refused, ran)
 """
 
 
@@ -255,7 +260,11 @@ def test_mutated_blobs_never_crash_the_process(tmp_path, monkeypatch):
     res = subprocess.run([sys.executable, str(tmp_path / "fuzz.py"), str(tmp_path / "base.pte"),
                           str(tmp_path / "blob"), "1234", "300"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "survived" in res.stdout
+    refused, ran = map(int, res.stdout.split("survived")[1].split())
+    assert refused + ran == 300
+    # most mutations break the blob and are refused; some hit bytes that do
+    # not matter (padding, weights) and run
+    assert refused > 150 and ran > 0, (refused, ran)
 
 
 def test_dynamic_batch_crosses_the_delegate_boundary():
