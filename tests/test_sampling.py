@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from harness import delegate_graphs, run, undelegated_ops
+from harness import delegate_graphs, lower, run, undelegated_ops
 from scipy.stats import chisquare
 
 from executorch_mlx.inspector import delegate_graphs as pte_delegate_graphs
@@ -293,3 +293,46 @@ def test_reference_rejects_seed_without_position():
 def test_greedy_head_is_plain_argmax_in_eager_too():
     logits = torch.randn(3, 7, 11)
     assert torch.equal(GreedyHead(Logits())(logits), logits[:, -1].argmax(-1))
+
+
+# ------------------------------------------------- host-side bad input --
+def test_export_rejects_example_inputs_it_cannot_sample_from():
+    with pytest.raises(ValueError, match="batch size 0"):
+        export_sampling_head(Logits(), (torch.zeros(0, 8),))
+    with pytest.raises(ValueError, match="model_args"):
+        export_sampling_head(Logits(), ())
+
+
+@pytest.mark.parametrize("kwargs,error,name", [
+    (dict(seed=1.5), TypeError, "seed"),
+    (dict(seed=2**64), ValueError, "seed"),
+    (dict(seed=1, position=2**63), ValueError, "position"),
+    (dict(seed=1, position=-1), ValueError, "position"),
+    (dict(seed=torch.tensor([1.0, 2.0])), TypeError, "seed"),
+    (dict(temperature=-0.5, seed=1), ValueError, "temperature"),
+], ids=["float-seed", "seed-65-bits", "position-overflow", "negative-position", "float-seed-tensor", "temperature"])
+def test_decoder_parameters_are_checked_before_running(kwargs, error, name):
+    dec = SampledDecoder(sampler_pte(2, 8))
+    with pytest.raises(error, match=name):
+        dec.step(torch.zeros(2, 8), **kwargs)  # (this head samples from the logits it is given)
+
+
+def test_decoder_checks_tokens_steps_and_the_program():
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(16, 8)
+
+        def forward(self, tokens):
+            return self.emb(tokens)
+
+    dec = SampledDecoder(export_sampling_head(Tokens(), (torch.zeros(2, 3, dtype=torch.int64),)).buffer)
+    for bad in (torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3)):
+        with pytest.raises(TypeError, match="tokens must be a torch.int64 tensor"):
+            dec.step(bad, seed=1)
+    for steps in (0, -2):
+        with pytest.raises(ValueError, match="steps must be a positive int"):
+            dec.generate(torch.zeros(2, 3, dtype=torch.int64), steps, seed=1)
+    mlp = lower(torch.nn.Linear(4, 2), (torch.randn(3, 4),)).to_executorch().buffer
+    with pytest.raises(ValueError, match="not a sampling head"):
+        SampledDecoder(mlp)

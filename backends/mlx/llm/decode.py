@@ -14,6 +14,10 @@ import torch
 
 from .sampling import sampling_inputs
 
+# ExecuTorch's ScalarType codes
+_DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+           6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+
 
 @dataclass
 class DecodeResult:
@@ -38,7 +42,13 @@ class SampledDecoder:
         meta = self.program.metadata(method)
         self.method = self.program.load_method(method)
         self.num_inputs = meta.num_inputs()
-        window = meta.input_tensor_meta(0)
+        # A sampling/greedy head takes a window [B, S] and returns int64 ids [B].
+        window, out = meta.input_tensor_meta(0), meta.output_tensor_meta(0)
+        if (meta.num_outputs() != 1 or _DTYPES.get(out.dtype()) != torch.int64 or len(window.sizes()) != 2
+                or tuple(out.sizes()) != tuple(window.sizes()[:1])):
+            raise ValueError(f"{method} is not a sampling head: expected a window [B, S] in and int64 ids [B] "
+                             "out (export it with export_sampling_head or export_greedy_head)")
+        self.window_dtype = _DTYPES.get(window.dtype())
         self.batch, self.window = (int(s) for s in window.sizes())
         # [] or [B] per sampling input, as exported (per_row or not)
         self.param_shapes = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(1, meta.num_inputs())]
@@ -51,6 +61,9 @@ class SampledDecoder:
 
     def step(self, tokens: torch.Tensor, temperature=1.0, seed=None, position=None) -> torch.Tensor:
         """One decode step: the sampled id of each row, int64 [B]."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != self.window_dtype:
+            raise TypeError(f"tokens must be a {self.window_dtype} tensor (as exported), got "
+                            f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
         if tokens.shape != (self.batch, self.window):
             raise ValueError(f"tokens must be [{self.batch}, {self.window}], got {list(tokens.shape)}")
         if self.greedy_only:
@@ -80,6 +93,8 @@ class SampledDecoder:
         Seeded runs use position = step index, so the same (seed, prompt)
         reproduces the same tokens.
         """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
         window = prompt.clone()
         out, times = [], []
         for step in range(steps):
