@@ -26,14 +26,16 @@ BOS, EOS = "<s>", "</s>"
 
 
 def train_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE trained on TEXT in well under a second."""
+    """A byte-level BPE trained on TEXT in well under a second. Characters
+    absent from TEXT have no token: prompts should use TEXT's characters."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # The alphabet is TEXT's characters only (no raw bytes), so that what a
+    # random-weight model generates decodes to printable text.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False)
     tok.train_from_iterator([TEXT] * 4, trainer)
     return tok
 
