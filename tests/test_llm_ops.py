@@ -291,3 +291,14 @@ def test_rms_norm_is_fused(dtype):
     assert_matches_eager(model, (x,), expect_nodes={"RmsNormNode"})
     types = node_types(lower(model, (x,)))
     assert not {"PowerNode", "MeanNode", "RsqrtNode"} & types, f"the decomposed norm is left in the IR: {types}"
+
+
+def test_attention_we_do_not_lower_decomposes_and_runs():
+    """is_causal with fewer queries than keys (torch aligns the mask top-left,
+    MLX bottom-right): kept off MLX's kernel, decomposed into ops we lower."""
+    q, k, v = rand((1, 2, 3, 8)), rand((1, 2, 5, 8)), rand((1, 2, 5, 8))
+    fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    edge = lower(Fn(fn), (q, k, v))
+    assert "ScaledDotProductAttentionNode" not in node_types(edge)
+    got = run(edge.to_executorch().buffer, [q, k, v])[0]
+    torch.testing.assert_close(got, fn(q, k, v), atol=1e-5, rtol=1e-5)

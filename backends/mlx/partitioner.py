@@ -112,7 +112,9 @@ class MLXPartitioner(Partitioner):
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
-        return KEEP_WHOLE, None
+        # Only what we lower stays whole: the rest decomposes for ExecuTorch's
+        # kernels (which have no fused attention, say).
+        return KEEP_WHOLE, can_lower
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         partitions = generate_partitions_from_list_of_nodes(
