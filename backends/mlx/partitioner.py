@@ -112,9 +112,11 @@ class MLXPartitioner(Partitioner):
     def ops_to_not_decompose(
         self, ep: ExportedProgram
     ) -> tuple[list[torch._ops.OpOverload], Callable[[torch.fx.Node], bool] | None]:
-        # Only what we lower stays whole: the rest decomposes for ExecuTorch's
-        # kernels (which have no fused attention, say).
-        return KEEP_WHOLE, can_lower
+        # An op stays whole only if we lower every use of it: the rest
+        # decomposes for ExecuTorch's kernels (which have no fused attention).
+        # (A per-node filter here breaks transformers' attention export.)
+        used = [n for n in ep.graph.nodes if n.op == "call_function" and n.target in KEEP_WHOLE]
+        return [op for op in KEEP_WHOLE if all(can_lower(n) for n in used if n.target == op)], None
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         partitions = generate_partitions_from_list_of_nodes(
