@@ -67,23 +67,18 @@ void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
   st.set(n->out(), mx::stack(out, 0));
 }
 
-void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
-  const auto& a = st.get(n->a());
-  int axis = n->axis();
-  if (axis < 0) axis += a.ndim();
-  if (axis < 0 || axis >= static_cast<int>(a.ndim())) {
-    throw std::invalid_argument("TakeNode: axis " + std::to_string(n->axis()) + " out of range");
+namespace {
+// Integer indices into an axis of `size`, clamped into [-size, size - 1]:
+// MLX's take and scatter wrap negative indices but read and write out of
+// range ones unchecked.
+mx::array in_range(const mx::array& indices, int size, const char* node) {
+  if (size == 0) throw std::invalid_argument(std::string(node) + ": indexing an empty axis");
+  if (!mx::issubdtype(indices.dtype(), mx::integer)) {
+    throw std::invalid_argument(std::string(node) + ": indices must be integers");
   }
-  const int size = a.shape(axis);
-  if (size == 0) throw std::invalid_argument("TakeNode: take from an empty axis");
-  const auto& indices = st.get(n->indices());
-  if (!mx::issubdtype(indices.dtype(), mx::integer)) throw std::invalid_argument("TakeNode: indices must be integers");
-  // MLX wraps negative indices and reads out of range ones unchecked.
-  auto safe = mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
-  st.set(n->out(), mx::take(a, safe, axis));
+  return mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
 }
 
-namespace {
 int checked_axis(int axis, size_t ndim, const char* node) {
   if (axis < 0 || axis >= static_cast<int>(ndim)) {
     throw std::invalid_argument(std::string(node) + ": axis " + std::to_string(axis) + " out of range for rank " +
@@ -98,6 +93,13 @@ int64_t floor_div(int64_t a, int64_t b) {
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 }  // namespace
+
+void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
+  const auto& a = st.get(n->a());
+  const int ndim = static_cast<int>(a.ndim());
+  const int axis = checked_axis(n->axis() < 0 ? n->axis() + ndim : n->axis(), a.ndim(), "TakeNode");
+  st.set(n->out(), mx::take(a, in_range(st.get(n->indices()), a.shape(axis), "TakeNode"), axis));
+}
 
 void exec_CumsumNode(Interpreter& st, const ir::CumsumNode* n) {
   const auto& a = st.get(n->a());
@@ -181,12 +183,7 @@ void exec_ScatterNode(Interpreter& st, const ir::ScatterNode* n) {
     throw std::invalid_argument("ScatterNode: one index array per axis");
   }
   for (size_t i = 0; i < axes.size(); ++i) {
-    const int axis = checked_axis(axes[i], a.ndim(), "ScatterNode");
-    if (!mx::issubdtype(indices[i].dtype(), mx::integer)) throw std::invalid_argument("ScatterNode: indices must be integers");
-    const int size = a.shape(axis);
-    if (size == 0) throw std::invalid_argument("ScatterNode: scatter into an empty axis");
-    // MLX writes out of range indices unchecked.
-    indices[i] = mx::clip(indices[i], mx::array(-size, indices[i].dtype()), mx::array(size - 1, indices[i].dtype()));
+    indices[i] = in_range(indices[i], a.shape(checked_axis(axes[i], a.ndim(), "ScatterNode")), "ScatterNode");
   }
   const auto& updates = st.get(n->updates());
   const auto& ishape = indices[0].shape();
