@@ -28,6 +28,7 @@ with _quiet("torchao", "torch.utils._pytree"):
     from ._runtime_library import load as _load_runtime
     from ._runtime_library import reset_state
     from .backend import MLXGraphBackend
+    from .custom_kernel_ops import quantized as _quantized_ops  # registers torch.ops.mlx.quantized_*
     from .custom_kernel_ops import sample as _sample_op  # registers torch.ops.mlx.sample
     from .partitioner import MLXPartitioner
 

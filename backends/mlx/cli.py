@@ -24,7 +24,8 @@ def cmd_export(args) -> int:
     from .llm.hf_export import export_llm
 
     export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
-               sampling=not args.no_sampling, progress=lambda line: print(line, file=sys.stderr))
+               sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
+               quantize_embedding=args.quantize_embedding, progress=lambda line: print(line, file=sys.stderr))
     return 0
 
 
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights and compute type")
     p.add_argument("--no-sampling", action="store_true",
                    help="return logits (runs in ExecuTorch's TextLLMRunner) instead of sampled token ids")
+    p.add_argument("--quantize", metavar="int4|int8", default=None,
+                   help="store linear weights 4- or 8-bit in MLX's affine layout (default: not quantized)")
+    p.add_argument("--group-size", type=int, default=64, metavar="32|64|128",
+                   help="values per scale and bias when quantizing (default 64)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="quantize the input embedding table too (with --quantize)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")

@@ -26,6 +26,9 @@ from typing import Callable
 
 import torch
 
+from ..custom_kernel_ops.quantized import GROUP_SIZES
+from .quantize import QUANTIZE_MODES, quantize_model
+
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +87,7 @@ class SampledLM(torch.nn.Module):
         return self.head(input_ids, cache_position, temperature=temperature, seed=seed, position=position)
 
 
-def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool) -> dict:
+def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -101,15 +104,20 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool) -> 
         "emlx_samples": sampling,
         "emlx_input_names": ",".join(SAMPLING_INPUT_NAMES if sampling else INPUT_NAMES),
         "emlx_model_type": config["model_type"],
+        "emlx_quantization": quantization,
     }
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
-               sampling: bool = True, progress: Callable[[str], None] | None = print) -> Path:
+               sampling: bool = True, quantize: str | None = None, group_size: int = 64,
+               quantize_embedding: bool = False, progress: Callable[[str], None] | None = print) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
-    exceed it. A prompt prefills in chunks of at most max_context - 1 tokens."""
+    exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
+    `quantize` ("int4" or "int8") stores every linear weight (and, with
+    `quantize_embedding`, the input embedding) in MLX's affine layout with
+    `group_size` values per scale and bias (see llm/quantize.py)."""
     from executorch.exir import to_edge_transform_and_lower
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +128,14 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not 2 <= max_context <= 1 << 20:
         raise ValueError(f"max_context must be in [2, 2**20], got {max_context}")
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+    if quantize is None and quantize_embedding:
+        raise ValueError("quantize_embedding needs quantize (int4 or int8)")
+    if quantize is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    quantization = "none" if quantize is None else (
+        f"{quantize} group {group_size}" + (" +embedding" if quantize_embedding else ""))
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
@@ -128,6 +144,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    if quantize is not None:
+        layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
+                                embedding=quantize_embedding)
+        stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
     max_chunk = max_context - 1
     lm = CachedLM(model, max_context)
     seq = torch.export.Dim("seq", min=1, max=max_chunk)
@@ -144,7 +164,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
     stage("lowering to MLX")
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
-                                       constant_methods=metadata(config, max_context, max_chunk, sampling))
+                                       constant_methods=metadata(config, max_context, max_chunk, sampling,
+                                                                 quantization))
     program = edge.to_executorch()
     output_path = Path(output_path)
     stage(f"writing {output_path}")

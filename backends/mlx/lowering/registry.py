@@ -66,4 +66,4 @@ def _load_handlers() -> None:
         ops_reduction,
         ops_shape,
     )
-    from ..custom_kernel_ops import sample  # noqa: F401
+    from ..custom_kernel_ops import quantized, sample  # noqa: F401

@@ -221,4 +221,18 @@ void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
   st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), st.get_optional(n->bias())));
 }
 
+void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
+  st.set(n->out(), quantized_linear(st.get(n->x()), st.get(n->weight()), st.get(n->scales()), st.get(n->biases()),
+                                    st.get_optional(n->bias()), n->group_size(), n->bits()));
+}
+
+void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {
+  const auto &w = st.get(n->weight()), &scales = st.get(n->scales()), &biases = st.get(n->biases());
+  const int K = w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / std::max(n->bits(), 1)) : 0;
+  check_quantization("QuantizedEmbeddingNode", w, scales, biases, n->group_size(), n->bits(), K);
+  auto ids = in_range(st.get(n->indices()), w.shape(0), "QuantizedEmbeddingNode");
+  st.set(n->out(), mx::dequantize(mx::view(mx::take(w, ids, 0), mx::uint32), mx::take(scales, ids, 0),
+                                  mx::take(biases, ids, 0), n->group_size(), n->bits()));
+}
+
 }  // namespace emlx

@@ -5,8 +5,10 @@
 #include <mlx/primitives.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 #include "thread_pool.h"
 
@@ -17,6 +19,35 @@ namespace mx = mlx::core;
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+// How the weight matrix [N, K] is stored.
+enum class Format : int { F32, BF16, Q4, Q8 };
+
+struct Operands {
+  Format format;
+  int group;             // quantized: K values per (scale, bias) pair
+  const float* x;        // [M, K], float32 (converted up front when bf16)
+  const void* w;         // F32/BF16: [N, K]; Q4/Q8: [N, K * bits / 32] packed uint32
+  const void* scales;    // quantized: [N, K / group]
+  const void* biases;    // quantized: [N, K / group]
+  bool params_bf16;      // scales/biases (and bias) are bfloat16, else float32
+  const void* bias;      // [N] or null
+  float* out;            // [M, N] float32
+  size_t M, N, K;
+};
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float param(const void* p, size_t i, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
 
 // Dot products of ROWS rows of w with one row of x (all K long).
 template <int ROWS>
@@ -40,40 +71,82 @@ inline void dots(const float* x, const float* w, size_t K, float* out) {
   }
 }
 
-// out[m, n0:n1] for every row m of x: w's rows are read once per block and
-// reused for all of x's rows while they are in cache.
-__attribute__((always_inline)) inline void linear_block(const float* x, const float* w, const float* bias,
-                                                        float* out, size_t M, size_t N, size_t K, size_t n0,
-                                                        size_t n1) {
-  constexpr size_t kRows = 4;
-  size_t n = n0;
-  for (; n + kRows <= n1; n += kRows) {
-    for (size_t m = 0; m < M; ++m) {
-      float r[kRows];
-      dots<kRows>(x + m * K, w + n * K, K, r);
-      for (size_t i = 0; i < kRows; ++i) out[m * N + n + i] = r[i] + (bias ? bias[n + i] : 0.0f);
+// Row n of w as K floats in dst: w = q * scale + bias per group for the
+// quantized formats (MLX's affine layout: value i of a row sits at bits
+// (i % per_word) * bits of word i / per_word, lowest bits first).
+inline void decode_row(const Operands& o, size_t n, float* dst) {
+  const size_t K = o.K;
+  if (o.format == Format::BF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(o.w) + n * K;
+    size_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      u16x8 h;
+      __builtin_memcpy(&h, src + k, sizeof h);
+      u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+      __builtin_memcpy(dst + k, &u, sizeof u);
     }
+    for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
+    return;
   }
-  for (; n < n1; ++n) {
-    for (size_t m = 0; m < M; ++m) {
-      float r;
-      dots<1>(x + m * K, w + n * K, K, &r);
-      out[m * N + n] = r + (bias ? bias[n] : 0.0f);
+  const bool q4 = o.format == Format::Q4;
+  const size_t words_per_row = K / (q4 ? 8 : 4), groups = K / o.group;
+  const uint32_t* src = static_cast<const uint32_t*>(o.w) + n * words_per_row;
+  const u32x8 shift4 = {0, 4, 8, 12, 16, 20, 24, 28}, shift8 = {0, 8, 16, 24, 0, 8, 16, 24};
+  for (size_t g = 0; g < groups; ++g) {
+    const float s = param(o.scales, n * groups + g, o.params_bf16);
+    const float b = param(o.biases, n * groups + g, o.params_bf16);
+    const v8 sv = v8{} + s, bv = v8{} + b;
+    // groups are 32, 64 or 128 values: whole vectors of 8
+    for (size_t k = g * o.group; k < (g + 1) * o.group; k += 8) {
+      u32x8 q;
+      if (q4) {
+        q = ((u32x8{} + src[k / 8]) >> shift4) & 15u;
+      } else {
+        const uint32_t w0 = src[k / 4], w1 = src[k / 4 + 1];
+        q = ((u32x8){w0, w0, w0, w0, w1, w1, w1, w1} >> shift8) & 255u;
+      }
+      v8 f = __builtin_convertvector(q, v8) * sv + bv;
+      __builtin_memcpy(dst + k, &f, sizeof f);
     }
   }
 }
 
-void linear_block_generic(const float* x, const float* w, const float* bias, float* out, size_t M, size_t N,
-                          size_t K, size_t n0, size_t n1) {
-  linear_block(x, w, bias, out, M, N, K, n0, n1);
+// out[m, n0:n1] for every row m of x: kRows rows of w at a time (decoded
+// once into `scratch` unless stored as float32), reused for all of x's rows
+// while they are in cache.
+__attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
+  constexpr size_t kRows = 4;
+  const size_t K = o.K;
+  for (size_t n = n0; n < n1; n += kRows) {
+    const size_t rows = std::min(kRows, n1 - n);
+    const float* w = static_cast<const float*>(o.w) + n * K;
+    if (o.format != Format::F32) {
+      for (size_t r = 0; r < rows; ++r) decode_row(o, n + r, scratch + r * K);
+      w = scratch;
+    }
+    for (size_t m = 0; m < o.M; ++m) {
+      float acc[kRows];
+      if (rows == kRows) {
+        dots<kRows>(o.x + m * K, w, K, acc);
+      } else {
+        for (size_t r = 0; r < rows; ++r) dots<1>(o.x + m * K, w + r * K, K, acc + r);
+      }
+      for (size_t r = 0; r < rows; ++r) {
+        o.out[m * o.N + n + r] = acc[r] + (o.bias ? param(o.bias, n + r, o.params_bf16) : 0.0f);
+      }
+    }
+  }
+}
+
+void linear_block_generic(const Operands& o, size_t n0, size_t n1, float* scratch) {
+  linear_block(o, n0, n1, scratch);
 }
 
 #if defined(__x86_64__)
 // The same code compiled twice: for AVX2+FMA machines, and for any x86-64.
-__attribute__((target("avx2,fma"))) void linear_block_avx2(const float* x, const float* w, const float* bias,
-                                                            float* out, size_t M, size_t N, size_t K, size_t n0,
-                                                            size_t n1) {
-  linear_block(x, w, bias, out, M, N, K, n0, n1);
+__attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, size_t n0, size_t n1,
+                                                            float* scratch) {
+  linear_block(o, n0, n1, scratch);
 }
 
 bool has_avx2() {
@@ -85,11 +158,23 @@ constexpr auto linear_block_avx2 = linear_block_generic;
 bool has_avx2() { return false; }
 #endif
 
-// MLX primitive: inputs x [M, K], w [N, K] (+ bias [N]), all row-contiguous
-// float32; output [M, N].
+std::vector<float> to_f32(const mx::array& a) {
+  std::vector<float> v(a.size());
+  if (a.dtype() == mx::float32) {
+    std::copy_n(a.data<float>(), a.size(), v.begin());
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(a.data<mx::bfloat16_t>());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(h[i]);
+  }
+  return v;
+}
+
+// MLX primitive: inputs x [M, K], w (+ scales, biases when quantized) (+
+// bias [N]), all row-contiguous; output [M, N] in x's dtype.
 class Linear : public mx::UnaryPrimitive {
  public:
-  explicit Linear(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  Linear(mx::Stream s, Format format, int group, bool has_bias)
+      : mx::UnaryPrimitive(s), format_(format), group_(group), has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -97,39 +182,104 @@ class Linear : public mx::UnaryPrimitive {
     for (const auto& in : inputs) enc.set_input_array(in);
     enc.set_output_array(out);
     // The task owns references: MLX may drop its own before the task runs.
-    enc.dispatch([inputs, out]() mutable {
-      const auto &x = inputs[0], &w = inputs[1];
-      const float* bias = inputs.size() > 2 ? inputs[2].data<float>() : nullptr;
-      const size_t M = x.shape(0), K = x.shape(1), N = w.shape(0);
-      const float *xp = x.data<float>(), *wp = w.data<float>();
-      float* op = out.data<float>();
-      // Blocks of about 64 KiB of w: enough to spread over the pool, small
-      // enough to stay in cache while every row of x passes over them.
+    enc.dispatch([inputs, out, format = format_, group = group_, has_bias = has_bias_]() mutable {
+      const auto& x = inputs[0];
+      const bool quantized = format == Format::Q4 || format == Format::Q8;
+      const size_t M = x.shape(0), K = x.shape(1), N = out.shape(1);
+      std::vector<float> x32, out32;
+      Operands o{format, group};
+      o.M = M, o.N = N, o.K = K;
+      o.params_bf16 = x.dtype() == mx::bfloat16;
+      if (o.params_bf16) {
+        x32 = to_f32(x);
+        out32.resize(M * N);
+      }
+      o.x = o.params_bf16 ? x32.data() : x.data<float>();
+      o.out = o.params_bf16 ? out32.data() : out.data<float>();
+      o.w = inputs[1].data<void>();
+      if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
+      o.bias = has_bias ? inputs.back().data<void>() : nullptr;
+      // Blocks of about 64 KiB of float32 weights: enough to spread over the
+      // pool, small enough to stay in cache while every row of x passes.
       const size_t rows = std::max<size_t>(4, (16384 / std::max<size_t>(K, 1)) / 4 * 4);
       const int blocks = static_cast<int>((N + rows - 1) / rows);
       const bool avx2 = has_avx2();
       parallel_for(blocks, [&](int b) {
+        thread_local std::vector<float> scratch;
+        if (format != Format::F32 && scratch.size() < 4 * K) scratch.resize(4 * K);
         const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
-        (avx2 ? linear_block_avx2 : linear_block_generic)(xp, wp, bias, op, M, N, K, n0, n1);
+        (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
       });
+      if (o.params_bf16) {
+        // float32 -> bfloat16, rounding to nearest even (as MLX does)
+        uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());
+        for (size_t i = 0; i < out32.size(); ++i) {
+          uint32_t u;
+          __builtin_memcpy(&u, &out32[i], sizeof u);
+          dst[i] = (out32[i] != out32[i]) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+        }
+      }
     });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("emlx Linear: no GPU kernel (the graph uses mlx::core::matmul there)");
+    throw std::runtime_error("emlx Linear: no GPU kernel (the graph uses MLX's matmul there)");
   }
 
   const char* name() const override { return "EmlxLinear"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Linear&>(other);
+    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_;
+  }
+
+ private:
+  Format format_;
+  int group_;
+  bool has_bias_;
 };
 
-bool use_kernel(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
+bool kernels_enabled() {
   static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
-  return !disabled && mx::default_device() == mx::Device::cpu && x.dtype() == mx::float32 &&
-         w.dtype() == mx::float32 && (!bias || bias->dtype() == mx::float32);
+  return !disabled && mx::default_device() == mx::Device::cpu;
+}
+
+bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
+
+mx::array run_kernel(const mx::array& x, std::vector<mx::array> operands, const std::optional<mx::array>& bias,
+                     Format format, int group, int K, int N) {
+  const int M = static_cast<int>(x.size() / std::max(K, 1));
+  std::vector<mx::array> in = {mx::contiguous(mx::reshape(x, {M, K}))};
+  for (auto& a : operands) in.push_back(mx::contiguous(a));
+  if (bias) in.push_back(mx::contiguous(*bias));
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = N;
+  auto prim = std::make_shared<Linear>(mx::default_stream(mx::Device::cpu), format, group, bias.has_value());
+  return mx::reshape(mx::array({M, N}, x.dtype(), prim, in), out_shape);
 }
 
 }  // namespace
+
+void check_quantization(const char* node, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int group_size, int bits, int K) {
+  const std::string name(node);
+  if (bits != 4 && bits != 8) throw std::invalid_argument(name + ": bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(name + ": group_size must be 32, 64 or 128");
+  }
+  if (w.ndim() != 2 || (w.dtype() != mx::uint32 && w.dtype() != mx::int32)) {
+    throw std::invalid_argument(name + ": packed weight must be a 2-D 32-bit integer array");
+  }
+  if (K <= 0 || K % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(K) * bits) {
+    throw std::invalid_argument(name + ": packed weight width does not match K, bits and group_size");
+  }
+  const mx::Shape params = {w.shape(0), K / group_size};
+  if (scales.shape() != params || biases.shape() != params) {
+    throw std::invalid_argument(name + ": scales and biases must be [N, K / group_size]");
+  }
+  if (!float_activation(scales.dtype()) || scales.dtype() != biases.dtype()) {
+    throw std::invalid_argument(name + ": scales and biases must both be float32 or both bfloat16");
+  }
+}
 
 mx::array linear_reference(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
   auto y = mx::matmul(x, mx::transpose(w));
@@ -143,15 +293,32 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
-  if (!use_kernel(x, w, bias)) return linear_reference(x, w, bias);
-  const int K = w.shape(1), N = w.shape(0);
-  const int M = static_cast<int>(x.size() / std::max(K, 1));
-  std::vector<mx::array> in = {mx::contiguous(mx::reshape(x, {M, K})), mx::contiguous(w)};
-  if (bias) in.push_back(mx::contiguous(*bias));
-  mx::Shape out_shape = x.shape();
-  out_shape.back() = N;
-  auto y = mx::array({M, N}, mx::float32, std::make_shared<Linear>(mx::default_stream(mx::Device::cpu)), in);
-  return mx::reshape(y, out_shape);
+  const bool kernel = kernels_enabled() && float_activation(x.dtype()) && w.dtype() == x.dtype() &&
+                      (!bias || bias->dtype() == x.dtype());
+  if (!kernel) return linear_reference(x, w, bias);
+  return run_kernel(x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, w.shape(1),
+                    w.shape(0));
+}
+
+mx::array quantized_linear_reference(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                     const mx::array& biases, const std::optional<mx::array>& bias, int group_size,
+                                     int bits) {
+  auto y = mx::quantized_matmul(x, mx::view(w, mx::uint32), scales, biases, /*transpose=*/true, group_size, bits);
+  return bias ? mx::add(y, *bias) : y;
+}
+
+mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           const std::optional<mx::array>& bias, int group_size, int bits) {
+  if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
+  const int K = x.shape(-1);
+  check_quantization("QuantizedLinearNode", w, scales, biases, group_size, bits, K);
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
+    throw std::invalid_argument("QuantizedLinearNode: bias must be [N]");
+  }
+  const bool kernel = kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
+                      (!bias || bias->dtype() == x.dtype());
+  if (!kernel) return quantized_linear_reference(x, w, scales, biases, bias, group_size, bits);
+  return run_kernel(x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, K, w.shape(0));
 }
 
 }  // namespace emlx

@@ -465,6 +465,29 @@ class PowerNode:
 
 
 @dataclass
+class QuantizedEmbeddingNode:
+    indices: Tid | None = None
+    weight: Tid | None = None
+    scales: Tid | None = None
+    biases: Tid | None = None
+    group_size: int = 0
+    bits: int = 0
+    out: Tid | None = None
+
+
+@dataclass
+class QuantizedLinearNode:
+    x: Tid | None = None
+    weight: Tid | None = None
+    scales: Tid | None = None
+    biases: Tid | None = None
+    bias: Tid | None = None
+    group_size: int = 0
+    bits: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class RandomBitsNode:
     shape: list[IntOrSlot] = field(default_factory=list)
     seed: Tid | None = None
@@ -650,8 +673,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -1587,6 +1610,50 @@ def _pack_PowerNode(b, v):
 
 def _unpack_PowerNode(r):
     return PowerNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_QuantizedEmbeddingNode(b, v):
+    fb.QuantizedEmbeddingNodeStart(b)
+    if v.indices is not None:
+        fb.QuantizedEmbeddingNodeAddIndices(b, _pack_Tid(b, v.indices))
+    if v.weight is not None:
+        fb.QuantizedEmbeddingNodeAddWeight(b, _pack_Tid(b, v.weight))
+    if v.scales is not None:
+        fb.QuantizedEmbeddingNodeAddScales(b, _pack_Tid(b, v.scales))
+    if v.biases is not None:
+        fb.QuantizedEmbeddingNodeAddBiases(b, _pack_Tid(b, v.biases))
+    fb.QuantizedEmbeddingNodeAddGroupSize(b, v.group_size)
+    fb.QuantizedEmbeddingNodeAddBits(b, v.bits)
+    if v.out is not None:
+        fb.QuantizedEmbeddingNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.QuantizedEmbeddingNodeEnd(b)
+
+
+def _unpack_QuantizedEmbeddingNode(r):
+    return QuantizedEmbeddingNode(indices=_opt(_unpack_Tid, r.Indices()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_QuantizedLinearNode(b, v):
+    fb.QuantizedLinearNodeStart(b)
+    if v.x is not None:
+        fb.QuantizedLinearNodeAddX(b, _pack_Tid(b, v.x))
+    if v.weight is not None:
+        fb.QuantizedLinearNodeAddWeight(b, _pack_Tid(b, v.weight))
+    if v.scales is not None:
+        fb.QuantizedLinearNodeAddScales(b, _pack_Tid(b, v.scales))
+    if v.biases is not None:
+        fb.QuantizedLinearNodeAddBiases(b, _pack_Tid(b, v.biases))
+    if v.bias is not None:
+        fb.QuantizedLinearNodeAddBias(b, _pack_Tid(b, v.bias))
+    fb.QuantizedLinearNodeAddGroupSize(b, v.group_size)
+    fb.QuantizedLinearNodeAddBits(b, v.bits)
+    if v.out is not None:
+        fb.QuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.QuantizedLinearNodeEnd(b)
+
+
+def _unpack_QuantizedLinearNode(r):
+    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_RandomBitsNode(b, v):

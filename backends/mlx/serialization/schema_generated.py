@@ -97,6 +97,8 @@ class Op(object):
     RmsNormNode = 64
     LinearNode = 65
     SliceUpdateNode = 66
+    QuantizedLinearNode = 67
+    QuantizedEmbeddingNode = 68
 
 
 # Reference to a value slot of the graph.
@@ -5884,6 +5886,253 @@ def RmsNormNodeAddOut(builder, out):
     builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def RmsNormNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
+# weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
+# w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs).
+class QuantizedLinearNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = QuantizedLinearNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsQuantizedLinearNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def QuantizedLinearNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # QuantizedLinearNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # QuantizedLinearNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def Weight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def Scales(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def Biases(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def Bias(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def GroupSize(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # QuantizedLinearNode
+    def Bits(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # QuantizedLinearNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def QuantizedLinearNodeStart(builder):
+    builder.StartObject(8)
+
+def QuantizedLinearNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def QuantizedLinearNodeAddWeight(builder, weight):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(weight), 0)
+
+def QuantizedLinearNodeAddScales(builder, scales):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(scales), 0)
+
+def QuantizedLinearNodeAddBiases(builder, biases):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(biases), 0)
+
+def QuantizedLinearNodeAddBias(builder, bias):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(bias), 0)
+
+def QuantizedLinearNodeAddGroupSize(builder, groupSize):
+    builder.PrependInt32Slot(5, groupSize, 0)
+
+def QuantizedLinearNodeAddBits(builder, bits):
+    builder.PrependInt32Slot(6, bits, 0)
+
+def QuantizedLinearNodeAddOut(builder, out):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def QuantizedLinearNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized.
+class QuantizedEmbeddingNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = QuantizedEmbeddingNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsQuantizedEmbeddingNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def QuantizedEmbeddingNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # QuantizedEmbeddingNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # QuantizedEmbeddingNode
+    def Indices(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedEmbeddingNode
+    def Weight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedEmbeddingNode
+    def Scales(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedEmbeddingNode
+    def Biases(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedEmbeddingNode
+    def GroupSize(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # QuantizedEmbeddingNode
+    def Bits(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # QuantizedEmbeddingNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def QuantizedEmbeddingNodeStart(builder):
+    builder.StartObject(7)
+
+def QuantizedEmbeddingNodeAddIndices(builder, indices):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(indices), 0)
+
+def QuantizedEmbeddingNodeAddWeight(builder, weight):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(weight), 0)
+
+def QuantizedEmbeddingNodeAddScales(builder, scales):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(scales), 0)
+
+def QuantizedEmbeddingNodeAddBiases(builder, biases):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(biases), 0)
+
+def QuantizedEmbeddingNodeAddGroupSize(builder, groupSize):
+    builder.PrependInt32Slot(4, groupSize, 0)
+
+def QuantizedEmbeddingNodeAddBits(builder, bits):
+    builder.PrependInt32Slot(5, bits, 0)
+
+def QuantizedEmbeddingNodeAddOut(builder, out):
+    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def QuantizedEmbeddingNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -235,6 +235,12 @@ struct LinearNodeBuilder;
 struct RmsNormNode;
 struct RmsNormNodeBuilder;
 
+struct QuantizedLinearNode;
+struct QuantizedLinearNodeBuilder;
+
+struct QuantizedEmbeddingNode;
+struct QuantizedEmbeddingNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -403,11 +409,13 @@ enum class Op : uint8_t {
   RmsNormNode = 64,
   LinearNode = 65,
   SliceUpdateNode = 66,
+  QuantizedLinearNode = 67,
+  QuantizedEmbeddingNode = 68,
   MIN = NONE,
-  MAX = SliceUpdateNode
+  MAX = QuantizedEmbeddingNode
 };
 
-inline const Op (&EnumValuesOp())[67] {
+inline const Op (&EnumValuesOp())[69] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -475,13 +483,15 @@ inline const Op (&EnumValuesOp())[67] {
     Op::ScaledDotProductAttentionNode,
     Op::RmsNormNode,
     Op::LinearNode,
-    Op::SliceUpdateNode
+    Op::SliceUpdateNode,
+    Op::QuantizedLinearNode,
+    Op::QuantizedEmbeddingNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[68] = {
+  static const char * const names[70] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -549,13 +559,15 @@ inline const char * const *EnumNamesOp() {
     "RmsNormNode",
     "LinearNode",
     "SliceUpdateNode",
+    "QuantizedLinearNode",
+    "QuantizedEmbeddingNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SliceUpdateNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::QuantizedEmbeddingNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -826,6 +838,14 @@ template<> struct OpTraits<emlx::ir::LinearNode> {
 
 template<> struct OpTraits<emlx::ir::SliceUpdateNode> {
   static const Op enum_value = Op::SliceUpdateNode;
+};
+
+template<> struct OpTraits<emlx::ir::QuantizedLinearNode> {
+  static const Op enum_value = Op::QuantizedLinearNode;
+};
+
+template<> struct OpTraits<emlx::ir::QuantizedEmbeddingNode> {
+  static const Op enum_value = Op::QuantizedEmbeddingNode;
 };
 
 template <bool B = false>
@@ -6650,6 +6670,246 @@ struct RmsNormNode::Traits {
   static auto constexpr Create = CreateRmsNormNode;
 };
 
+/// Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
+/// weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
+/// w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs).
+struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef QuantizedLinearNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_BIAS = 12,
+    VT_GROUP_SIZE = 14,
+    VT_BITS = 16,
+    VT_OUT = 18
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *scales() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SCALES);
+  }
+  const emlx::ir::Tid *biases() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIASES);
+  }
+  const emlx::ir::Tid *bias() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIAS);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 0);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct QuantizedLinearNodeBuilder {
+  typedef QuantizedLinearNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_X, x);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_WEIGHT, weight);
+  }
+  void add_scales(const emlx::ir::Tid *scales) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_SCALES, scales);
+  }
+  void add_biases(const emlx::ir::Tid *biases) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_BIASES, biases);
+  }
+  void add_bias(const emlx::ir::Tid *bias) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_BIAS, bias);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(QuantizedLinearNode::VT_GROUP_SIZE, group_size, 0);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(QuantizedLinearNode::VT_BITS, bits, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_OUT, out);
+  }
+  explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<QuantizedLinearNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<QuantizedLinearNode>(end);
+    fbb_.Required(o, QuantizedLinearNode::VT_X);
+    fbb_.Required(o, QuantizedLinearNode::VT_WEIGHT);
+    fbb_.Required(o, QuantizedLinearNode::VT_SCALES);
+    fbb_.Required(o, QuantizedLinearNode::VT_BIASES);
+    fbb_.Required(o, QuantizedLinearNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *scales = nullptr,
+    const emlx::ir::Tid *biases = nullptr,
+    const emlx::ir::Tid *bias = nullptr,
+    int32_t group_size = 0,
+    int32_t bits = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  QuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_bias(bias);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct QuantizedLinearNode::Traits {
+  using type = QuantizedLinearNode;
+  static auto constexpr Create = CreateQuantizedLinearNode;
+};
+
+/// Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized.
+struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef QuantizedEmbeddingNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_INDICES = 4,
+    VT_WEIGHT = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_GROUP_SIZE = 12,
+    VT_BITS = 14,
+    VT_OUT = 16
+  };
+  const emlx::ir::Tid *indices() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_INDICES);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *scales() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SCALES);
+  }
+  const emlx::ir::Tid *biases() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIASES);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 0);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct QuantizedEmbeddingNodeBuilder {
+  typedef QuantizedEmbeddingNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_indices(const emlx::ir::Tid *indices) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_INDICES, indices);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_WEIGHT, weight);
+  }
+  void add_scales(const emlx::ir::Tid *scales) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_SCALES, scales);
+  }
+  void add_biases(const emlx::ir::Tid *biases) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_BIASES, biases);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(QuantizedEmbeddingNode::VT_GROUP_SIZE, group_size, 0);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(QuantizedEmbeddingNode::VT_BITS, bits, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(QuantizedEmbeddingNode::VT_OUT, out);
+  }
+  explicit QuantizedEmbeddingNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<QuantizedEmbeddingNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<QuantizedEmbeddingNode>(end);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_INDICES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_WEIGHT);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_SCALES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_BIASES);
+    fbb_.Required(o, QuantizedEmbeddingNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<QuantizedEmbeddingNode> CreateQuantizedEmbeddingNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *indices = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *scales = nullptr,
+    const emlx::ir::Tid *biases = nullptr,
+    int32_t group_size = 0,
+    int32_t bits = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  QuantizedEmbeddingNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_weight(weight);
+  builder_.add_indices(indices);
+  return builder_.Finish();
+}
+
+struct QuantizedEmbeddingNode::Traits {
+  using type = QuantizedEmbeddingNode;
+  static auto constexpr Create = CreateQuantizedEmbeddingNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -6861,6 +7121,12 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::SliceUpdateNode *op_as_SliceUpdateNode() const {
     return op_type() == emlx::ir::Op::SliceUpdateNode ? static_cast<const emlx::ir::SliceUpdateNode *>(op()) : nullptr;
+  }
+  const emlx::ir::QuantizedLinearNode *op_as_QuantizedLinearNode() const {
+    return op_type() == emlx::ir::Op::QuantizedLinearNode ? static_cast<const emlx::ir::QuantizedLinearNode *>(op()) : nullptr;
+  }
+  const emlx::ir::QuantizedEmbeddingNode *op_as_QuantizedEmbeddingNode() const {
+    return op_type() == emlx::ir::Op::QuantizedEmbeddingNode ? static_cast<const emlx::ir::QuantizedEmbeddingNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -7134,6 +7400,14 @@ template<> inline const emlx::ir::LinearNode *Node::op_as<emlx::ir::LinearNode>(
 
 template<> inline const emlx::ir::SliceUpdateNode *Node::op_as<emlx::ir::SliceUpdateNode>() const {
   return op_as_SliceUpdateNode();
+}
+
+template<> inline const emlx::ir::QuantizedLinearNode *Node::op_as<emlx::ir::QuantizedLinearNode>() const {
+  return op_as_QuantizedLinearNode();
+}
+
+template<> inline const emlx::ir::QuantizedEmbeddingNode *Node::op_as<emlx::ir::QuantizedEmbeddingNode>() const {
+  return op_as_QuantizedEmbeddingNode();
 }
 
 struct NodeBuilder {
@@ -7614,6 +7888,14 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::SliceUpdateNode: {
       auto ptr = reinterpret_cast<const emlx::ir::SliceUpdateNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::QuantizedLinearNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::QuantizedLinearNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::QuantizedEmbeddingNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::QuantizedEmbeddingNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -1,0 +1,97 @@
+"""Weight-only quantized linear and embedding in MLX's affine layout.
+
+    torch.ops.mlx.quantized_linear(x[..., K], weight, scales, biases, bias=None,
+                                   group_size, bits) -> [..., N]
+    torch.ops.mlx.quantized_embedding(ids[...], weight, scales, biases,
+                                      group_size, bits) -> [..., K]
+
+`weight` is int32 [N, K * bits / 32]: the packed uint32 words of
+`mlx.core.quantize` (value i of a row at bits (i % (32 / bits)) * bits of
+word i // (32 / bits), lowest first), reinterpreted as int32 because torch
+has no uint32 arithmetic. `scales` and `biases` are [N, K / group_size];
+w = q * scale + bias per group. The CPU references below dequantize in
+torch; the lowering emits one IR node each, which the runtime runs with our
+CPU kernel or `mlx::core::quantized_matmul` / `dequantize`.
+
+Why custom ops rather than torchao's quantized patterns: one op is one node
+in the exported graph, so torch.export, the partitioner and the handler see
+the whole layer at once (no pattern of unpack/dequantize/matmul to match
+and keep from being decomposed), and the packed layout is MLX's own, so the
+runtime never repacks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lowering.builder import GraphBuilder, meta_val, node_arg
+from ..lowering.registry import handles
+from ..serialization import ir
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+torch.library.define(
+    "mlx::quantized_linear",
+    "(Tensor x, Tensor weight, Tensor scales, Tensor biases, Tensor? bias, int group_size, int bits) -> Tensor",
+)
+torch.library.define(
+    "mlx::quantized_embedding",
+    "(Tensor ids, Tensor weight, Tensor scales, Tensor biases, int group_size, int bits) -> Tensor",
+)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
+               bits: int) -> torch.Tensor:
+    """[..., K] in scales' dtype from packed [..., K * bits / 32] words (as mlx.core.dequantize)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    q = (weight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # the mask undoes int32 sign extension
+    q = q.reshape(*weight.shape[:-1], -1, group_size).to(torch.float32)
+    w = q * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
+    return w.flatten(-2).to(scales.dtype)
+
+
+def _in_features(weight: torch.Tensor, bits: int) -> int:
+    return weight.shape[-1] * 32 // bits
+
+
+@torch.library.impl("mlx::quantized_linear", "CompositeExplicitAutograd")
+def quantized_linear_reference(x, weight, scales, biases, bias, group_size, bits):
+    w = dequantize(weight, scales, biases, group_size, bits).to(x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@torch.library.register_fake("mlx::quantized_linear")
+def _quantized_linear_fake(x, weight, scales, biases, bias, group_size, bits):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.impl("mlx::quantized_embedding", "CompositeExplicitAutograd")
+def quantized_embedding_reference(ids, weight, scales, biases, group_size, bits):
+    return dequantize(weight[ids], scales[ids], biases[ids], group_size, bits)
+
+
+@torch.library.register_fake("mlx::quantized_embedding")
+def _quantized_embedding_fake(ids, weight, scales, biases, group_size, bits):
+    return scales.new_empty((*ids.shape, _in_features(weight, bits)))
+
+
+@handles(torch.ops.mlx.quantized_linear.default)
+def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    x, weight, scales, biases = (b.get(a) for a in node.args[:4])
+    fields = dict(x=b.cast(x, out.dtype).tid, weight=weight.tid, scales=b.cast(scales, out.dtype).tid,
+                  biases=b.cast(biases, out.dtype).tid, group_size=node.args[5], bits=node.args[6])
+    bias = node_arg(node, 4, "bias")
+    if bias is not None:
+        fields["bias"] = b.cast(b.get(bias), out.dtype).tid
+    b.bind(node, b.emit(ir.QuantizedLinearNode, out.dtype, out.shape, **fields))
+
+
+@handles(torch.ops.mlx.quantized_embedding.default)
+def lower_quantized_embedding(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)
+    ids, weight, scales, biases = (b.get(a) for a in node.args[:4])
+    b.bind(node, b.emit(ir.QuantizedEmbeddingNode, out.dtype, out.shape, indices=ids.tid, weight=weight.tid,
+                        scales=scales.tid, biases=biases.tid, group_size=node.args[4], bits=node.args[5]))

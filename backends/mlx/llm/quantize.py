@@ -1,0 +1,128 @@
+"""Weight-only 4- and 8-bit quantization of a model before export.
+
+`quantize_model` replaces every `nn.Linear` of a model (and, when asked,
+its input embedding) with modules that hold MLX's affine quantized layout,
+computed by `mlx.core.quantize` itself, and call `mlx::quantized_linear` /
+`mlx::quantized_embedding` (custom_kernel_ops/quantized.py). A layer whose
+input width does not divide by the group size is an error naming the layer,
+never silently left in full precision.
+
+Tied input/output embeddings stay one table: quantized for both uses with
+`embedding=True`, left in full precision for both otherwise (quantizing only
+the output side would store the table twice).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
+
+QUANTIZE_MODES = {"int4": 4, "int8": 8}
+
+
+def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
+    """(packed int32 [N, K*bits/32], scales [N, K/g], biases [N, K/g]) of a [N, K]
+    weight, computed by mlx.core.quantize in the weight's dtype."""
+    import mlx.core as mx
+
+    dtype = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[weight.dtype]
+    w = mx.array(weight.detach().to(torch.float32).numpy()).astype(dtype)
+    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+
+    def to_torch(a):  # numpy has no bfloat16: widen, then narrow back (exact)
+        return torch.from_numpy(np.array(a.astype(mx.float32))).to(weight.dtype)
+
+    packed = torch.from_numpy(np.array(packed).view(np.int32).copy())
+    return packed, to_torch(scales), to_torch(biases)
+
+
+class QuantizedTable(torch.nn.Module):
+    """A quantized [N, K] matrix: as a linear layer (x @ W^T) and as an embedding (rows of W)."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, bits: int, embed_scale: torch.Tensor | None = None):
+        super().__init__()
+        packed, scales, biases = quantize_weight(weight, group_size, bits)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("biases", biases)
+        self.group_size, self.bits = group_size, bits
+        self.out_features, self.in_features = weight.shape
+        # Gemma3's scaled word embedding multiplies its output by this.
+        self.embed_scale = None if embed_scale is None else float(embed_scale)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mlx.quantized_linear(x, self.qweight, self.scales, self.biases, bias,
+                                              self.group_size, self.bits)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = torch.ops.mlx.quantized_embedding(ids, self.qweight, self.scales, self.biases,
+                                                 self.group_size, self.bits)
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+class QuantizedLinear(torch.nn.Module):
+    """nn.Linear on a QuantizedTable (shared with the input embedding when tied)."""
+
+    def __init__(self, table: QuantizedTable, bias: torch.Tensor | None):
+        super().__init__()
+        self.table = table
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table.linear(x, self.bias)
+
+
+def _check_mode(bits: int, group_size: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"quantization bits must be one of {BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def _embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
+    """The output scale of an input embedding we know how to quantize; errors otherwise."""
+    if type(module) is torch.nn.Embedding:
+        scale = None
+    elif isinstance(module, torch.nn.Embedding) and hasattr(module, "embed_scale"):
+        scale = module.embed_scale  # Gemma3TextScaledWordEmbedding: rows * embed_scale
+    else:
+        raise ValueError(f"layer {name}: cannot quantize an input embedding of type {type(module).__name__}")
+    if module.max_norm is not None:
+        raise ValueError(f"layer {name}: cannot quantize an embedding with max_norm")
+    return scale
+
+
+def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
+                   embedding: bool = False) -> list[str]:
+    """Replaces the model's linear layers (and input embedding if `embedding`)
+    in place; returns the names of the layers it quantized."""
+    _check_mode(bits, group_size)
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = embed is not None and head is not None and head.weight is embed.weight
+
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if tied and not embedding:
+        targets = [(n, m) for n, m in targets if m is not head]
+    if embedding and embed is not None:
+        targets.append((names[id(embed)], embed))
+    bad = [f"{n} (input width {m.weight.shape[1]})" for n, m in targets if m.weight.shape[1] % group_size]
+    if bad:
+        raise ValueError(f"cannot quantize with group size {group_size}: the input width of "
+                         f"{', '.join(bad)} is not a multiple of it")
+
+    tables: dict[int, QuantizedTable] = {}  # id(weight) -> table: a tied weight is quantized once
+    for name, module in targets:
+        scale = _embedding_scale(name, module) if module is embed else None
+        table = tables.get(id(module.weight))
+        if table is None:
+            table = tables[id(module.weight)] = QuantizedTable(module.weight, group_size, bits, scale)
+        elif module is embed:
+            table.embed_scale = None if scale is None else float(scale)
+        new = table if module is embed else QuantizedLinear(table, module.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return [name for name, _ in targets]
