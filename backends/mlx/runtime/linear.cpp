@@ -21,6 +21,8 @@ namespace {
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
 
 // How the weight matrix [N, K] is stored.
 enum class Format : int { F32, BF16, Q4, Q8 };
@@ -71,44 +73,78 @@ inline void dots(const float* x, const float* w, size_t K, float* out) {
   }
 }
 
-// Row n of w as K floats in dst: w = q * scale + bias per group for the
-// quantized formats (MLX's affine layout: value i of a row sits at bits
-// (i % per_word) * bits of word i / per_word, lowest bits first).
-inline void decode_row(const Operands& o, size_t n, float* dst) {
-  const size_t K = o.K;
-  if (o.format == Format::BF16) {
-    const uint16_t* src = static_cast<const uint16_t*>(o.w) + n * K;
-    size_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-      u16x8 h;
-      __builtin_memcpy(&h, src + k, sizeof h);
-      u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-      __builtin_memcpy(dst + k, &u, sizeof u);
-    }
-    for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
-    return;
+// Eight quantized values starting at value k of a row, as floats (MLX's
+// affine layout: value i sits at bits (i % per_word) * bits of word
+// i / per_word, lowest bits first; little-endian, so 8-bit value i is byte i).
+template <int BITS>
+inline v8 unpack8(const uint8_t* row, size_t k) {
+  if constexpr (BITS == 4) {
+    uint32_t word;
+    __builtin_memcpy(&word, row + k / 2, sizeof word);
+    const u32x8 shifts = {0, 4, 8, 12, 16, 20, 24, 28};
+    return __builtin_convertvector(__builtin_convertvector(((u32x8{} + word) >> shifts) & 15u, i32x8), v8);
+  } else {
+    u8x8 bytes;
+    __builtin_memcpy(&bytes, row + k, sizeof bytes);
+    return __builtin_convertvector(__builtin_convertvector(bytes, i32x8), v8);
   }
-  const bool q4 = o.format == Format::Q4;
-  const size_t words_per_row = K / (q4 ? 8 : 4), groups = K / o.group;
-  const uint32_t* src = static_cast<const uint32_t*>(o.w) + n * words_per_row;
-  const u32x8 shift4 = {0, 4, 8, 12, 16, 20, 24, 28}, shift8 = {0, 8, 16, 24, 0, 8, 16, 24};
+}
+
+inline const uint8_t* packed_row(const Operands& o, size_t n) {
+  return static_cast<const uint8_t*>(o.w) + n * o.K * (o.format == Format::Q4 ? 4 : 8) / 8;
+}
+
+// Row n of w as K floats in dst (w = q * scale + bias per group).
+template <int BITS>
+inline void decode_quantized_row(const Operands& o, size_t n, float* dst) {
+  const uint8_t* row = packed_row(o, n);
+  const size_t groups = o.K / o.group;
   for (size_t g = 0; g < groups; ++g) {
-    const float s = param(o.scales, n * groups + g, o.params_bf16);
-    const float b = param(o.biases, n * groups + g, o.params_bf16);
-    const v8 sv = v8{} + s, bv = v8{} + b;
+    const v8 s = v8{} + param(o.scales, n * groups + g, o.params_bf16);
+    const v8 b = v8{} + param(o.biases, n * groups + g, o.params_bf16);
     // groups are 32, 64 or 128 values: whole vectors of 8
     for (size_t k = g * o.group; k < (g + 1) * o.group; k += 8) {
-      u32x8 q;
-      if (q4) {
-        q = ((u32x8{} + src[k / 8]) >> shift4) & 15u;
-      } else {
-        const uint32_t w0 = src[k / 4], w1 = src[k / 4 + 1];
-        q = ((u32x8){w0, w0, w0, w0, w1, w1, w1, w1} >> shift8) & 255u;
-      }
-      v8 f = __builtin_convertvector(q, v8) * sv + bv;
+      v8 f = unpack8<BITS>(row, k) * s + b;
       __builtin_memcpy(dst + k, &f, sizeof f);
     }
   }
+}
+
+inline void decode_row(const Operands& o, size_t n, float* dst) {
+  if (o.format == Format::Q4) return decode_quantized_row<4>(o, n, dst);
+  if (o.format == Format::Q8) return decode_quantized_row<8>(o, n, dst);
+  const uint16_t* src = static_cast<const uint16_t*>(o.w) + n * o.K;  // BF16
+  size_t k = 0;
+  for (; k + 8 <= o.K; k += 8) {
+    u16x8 h;
+    __builtin_memcpy(&h, src + k, sizeof h);
+    u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    __builtin_memcpy(dst + k, &u, sizeof u);
+  }
+  for (; k < o.K; ++k) dst[k] = bf16_to_f32(src[k]);
+}
+
+// x . w[n] straight from the packed row, for one row of x: per group,
+// scale * (x . q) + bias * sum(x), with the group sums of x in xsum.
+template <int BITS>
+inline float quantized_dot(const Operands& o, const float* x, const float* xsum, size_t n) {
+  const uint8_t* row = packed_row(o, n);
+  const size_t groups = o.K / o.group;
+  v8 acc = {};
+  float bias_term = 0;
+  for (size_t g = 0; g < groups; ++g) {
+    v8 dot = {};
+    for (size_t k = g * o.group; k < (g + 1) * o.group; k += 8) {
+      v8 xv;
+      __builtin_memcpy(&xv, x + k, sizeof xv);
+      dot += xv * unpack8<BITS>(row, k);
+    }
+    acc += dot * param(o.scales, n * groups + g, o.params_bf16);
+    bias_term += param(o.biases, n * groups + g, o.params_bf16) * xsum[g];
+  }
+  float s = bias_term;
+  for (int i = 0; i < 8; ++i) s += acc[i];
+  return s;
 }
 
 // out[m, n0:n1] for every row m of x: kRows rows of w at a time (decoded
@@ -117,6 +153,19 @@ inline void decode_row(const Operands& o, size_t n, float* dst) {
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   constexpr size_t kRows = 4;
   const size_t K = o.K;
+  if (o.M == 1 && (o.format == Format::Q4 || o.format == Format::Q8)) {
+    // One row of x (decoding): dot products on the packed rows, no decoding pass.
+    float* xsum = scratch;  // [K / group]
+    for (size_t g = 0; g < K / o.group; ++g) {
+      xsum[g] = 0;
+      for (size_t k = g * o.group; k < (g + 1) * o.group; ++k) xsum[g] += o.x[k];
+    }
+    for (size_t n = n0; n < n1; ++n) {
+      const float y = o.format == Format::Q4 ? quantized_dot<4>(o, o.x, xsum, n) : quantized_dot<8>(o, o.x, xsum, n);
+      o.out[n] = y + (o.bias ? param(o.bias, n, o.params_bf16) : 0.0f);
+    }
+    return;
+  }
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t rows = std::min(kRows, n1 - n);
     const float* w = static_cast<const float*>(o.w) + n * K;

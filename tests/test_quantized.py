@@ -1,0 +1,231 @@
+"""Weight-only quantization: our quantized linear and embedding against MLX's
+own quantized reference (mlx.core.quantize / quantized_matmul / dequantize
+in Python) on the same weights, every kernel path against MLX's ops path,
+whole models against their eager quantized reference, and export errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from harness import lower, node_types, run, undelegated_ops
+from test_ops import rand
+
+import executorch_mlx  # noqa: F401  (registers the ops)
+from executorch_mlx.custom_kernel_ops.quantized import dequantize
+from executorch_mlx.llm.quantize import QuantizedTable, quantize_model, quantize_weight
+
+MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
+
+
+def to_mx(t: torch.Tensor) -> mx.array:
+    return mx.array(t.to(torch.float32).numpy()).astype(MX_DTYPES[t.dtype])
+
+
+def to_torch(a: mx.array, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(a.astype(mx.float32))).to(dtype)
+
+
+class QLinear(torch.nn.Module):
+    def __init__(self, weight, bias, group_size, bits):
+        super().__init__()
+        self.table = QuantizedTable(weight, group_size, bits)
+        self.bias = bias
+
+    def forward(self, x):
+        return self.table.linear(x, self.bias)
+
+
+class QEmbedding(torch.nn.Module):
+    def __init__(self, weight, group_size, bits):
+        super().__init__()
+        self.table = QuantizedTable(weight, group_size, bits)
+
+    def forward(self, ids):
+        return self.table(ids)
+
+
+def mlx_quantized_linear(x, weight, bias, group_size, bits):
+    """MLX's own reference: quantize (in the weight's dtype), then
+    quantized_matmul (in Python MLX). Computed in float32: MLX's bfloat16
+    CPU quantized_matmul rounds its sums to bfloat16 as it goes (off by 2.0
+    on outputs near 70 where ours is within 0.13 of the float64 result)."""
+    w, s, b = mx.quantize(to_mx(weight), group_size=group_size, bits=bits)
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    y = mx.quantized_matmul(f32(to_mx(x)), w, f32(s), f32(b), transpose=True, group_size=group_size, bits=bits)
+    if bias is not None:
+        y = y + f32(to_mx(bias))
+    return to_torch(y, x.dtype)
+
+
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_packing_is_mlx_quantize_and_dequantize_inverts_it(bits, group_size):
+    w = torch.randn(24, 256)
+    packed, scales, biases = quantize_weight(w, group_size, bits)
+    ref = mx.quantize(to_mx(w), group_size=group_size, bits=bits)
+    assert np.array_equal(packed.numpy().view(np.uint32), np.array(ref[0]))
+    want = to_torch(mx.dequantize(*ref, group_size=group_size, bits=bits), torch.float32)
+    torch.testing.assert_close(dequantize(packed, scales, biases, group_size, bits), want, atol=1e-6, rtol=1e-6)
+    # a quantization error is within one step of its group (MLX rounds the zero point too)
+    assert ((want - w).abs() <= scales.repeat_interleave(group_size, 1).abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True)])
+def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
+    """Group size 64, K=320, N=37: one row of x (the packed-row path) and
+    several (the decoded-block path), with and without bias."""
+    weight = torch.randn(37, 320).to(dtype)
+    b = torch.randn(37).to(dtype) if bias else None
+    x = rand((m, 320), dtype)
+    edge = lower(QLinear(weight, b, 64, bits).eval(), (x,))
+    assert undelegated_ops(edge) == [] and "QuantizedLinearNode" in node_types(edge)
+    got = run(edge.to_executorch().buffer, [x])[0]
+    assert got.dtype == dtype and got.shape == (m, 37)
+    torch.testing.assert_close(got, mlx_quantized_linear(x, weight, b, 64, bits), **TOL[dtype])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_embedding_equals_mlx_dequantize(bits):
+    weight = torch.randn(50, 128)
+    ids = torch.tensor([[0, 49, 7, 7, 13]])
+    edge = lower(QEmbedding(weight, 64, bits).eval(), (ids,))
+    assert undelegated_ops(edge) == [] and "QuantizedEmbeddingNode" in node_types(edge)
+    got = run(edge.to_executorch().buffer, [ids])[0]
+    w, s, b = mx.quantize(to_mx(weight), group_size=64, bits=bits)
+    want = to_torch(mx.dequantize(w, s, b, group_size=64, bits=bits), torch.float32)[ids]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+KERNEL_CASES = {
+    "f32": lambda: torch.nn.Linear(300, 70),
+    "bf16": lambda: torch.nn.Linear(320, 70).to(torch.bfloat16),
+    "q4": lambda: QLinear(torch.randn(70, 320), torch.randn(70), 64, 4),
+    "q8": lambda: QLinear(torch.randn(70, 256), None, 128, 8),
+}
+
+
+def test_kernel_paths_agree_in_subprocesses(tmp_path):
+    """For each weight format, our kernel, one thread of it, and the MLX-ops
+    path (what GPUs run: matmul / quantized_matmul) give the same result on
+    the same program, for one row of x and for several."""
+    torch.manual_seed(0)
+    cases, want = [], []
+    for i, (case, make) in enumerate(KERNEL_CASES.items()):
+        model = make().eval()
+        k = model.in_features if isinstance(model, torch.nn.Linear) else model.table.in_features
+        dtype = torch.bfloat16 if case == "bf16" else torch.float32
+        xs = [rand((1, k), dtype), rand((4, k), dtype)]
+        pte = tmp_path / f"{case}.pte"
+        pte.write_bytes(lower(model, (xs[1],), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=8)},))
+                        .to_executorch().buffer)
+        cases.append((str(pte), xs))
+        with torch.no_grad():
+            want.append([model(x) for x in xs])
+    torch.save(cases, tmp_path / "cases.pt")
+    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
+              "for pte, xs in torch.load(sys.argv[1]):\n"
+              "    p = Runtime.get().load_program(open(pte, 'rb').read()); m = p.load_method('forward')\n"
+              "    out.append([m.execute([x])[0] for x in xs])\n"
+              "torch.save(out, sys.argv[2])")
+    outs = []
+    for i, env in enumerate([{}, {"EMLX_NUM_THREADS": "1"}, {"EMLX_DISABLE_CPU_KERNELS": "1"}]):
+        out = tmp_path / f"y{i}.pt"
+        subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
+                       env={**os.environ, **env})
+        outs.append(torch.load(out))
+    for case, kernel, one_thread, mlx_ops, expected in zip(KERNEL_CASES, *outs, want):
+        for ys in (kernel, one_thread, mlx_ops):
+            for y, w in zip(ys, expected):
+                torch.testing.assert_close(y, w, **TOL[w.dtype], msg=lambda m: f"{case}: {m}")
+        assert all(torch.equal(a, b) for a, b in zip(kernel, one_thread)), f"{case}: threads changed the result"
+
+
+# ------------------------------------------------------------ whole models --
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from executorch_mlx.llm.model_folders import write_model_folder
+
+    return write_model_folder(tmp_path_factory.mktemp("qmodel") / "llama", "llama", hidden=128, intermediate=256)
+
+
+@pytest.mark.parametrize("mode,embedding", [("int4", True), ("int8", False)])
+def test_quantized_model_logits_equal_its_quantized_reference(folder, tmp_path, mode, embedding):
+    """Our .pte's logits against the same model run eagerly on the CPU
+    references of the quantized ops (which the tests above hold to MLX)."""
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.hf_export import export_llm
+
+    pte = export_llm(folder, tmp_path / "q.pte", max_context=16, sampling=False, quantize=mode,
+                     group_size=64, quantize_embedding=embedding, progress=None)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    layers = quantize_model(model, bits=int(mode[3:]), group_size=64, embedding=embedding)
+    assert ("model.embed_tokens" in layers) == embedding
+    # tied weights: the head follows the embedding (quantized with it, else full precision)
+    assert isinstance(model.lm_head, torch.nn.Linear) != embedding
+    ids = torch.tensor([[3, 17, 42, 5, 99]])
+    with torch.no_grad():
+        want = model(ids).logits[:, -1:]
+    got = run(pte.read_bytes(), [ids, torch.arange(5)])[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_pte_sizes(folder, tmp_path):
+    """int4 at most 30%, int8 at most 55% of the float32 file (everything quantized)."""
+    from executorch_mlx.llm.hf_export import export_llm
+
+    size = {}
+    for mode in (None, "int8", "int4"):
+        pte = export_llm(folder, tmp_path / f"{mode}.pte", max_context=16, quantize=mode,
+                         quantize_embedding=mode is not None, progress=None)
+        size[mode] = pte.stat().st_size
+    assert size["int4"] <= 0.30 * size[None] and size["int8"] <= 0.55 * size[None], size
+
+
+# ------------------------------------------------------------------ errors --
+def test_bad_bits_or_group_size(folder, tmp_path):
+    from executorch_mlx.llm.hf_export import export_llm
+
+    with pytest.raises(ValueError, match=r"quantize must be one of int4, int8, got 'int3'"):
+        export_llm(folder, tmp_path / "x.pte", quantize="int3", progress=None)
+    with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128, got 16"):
+        export_llm(folder, tmp_path / "x.pte", quantize="int4", group_size=16, progress=None)
+    with pytest.raises(ValueError, match=r"quantize_embedding needs quantize"):
+        export_llm(folder, tmp_path / "x.pte", quantize_embedding=True, progress=None)
+    with pytest.raises(ValueError, match=r"bits must be one of \(4, 8\), got 2"):
+        quantize_model(torch.nn.Linear(64, 8), bits=2)
+    assert not (tmp_path / "x.pte").exists()
+
+
+def test_layer_not_divisible_by_group_size_is_named(tmp_path):
+    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.model_folders import write_model_folder
+
+    folder = write_model_folder(tmp_path / "m", "llama", hidden=64, intermediate=96)
+    with pytest.raises(ValueError, match=r"group size 64: the input width of model\.layers\.0\.mlp\.down_proj "
+                                         r"\(input width 96\), model\.layers\.1\.mlp\.down_proj"):
+        export_llm(folder, tmp_path / "x.pte", quantize="int8", group_size=64, progress=None)
+
+
+def test_cli_export_quantized(folder, tmp_path):
+    out = tmp_path / "q.pte"
+    cli = [sys.executable, "-m", "executorch_mlx.cli", "export", str(folder), "-o", str(out), "--max-context", "16"]
+    done = subprocess.run(cli + ["--quantize", "int4", "--group-size", "32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "quantized 14 layers to int4, group size 32" in done.stderr  # the tied head stays with the table
+    from executorch.runtime import Runtime
+
+    assert Runtime.get().load_program(str(out)).load_method("emlx_quantization").execute([])[0] == "int4 group 32"
+    bad = subprocess.run(cli + ["--quantize", "int4", "--group-size", "48"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "group_size must be one of 32, 64, 128, got 48" in bad.stderr
