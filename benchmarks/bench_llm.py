@@ -1,17 +1,27 @@
-"""Prefill and decode tokens per second of a Llama model, ours against peers.
+"""Prefill and decode tokens per second of Llama models, ours against peers,
+for float32, bfloat16, int8 and int4 weights.
 
-    .venv/bin/python benchmarks/bench_llm.py            # ~104M-parameter config
-    .venv/bin/python benchmarks/bench_llm.py --small    # 2 layers, hidden 256
+    .venv/bin/python benchmarks/bench_llm.py                    # both configs, every variant
+    .venv/bin/python benchmarks/bench_llm.py --configs small --variants fp32 int4
+
+Configs: "large" (~104M parameters: 8 layers, hidden 1024, vocab 32000) and
+"small" (2 layers, hidden 256, vocab 32000: per-step overhead dominates).
+Variants: fp32, bf16 (weights and compute), int8 and int4 (weight-only,
+group size 64, embedding included, float32 compute).
 
 Contenders, all on the same random-weight folder and prompt, measured in one
-process with their steps interleaved so that machine noise hits all alike:
+process with their steps interleaved (every variant of a config in each
+repetition) so that machine noise hits all alike:
 
   ours (sampled)   executorch-mlx .pte, sampler on the device (T=0.8, seeded)
   ours (greedy)    the same program with T=0
-  mlx-lm           the folder run natively on MLX (make_sampler: T=0.8 / greedy)
-  xnnpack          the same export lowered to ExecuTorch's XNNPACK backend,
-                   logits to the host, torch sampling at 1 thread (T=0.8)
-  portable         the same export on ExecuTorch's portable kernels, host sampling
+  mlx-lm           the folder run natively on MLX (make_sampler: T=0.8 / greedy);
+                   bf16: the model cast with set_dtype; int8/int4: quantized by
+                   mlx-lm's own converter (mlx_lm.utils.quantize_model), same
+                   bits and group size
+  xnnpack          fp32 only: the same export lowered to ExecuTorch's XNNPACK
+                   backend, logits to the host, torch sampling at 1 thread
+  portable         fp32 only: the same export on ExecuTorch's portable kernels
 
 Needs mlx-lm (`pip install -e .[bench]`), a benchmark-only dependency.
 """
@@ -59,11 +69,21 @@ def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None
 
 # ------------------------------------------------------------ contenders --
 # Each is (name, prefill(ids) -> first token, decode(token, pos) -> token).
-def ours(folder: Path, out: Path, max_context: int):
+VARIANTS = ("fp32", "bf16", "int8", "int4")
+GROUP_SIZE = 64
+
+
+def ours(folder: Path, out: Path, max_context: int, variant: str):
     from executorch_mlx.llm.hf_export import export_llm
     from executorch_mlx.llm.runner import LLMRunner
 
-    runner = LLMRunner(export_llm(folder, out / "ours.pte", max_context=max_context))
+    t0 = time.perf_counter()
+    options = dict(dtype="bf16") if variant == "bf16" else dict(
+        quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant.startswith("int") else {}
+    pte = export_llm(folder, out / f"ours-{variant}.pte", max_context=max_context, progress=None, **options)
+    print(f"exported ours {variant} in {time.perf_counter() - t0:.1f} s: {pte.stat().st_size / 2**20:.1f} MiB",
+          flush=True)
+    runner = LLMRunner(pte)
 
     def make(temperature: float):
         values = {"temperature": torch.tensor(temperature), "seed": torch.tensor(42), "position": torch.tensor(0)}
@@ -76,16 +96,21 @@ def ours(folder: Path, out: Path, max_context: int):
 
         return call
 
-    return [("ours (sampled)", make(TEMPERATURE)), ("ours (greedy)", make(0.0))]
+    return [(f"{variant} ours (sampled)", make(TEMPERATURE)), (f"{variant} ours (greedy)", make(0.0))]
 
 
-def mlx_lm_native(folder: Path):
+def mlx_lm_native(folder: Path, variant: str):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import load_model, quantize_model
 
-    model, _ = load_model(folder)
+    model, config = load_model(folder)
+    if variant == "bf16":
+        model.set_dtype(mx.bfloat16)
+    elif variant.startswith("int"):
+        model, _ = quantize_model(model, config, GROUP_SIZE, int(variant[3:]))
+    mx.eval(model.parameters())
     state = {}
 
     def make(temperature: float):
@@ -100,7 +125,7 @@ def mlx_lm_native(folder: Path):
 
         return call
 
-    return [("mlx-lm (sampled)", make(TEMPERATURE)), ("mlx-lm (greedy)", make(0.0))]
+    return [(f"{variant} mlx-lm (sampled)", make(TEMPERATURE)), (f"{variant} mlx-lm (greedy)", make(0.0))]
 
 
 def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
@@ -130,7 +155,7 @@ def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
         return int(torch.multinomial(probs, 1, generator=gen))
 
     call.program = program  # a Method does not keep its Program alive
-    return [(f"{name} (sampled, host)", call)]
+    return [(f"fp32 {name} (sampled, host)", call)]
 
 
 # ----------------------------------------------------------------- timing --
@@ -146,12 +171,54 @@ def run_once(call, prompt: list[int], steps: int) -> tuple[float, float, list[in
     return prefill, (time.perf_counter() - t0) / steps, tokens
 
 
+def bench_config(config: str, args, tmp: Path) -> None:
+    folder = write_folder(tmp / config, config == "small", args.layers, args.hidden)
+    out = tmp / f"{config}-pte"
+    out.mkdir()
+    contenders = []
+    for variant in args.variants:
+        contenders += ours(folder, out, args.max_context, variant) + mlx_lm_native(folder, variant)
+    if "fp32" in args.variants and "xnnpack" not in args.skip:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        contenders += executorch_baseline(folder, "xnnpack", [XnnpackPartitioner()], args.max_context)
+    if "fp32" in args.variants and "portable" not in args.skip:
+        contenders += executorch_baseline(folder, "portable", [], args.max_context)
+
+    prompt = [(31 * i + 7) % 32000 for i in range(args.prompt_len)]
+    results = {name: [] for name, _ in contenders}
+    for _, call in contenders:
+        run_once(call, prompt[:4], 2)  # warm-up
+    for rep in range(args.reps):
+        for name, call in contenders:
+            results[name].append(run_once(call, prompt, args.decode))
+        print(f"{config}: repetition {rep + 1}/{args.reps} done", flush=True)
+
+    for variant in args.variants:
+        ours_ids, theirs = results[f"{variant} ours (greedy)"][0][2], results[f"{variant} mlx-lm (greedy)"][0][2]
+        agree = sum(a == b for a, b in zip(ours_ids, theirs))
+        print(f"{variant} greedy ids, ours vs mlx-lm: {agree}/{args.decode + 1} equal (random weights: near-ties "
+              "and rounding may differ)")
+    median = {name: (args.prompt_len / statistics.median(r[0] for r in runs),
+                     1 / statistics.median(r[1] for r in runs)) for name, runs in results.items()}
+    print(f"\n{config} config: prompt {args.prompt_len} tokens, {args.decode} decode steps, median of {args.reps}\n")
+    print("| weights | contender | prefill tok/s | decode tok/s | prefill vs mlx-lm | decode vs mlx-lm |")
+    print("|---|---|---|---|---|---|")
+    for name, (prefill, decode) in median.items():
+        variant, who = name.split(" ", 1)
+        mode = "greedy" if "greedy" in name else "sampled"
+        base = median[f"{variant} mlx-lm ({mode})"]
+        print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
+              f"{decode / base[1]:.2f}x |")
+    print(flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--folder", type=Path, help="an existing Llama folder (default: write a random one)")
-    ap.add_argument("--small", action="store_true", help="2 layers, hidden 256")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--configs", nargs="+", default=["large", "small"], choices=["large", "small"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--layers", type=int, help="override the config's layer count")
+    ap.add_argument("--hidden", type=int, help="override the config's hidden size")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32, help="decode steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
@@ -169,37 +236,8 @@ def main() -> int:
     import executorch_mlx  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        folder = args.folder or write_folder(tmp / "model", args.small, args.layers, args.hidden)
-        contenders = ours(folder, tmp, args.max_context) + mlx_lm_native(folder)
-        if "xnnpack" not in args.skip:
-            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-            contenders += executorch_baseline(folder, "xnnpack", [XnnpackPartitioner()], args.max_context)
-        if "portable" not in args.skip:
-            contenders += executorch_baseline(folder, "portable", [], args.max_context)
-
-        prompt = [(31 * i + 7) % 32000 for i in range(args.prompt_len)]
-        results = {name: [] for name, _ in contenders}
-        for _, call in contenders:
-            run_once(call, prompt[:4], 2)  # warm-up
-        for rep in range(args.reps):
-            for name, call in contenders:
-                results[name].append(run_once(call, prompt, args.decode))
-            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
-
-    greedy = {name: r[0][2] for name, r in results.items() if "greedy" in name}
-    agree = sum(a == b for a, b in zip(greedy["ours (greedy)"], greedy["mlx-lm (greedy)"]))
-    print(f"\ngreedy ids, ours vs mlx-lm: {agree}/{args.decode + 1} equal (random weights: near-ties may differ)")
-    decode_tps = {name: 1 / statistics.median(r[1] for r in runs) for name, runs in results.items()}
-    base = {"sampled": decode_tps["mlx-lm (sampled)"], "greedy": decode_tps["mlx-lm (greedy)"]}
-    print(f"\nprompt {args.prompt_len} tokens, {args.decode} decode steps, median of {args.reps}\n")
-    print("| contender | prefill tok/s | decode tok/s | decode ms/token | decode vs mlx-lm |")
-    print("|---|---|---|---|---|")
-    for name, runs in results.items():
-        prefill = args.prompt_len / statistics.median(r[0] for r in runs)
-        ratio = decode_tps[name] / base["greedy" if "greedy" in name else "sampled"]
-        print(f"| {name} | {prefill:.1f} | {decode_tps[name]:.1f} | {1e3 / decode_tps[name]:.2f} | {ratio:.2f}x |")
+        for config in args.configs:
+            bench_config(config, args, Path(tmp))
     return 0
 
 
