@@ -286,3 +286,36 @@ def test_dynamic_batch_crosses_the_delegate_boundary():
         torch.testing.assert_close(run(pte, [x])[0], Dyn()(x))
     with pytest.raises(RuntimeError):
         run(pte, [torch.randn(17, 8)])  # above the exported bound
+
+
+LOAD_MEMORY_SCRIPT = """
+import sys, torch, executorch_mlx
+from executorch.runtime import Runtime
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+before = rss()
+program = Runtime.get().load_program(sys.argv[1])
+method = program.load_method("forward")
+method.execute([torch.ones(4)])
+print(rss() - before)
+"""
+
+
+def test_loading_holds_the_weights_once(tmp_path):
+    """Loaded by path, a program's resident memory grows by its weights' size
+    once: each weight is read into MLX's memory and ExecuTorch's mapping of
+    it released (MLX's CPU allocator would copy a wrapped pointer, keeping both)."""
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16 * 2**20), requires_grad=False)  # 64 MiB
+
+        def forward(self, x):
+            return self.w[:4] + x
+
+    pte = tmp_path / "big.pte"
+    pte.write_bytes(lower(Big(), (torch.ones(4),)).to_executorch().buffer)
+    grew = int(subprocess.run([sys.executable, "-c", LOAD_MEMORY_SCRIPT, str(pte)], check=True,
+                              capture_output=True, text=True).stdout)
+    assert 60 * 2**20 < grew < 1.25 * 64 * 2**20, f"resident memory grew by {grew / 2**20:.0f} MiB for 64 MiB"

@@ -47,9 +47,17 @@ class LLMRunner:
         import executorch_mlx  # noqa: F401  (registers the backend)
         from executorch.runtime import Runtime
 
-        data = pte if isinstance(pte, (bytes, bytearray)) else Path(pte).read_bytes()
+        if isinstance(pte, (bytes, bytearray)):
+            source = bytes(pte)
+        elif not Path(pte).is_file():
+            raise FileNotFoundError(f"program {pte} does not exist")
+        else:
+            # By path, ExecuTorch maps the file: the delegate reads each weight
+            # once and unmaps it, so memory stays near the weights' size
+            # (bytes would be held by ExecuTorch as well: twice that).
+            source = str(pte)
         # Keep the Program: a Method does not keep its Program alive.
-        self.program = Runtime.get().load_program(bytes(data))
+        self.program = Runtime.get().load_program(source)
         names = self.program.method_names
         if "emlx_input_names" not in names:
             raise ValueError("this .pte has no emlx_input_names metadata: export it with executorch-mlx export")

@@ -5,6 +5,7 @@
 
 #include <flatbuffers/flatbuffers.h>
 
+#include <cstring>
 #include <limits>
 #include <set>
 #include <string>
@@ -304,20 +305,25 @@ void Program::load_constants(const NamedDataMap* named_data) {
   bool needs_data = consts->size() > 0;
   for (auto* b : *buffers) needs_data |= !b->zero_initial();
   if (needs_data && !named_data) throw ProgramError("program has constants but no named data map was provided");
+  // Each weight is read once into MLX-owned memory, and ExecuTorch's copy
+  // (a file mapping, or a region of the program buffer) is released at once.
+  // MLX's CPU allocator cannot wrap foreign memory: mx::array(pointer, ...)
+  // would copy as well, while keeping the source mapped (twice the weights).
   auto load = [&](const char* name, ir::DType dtype, mx::Shape shape) {
     auto data = named_data->get_data(name);
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
-    weight_buffers_.push_back(std::make_unique<FreeableBuffer>(std::move(data.get())));
-    FreeableBuffer* buf = weight_buffers_.back().get();
+    FreeableBuffer buf = std::move(data.get());
     auto mdtype = to_mlx_dtype(dtype);
     size_t numel = 1;
     for (auto d : shape) numel *= static_cast<size_t>(d);
-    if (buf->size() != numel * mx::size_of(mdtype)) {
-      throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf->size()) +
+    if (buf.size() != numel * mx::size_of(mdtype)) {
+      throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf.size()) +
                          " bytes, expected " + std::to_string(numel * mx::size_of(mdtype)));
     }
-    // Zero-copy: the buffer stays alive until the Program is destroyed.
-    return mx::array(const_cast<void*>(buf->data()), std::move(shape), mdtype, [](void*) {});
+    mx::array a(mx::allocator::malloc(buf.size()), std::move(shape), mdtype);
+    if (buf.size() > 0) std::memcpy(a.data<void>(), buf.data(), buf.size());
+    buf.Free();
+    return a;
   };
   for (auto* c : *consts) {
     mx::Shape shape;

@@ -93,9 +93,6 @@ class Program {
   std::vector<mlx::core::array> initial_state() const;
 
   const ir::Graph* graph_ = nullptr;
-  // Declared before constants_, which alias their memory (zero-copy), so
-  // that the arrays are destroyed first.
-  std::vector<std::unique_ptr<executorch::runtime::FreeableBuffer>> weight_buffers_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
   // Initial values of the mutable buffers (zero-copy constants, or zeros)
