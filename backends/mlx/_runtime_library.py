@@ -14,16 +14,26 @@ import sysconfig
 from pathlib import Path
 
 LIBRARY_NAME = "libexecutorch_mlx_backend.so"
+RUNNER_NAME = "emlx_runner"
 
 
-def _candidates() -> list[Path]:
+def _candidates(name: str = LIBRARY_NAME) -> list[Path]:
     import executorch_mlx
 
     dirs = [Path(p) for p in executorch_mlx.__path__]
     # Editable installs keep Python sources in the checkout and the built
     # library in site-packages.
     dirs.append(Path(sysconfig.get_paths()["platlib"]) / "executorch_mlx")
-    return [d / LIBRARY_NAME for d in dirs]
+    return [d / name for d in dirs]
+
+
+def runner_binary() -> Path:
+    """The installed C++ LLM runner (runtime/llm_runner.cpp)."""
+    for path in _candidates(RUNNER_NAME):
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{RUNNER_NAME} not found in {[str(p.parent) for p in _candidates(RUNNER_NAME)]}; "
+                            "reinstall the package (pip install .)")
 
 
 @functools.cache

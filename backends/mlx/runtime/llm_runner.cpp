@@ -1,0 +1,308 @@
+// emlx_runner: runs a .pte made by `executorch-mlx export` from C++, token
+// ids in, token ids out, with the sampler on the device.
+//
+//   emlx_runner MODEL.pte --prompt-ids 1,2,3 [--max-new-tokens N]
+//               [--temperature T] [--seed S]
+//
+// Prints the generated ids on one line ("ids: ..."), then prefill and decode
+// tokens per second. It is the example a C++ app copies: load the program
+// (memory-mapped), read its metadata (constant methods), find the inputs by
+// name, prefill in chunks, decode one token per call. It mirrors the Python
+// LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids.
+
+#include <executorch/extension/data_loader/mmap_data_loader.h>
+#include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
+#include <executorch/extension/tensor/tensor_ptr.h>
+#include <executorch/runtime/executor/memory_manager.h>
+#include <executorch/runtime/executor/method.h>
+#include <executorch/runtime/executor/program.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern "C" int emlx_registered();  // our plugin: linking it registers the backend
+
+namespace {
+
+namespace et = executorch::runtime;
+using executorch::aten::ScalarType;
+using executorch::extension::make_tensor_ptr;
+using executorch::extension::TensorPtr;
+using Sizes = std::vector<executorch::aten::SizesType>;
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void check(et::Error e, const std::string& what) {
+  if (e != et::Error::Ok) {
+    throw std::runtime_error(what + " failed (ExecuTorch error " + std::to_string(static_cast<int>(e)) + ")");
+  }
+}
+
+// A loaded method with the memory it plans into (which must outlive it).
+struct LoadedMethod {
+  executorch::extension::MallocMemoryAllocator method_allocator, temp_allocator;
+  std::vector<std::vector<uint8_t>> planned;
+  std::vector<et::Span<uint8_t>> spans;
+  std::unique_ptr<et::HierarchicalAllocator> planned_allocator;
+  std::unique_ptr<et::MemoryManager> memory;
+  std::unique_ptr<et::Method> method;
+
+  LoadedMethod(et::Program& program, const char* name) {
+    auto meta = program.method_meta(name);
+    check(meta.error(), std::string("reading method '") + name + "'");
+    for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
+      planned.emplace_back(static_cast<size_t>(meta->memory_planned_buffer_size(i).get()));
+      spans.emplace_back(planned.back().data(), planned.back().size());
+    }
+    planned_allocator = std::make_unique<et::HierarchicalAllocator>(et::Span(spans.data(), spans.size()));
+    memory = std::make_unique<et::MemoryManager>(&method_allocator, planned_allocator.get(), &temp_allocator);
+    auto m = program.load_method(name, memory.get());
+    check(m.error(), std::string("loading method '") + name + "'");
+    method = std::make_unique<et::Method>(std::move(m.get()));
+  }
+
+  void execute() { check(method->execute(), "execute"); }
+};
+
+// The program's metadata: ExecuTorch's LLM-runner names plus ours.
+struct Metadata {
+  std::vector<std::string> input_names;
+  bool samples = false;
+  int64_t max_context = 0, max_chunk = 0, vocab_size = 0;
+  std::set<int64_t> eos_ids;
+};
+
+Metadata read_metadata(et::Program& program) {
+  std::map<std::string, std::vector<et::EValue>> values;
+  std::vector<std::unique_ptr<LoadedMethod>> keep;  // EValues may point into their method
+  for (size_t i = 0; i < program.num_methods(); ++i) {
+    const std::string name = program.get_method_name(i).get();
+    if (name == "forward") continue;
+    keep.push_back(std::make_unique<LoadedMethod>(program, name.c_str()));
+    keep.back()->execute();
+    auto& m = *keep.back()->method;
+    for (size_t o = 0; o < m.outputs_size(); ++o) values[name].push_back(m.get_output(o));
+  }
+  auto one = [&](const char* name) -> const et::EValue& {
+    auto it = values.find(name);
+    if (it == values.end() || it->second.size() != 1) {
+      throw std::runtime_error(std::string("this .pte has no '") + name +
+                               "' metadata: export it with executorch-mlx export");
+    }
+    return it->second[0];
+  };
+  Metadata md;
+  std::stringstream names(std::string(one("emlx_input_names").toString()));
+  for (std::string n; std::getline(names, n, ',');) md.input_names.push_back(n);
+  md.samples = one("emlx_samples").toBool();
+  md.max_context = one("get_max_context_len").toInt();
+  md.max_chunk = one("get_max_seq_len").toInt();
+  md.vocab_size = one("get_vocab_size").toInt();
+  for (const auto& e : values["get_eos_ids"]) md.eos_ids.insert(e.toInt());
+  return md;
+}
+
+struct Options {
+  std::string pte;
+  std::vector<int64_t> prompt;
+  int64_t max_new_tokens = 32;
+  float temperature = 0.0f;
+  int64_t seed = 0;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw UsageError(flag + ": expected an integer, got '" + text + "'");
+  return v;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--prompt-ids") {
+      std::string list = value();
+      for (char& c : list) c = (c == ',') ? ' ' : c;
+      std::stringstream ss(list);
+      for (std::string t; ss >> t;) o.prompt.push_back(parse_int(a, t));
+    } else if (a == "--max-new-tokens") {
+      o.max_new_tokens = parse_int(a, value());
+    } else if (a == "--temperature") {
+      const std::string t = value();
+      char* end = nullptr;
+      o.temperature = std::strtof(t.c_str(), &end);
+      if (t.empty() || *end != '\0') throw UsageError("--temperature: expected a number, got '" + t + "'");
+      if (o.temperature < 0) throw UsageError("--temperature must be >= 0 (0 means greedy)");
+    } else if (a == "--seed") {
+      // any 64-bit seed, signed or not (as the Python runner: 2**63 and up keep their bits)
+      const std::string t = value();
+      size_t used = 0;
+      try {
+        o.seed = t.rfind('-', 0) == 0 ? std::stoll(t, &used) : static_cast<int64_t>(std::stoull(t, &used));
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != t.size()) throw UsageError("--seed: expected a 64-bit integer, got '" + t + "'");
+    } else if (a.rfind("--", 0) == 0) {
+      throw UsageError("unknown option " + a);
+    } else if (o.pte.empty()) {
+      o.pte = a;
+    } else {
+      throw UsageError("one .pte only (got '" + o.pte + "' and '" + a + "')");
+    }
+  }
+  if (o.pte.empty()) throw UsageError("no .pte given");
+  if (o.prompt.empty()) throw UsageError("--prompt-ids is required (comma-separated token ids)");
+  if (o.max_new_tokens < 1) throw UsageError("--max-new-tokens must be positive");
+  return o;
+}
+
+// One call of `forward`: ids at positions start, start+1, ...; returns the next token.
+class Generator {
+ public:
+  Generator(LoadedMethod& forward, const Metadata& md, const Options& o) : forward_(forward), md_(md) {
+    temperature_ = make_tensor_ptr(Sizes{}, std::vector<float>{o.temperature});
+    seed_ = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.seed});
+    position_ = make_tensor_ptr(Sizes{}, std::vector<int64_t>{0});
+  }
+
+  int64_t step(const std::vector<int64_t>& ids, int64_t start, int64_t position) {
+    const auto n = static_cast<executorch::aten::SizesType>(ids.size());
+    std::vector<int64_t> positions(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) positions[i] = start + static_cast<int64_t>(i);
+    auto input_ids = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
+    auto cache_position = make_tensor_ptr(Sizes{n}, std::move(positions));
+    position_->mutable_data_ptr<int64_t>()[0] = position;
+    auto& method = *forward_.method;
+    for (size_t i = 0; i < md_.input_names.size(); ++i) {
+      const std::string& name = md_.input_names[i];
+      TensorPtr* t = name == "input_ids"        ? &input_ids
+                     : name == "cache_position" ? &cache_position
+                     : name == "temperature"    ? &temperature_
+                     : name == "seed"           ? &seed_
+                     : name == "position"       ? &position_
+                                                : nullptr;
+      if (!t) throw std::runtime_error("this runner does not know the program's input '" + name + "'");
+      check(method.set_input(et::EValue(**t), i), "setting input '" + name + "'");
+    }
+    forward_.execute();
+    const auto& out = method.get_output(0).toTensor();
+    int64_t token;
+    if (md_.samples) {
+      token = out.const_data_ptr<int64_t>()[0];
+    } else {  // logits [1, 1, V] (float32): greedy, lowest index on ties
+      const float* logits = out.const_data_ptr<float>();
+      const int64_t V = out.size(out.dim() - 1);
+      const float* row = logits + (out.numel() - V);
+      token = 0;
+      for (int64_t v = 1; v < V; ++v) {
+        if (row[v] > row[token]) token = v;
+      }
+    }
+    if (token < 0 || token >= md_.vocab_size) {
+      throw std::runtime_error("the model produced no valid token (id " + std::to_string(token) +
+                               "): its logits are all NaN or -inf");
+    }
+    return token;
+  }
+
+ private:
+  LoadedMethod& forward_;
+  const Metadata& md_;
+  TensorPtr temperature_, seed_, position_;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+int run(const Options& o) {
+  et::runtime_init();
+  if (!emlx_registered()) throw std::runtime_error("the MLX backend plugin failed to register");
+  auto loader = executorch::extension::MmapDataLoader::from(o.pte.c_str());
+  check(loader.error(), "opening " + o.pte);
+  auto program = et::Program::load(&loader.get());
+  check(program.error(), "loading program " + o.pte);
+  const Metadata md = read_metadata(program.get());
+
+  const auto prompt_len = static_cast<int64_t>(o.prompt.size());
+  if (prompt_len >= md.max_context) {
+    throw UsageError("the prompt has " + std::to_string(prompt_len) + " tokens; this program's max context is " +
+                     std::to_string(md.max_context));
+  }
+  if (prompt_len + o.max_new_tokens > md.max_context) {
+    throw UsageError("prompt + --max-new-tokens exceeds the max context of " + std::to_string(md.max_context));
+  }
+  for (auto id : o.prompt) {
+    if (id < 0 || id >= md.vocab_size) {
+      throw UsageError("prompt token ids must be in [0, " + std::to_string(md.vocab_size) + ")");
+    }
+  }
+  if (!md.samples && o.temperature > 0) {
+    throw UsageError("this program returns logits (exported with --no-sampling): only greedy decoding");
+  }
+
+  LoadedMethod forward(program.get(), "forward");
+  Generator gen(forward, md, o);
+  auto t0 = std::chrono::steady_clock::now();
+  int64_t token = 0;
+  for (int64_t start = 0; start < prompt_len; start += md.max_chunk) {
+    const int64_t end = std::min(prompt_len, start + md.max_chunk);
+    token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0);
+  }
+  const double prefill_s = seconds_since(t0);
+  std::vector<int64_t> out = {token};
+  double decode_s = 0;
+  while (!md.eos_ids.count(token) && static_cast<int64_t>(out.size()) < o.max_new_tokens) {
+    const auto n = static_cast<int64_t>(out.size());
+    auto t = std::chrono::steady_clock::now();
+    token = gen.step({token}, prompt_len + n - 1, n);
+    decode_s += seconds_since(t);
+    out.push_back(token);
+  }
+  std::printf("ids:");
+  for (auto id : out) std::printf(" %lld", static_cast<long long>(id));
+  std::printf("\nprefill: %lld tokens, %.1f tokens/s\n", static_cast<long long>(prompt_len), prompt_len / prefill_s);
+  const size_t steps = out.size() - 1;
+  std::printf("decode: %zu tokens, %.1f tokens/s\n", steps, steps ? steps / decode_s : 0.0);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse_args(argc, argv));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
+    std::fprintf(stderr,
+                 "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--temperature T] "
+                 "[--seed S]\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,75 @@
+"""The C++ runner (runtime/llm_runner.cpp, installed as emlx_runner) gives
+exactly the ids of the Python LLMRunner on the same .pte, prompt and seed."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+import executorch_mlx
+from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.model_folders import write_model_folder
+from executorch_mlx.llm.runner import LLMRunner
+
+PROMPT = [5, 17, 42, 8, 99, 3, 61]
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpp_runner")
+    folder = write_model_folder(tmp / "llama", "llama", hidden=64)
+    return {
+        "sampled-int4": export_llm(folder, tmp / "s.pte", max_context=16, quantize="int4", group_size=32,
+                                   progress=None),
+        "logits": export_llm(folder, tmp / "l.pte", max_context=16, sampling=False, progress=None),
+    }
+
+
+def cpp(pte, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(executorch_mlx.runner_binary()), str(pte), *args], capture_output=True, text=True)
+
+
+def cpp_ids(pte, prompt, new, temperature=0.0, seed=0) -> list[int]:
+    done = cpp(pte, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new),
+               "--temperature", str(temperature), "--seed", str(seed))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("ids: ") and "tokens/s" in lines[1] and "tokens/s" in lines[2], done.stdout
+    return [int(i) for i in lines[0].split()[1:]]
+
+
+@pytest.mark.parametrize("case,temperature,seed", [("sampled-int4", 0.9, 7), ("sampled-int4", 0.9, 2**64 - 5),
+                                                   ("sampled-int4", 0.0, 0), ("logits", 0.0, 0)])
+def test_cpp_runner_ids_equal_python_runner(programs, case, temperature, seed):
+    want = LLMRunner(programs[case]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=seed)
+    assert cpp_ids(programs[case], PROMPT, 8, temperature, seed) == want.token_ids
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "--prompt-ids is required"),
+    (["--prompt-ids", "1,x"], "--prompt-ids: expected an integer, got 'x'"),
+    (["--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["--prompt-ids", "1", "--bogus"], "unknown option --bogus"),
+    (["--prompt-ids", "1", "--max-new-tokens", "16"], "exceeds the max context of 16"),
+    (["--prompt-ids", "100000", "--max-new-tokens", "2"], "prompt token ids must be in [0, "),
+    (["--prompt-ids", "1", "--temperature", "0.5", "--seed", "1.5"], "--seed: expected a 64-bit integer"),
+])
+def test_cpp_runner_bad_arguments(programs, args, message):
+    done = cpp(programs["sampled-int4"], *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_cpp_runner_greedy_only_on_a_logits_program(programs):
+    done = cpp(programs["logits"], "--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "0.5")
+    assert done.returncode == 2 and "only greedy decoding" in done.stderr
+
+
+def test_cpp_runner_refuses_a_missing_or_foreign_file(programs, tmp_path):
+    done = cpp(tmp_path / "missing.pte", "--prompt-ids", "1")
+    assert done.returncode == 1 and "opening" in done.stderr and "missing.pte" in done.stderr
+    bad = tmp_path / "bad.pte"
+    bad.write_bytes(b"not a program" * 10)
+    done = cpp(bad, "--prompt-ids", "1")
+    assert done.returncode == 1 and "loading program" in done.stderr
