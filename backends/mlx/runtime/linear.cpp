@@ -22,7 +22,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
 
 // How the weight matrix [N, K] is stored.
 enum class Format : int { F32, BF16, Q4, Q8 };
@@ -84,9 +84,17 @@ inline v8 unpack8(const uint8_t* row, size_t k) {
     const u32x8 shifts = {0, 4, 8, 12, 16, 20, 24, 28};
     return __builtin_convertvector(__builtin_convertvector(((u32x8{} + word) >> shifts) & 15u, i32x8), v8);
   } else {
-    u8x8 bytes;
+    // Bytes 0..7 from one broadcast 64-bit load: lanes hold bytes
+    // 0,4,1,5,2,6,3,7, put back in order by one permute. (Converting a
+    // vector of 8 bytes directly compiles to 8 scalar byte moves.)
+    uint64_t bytes;
     __builtin_memcpy(&bytes, row + k, sizeof bytes);
-    return __builtin_convertvector(__builtin_convertvector(bytes, i32x8), v8);
+    u64x4 b = u64x4{} + bytes;
+    u32x8 words;
+    __builtin_memcpy(&words, &b, sizeof words);
+    const u32x8 shifts = {0, 0, 8, 8, 16, 16, 24, 24};
+    v8 f = __builtin_convertvector(__builtin_convertvector((words >> shifts) & 255u, i32x8), v8);
+    return __builtin_shufflevector(f, f, 0, 2, 4, 6, 1, 3, 5, 7);
   }
 }
 
