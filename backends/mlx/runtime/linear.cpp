@@ -36,6 +36,7 @@ struct Operands {
   const void* biases;    // quantized: [N, K / group]
   bool params_bf16;      // scales/biases (and bias) are bfloat16, else float32
   const void* bias;      // [N] or null
+  const float* xsum;     // quantized with one row of x: its sum per group, else null
   float* out;            // [M, N] float32
   size_t M, N, K;
 };
@@ -141,12 +142,17 @@ inline float quantized_dot(const Operands& o, const float* x, const float* xsum,
   v8 acc = {};
   float bias_term = 0;
   for (size_t g = 0; g < groups; ++g) {
-    v8 dot = {};
-    for (size_t k = g * o.group; k < (g + 1) * o.group; k += 8) {
-      v8 xv;
-      __builtin_memcpy(&xv, x + k, sizeof xv);
-      dot += xv * unpack8<BITS>(row, k);
+    // Four independent sums: one chain of fused multiply-adds would wait on
+    // its own latency. Groups are 32, 64 or 128 values.
+    v8 d[4] = {};
+    for (size_t k = g * o.group; k < (g + 1) * o.group; k += 32) {
+      for (int j = 0; j < 4; ++j) {
+        v8 xv;
+        __builtin_memcpy(&xv, x + k + 8 * j, sizeof xv);
+        d[j] += xv * unpack8<BITS>(row, k + 8 * j);
+      }
     }
+    const v8 dot = (d[0] + d[1]) + (d[2] + d[3]);
     acc += dot * param(o.scales, n * groups + g, o.params_bf16);
     bias_term += param(o.biases, n * groups + g, o.params_bf16) * xsum[g];
   }
@@ -161,15 +167,11 @@ inline float quantized_dot(const Operands& o, const float* x, const float* xsum,
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   constexpr size_t kRows = 4;
   const size_t K = o.K;
-  if (o.M == 1 && (o.format == Format::Q4 || o.format == Format::Q8)) {
+  if (o.xsum) {
     // One row of x (decoding): dot products on the packed rows, no decoding pass.
-    float* xsum = scratch;  // [K / group]
-    for (size_t g = 0; g < K / o.group; ++g) {
-      xsum[g] = 0;
-      for (size_t k = g * o.group; k < (g + 1) * o.group; ++k) xsum[g] += o.x[k];
-    }
     for (size_t n = n0; n < n1; ++n) {
-      const float y = o.format == Format::Q4 ? quantized_dot<4>(o, o.x, xsum, n) : quantized_dot<8>(o, o.x, xsum, n);
+      const float y = o.format == Format::Q4 ? quantized_dot<4>(o, o.x, o.xsum, n)
+                                             : quantized_dot<8>(o, o.x, o.xsum, n);
       o.out[n] = y + (o.bias ? param(o.bias, n, o.params_bf16) : 0.0f);
     }
     return;
@@ -244,7 +246,8 @@ class Linear : public mx::UnaryPrimitive {
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t M = x.shape(0), K = x.shape(1), N = out.shape(1);
       std::vector<float> x32, out32;
-      Operands o{format, group};
+      Operands o{};
+      o.format = format, o.group = group;
       o.M = M, o.N = N, o.K = K;
       o.params_bf16 = x.dtype() == mx::bfloat16;
       if (o.params_bf16) {
@@ -256,6 +259,12 @@ class Linear : public mx::UnaryPrimitive {
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
       o.bias = has_bias ? inputs.back().data<void>() : nullptr;
+      std::vector<float> xsum;
+      if (quantized && M == 1) {
+        xsum.assign(K / group, 0.0f);
+        for (size_t k = 0; k < K; ++k) xsum[k / group] += o.x[k];
+        o.xsum = xsum.data();
+      }
       // Blocks of about 64 KiB of float32 weights: enough to spread over the
       // pool, small enough to stay in cache while every row of x passes.
       const size_t rows = std::max<size_t>(4, (16384 / std::max<size_t>(K, 1)) / 4 * 4);
