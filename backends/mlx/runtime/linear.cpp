@@ -217,14 +217,10 @@ constexpr auto linear_block_avx2 = linear_block_generic;
 bool has_avx2() { return false; }
 #endif
 
-std::vector<float> to_f32(const mx::array& a) {
+std::vector<float> bf16_array_to_f32(const mx::array& a) {
   std::vector<float> v(a.size());
-  if (a.dtype() == mx::float32) {
-    std::copy_n(a.data<float>(), a.size(), v.begin());
-  } else {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(a.data<mx::bfloat16_t>());
-    for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(h[i]);
-  }
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(a.data<mx::bfloat16_t>());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(h[i]);
   return v;
 }
 
@@ -251,7 +247,7 @@ class Linear : public mx::UnaryPrimitive {
       o.M = M, o.N = N, o.K = K;
       o.params_bf16 = x.dtype() == mx::bfloat16;
       if (o.params_bf16) {
-        x32 = to_f32(x);
+        x32 = bf16_array_to_f32(x);
         out32.resize(M * N);
       }
       o.x = o.params_bf16 ? x32.data() : x.data<float>();
