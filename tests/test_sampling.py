@@ -160,9 +160,10 @@ def test_all_64_seed_bits_matter():
 
 
 def test_seeded_stream_is_mlx_random_key_of_the_mixed_seed():
-    """Row (S, t) draws MLX's random::bits under random::key(stream_seed(S, t)),
-    the 64-bit key kept whole: reconstructing the Gumbel-max draw with MLX's
-    Python API from that key gives the very token the program returned."""
+    """Row (S, t) draws two words of MLX's random::bits under
+    random::key(stream_seed(S, t)), the 64-bit key kept whole: an inverse-CDF
+    draw (SAMPLING.md) with the 53-bit uniform of those words, reconstructed
+    with MLX's Python API, gives the very token the program returned."""
     import mlx.core as mx
 
     from executorch_mlx.custom_kernel_ops.sample import stream_seed
@@ -170,13 +171,14 @@ def test_seeded_stream_is_mlx_random_key_of_the_mixed_seed():
     vocab = 1000
     logits = torch.randn(1, vocab)
     pte = sampler_pte(1, vocab)
+    cdf = torch.softmax(logits[0].double(), dim=0).cumsum(0)
     for seed, position in [(0, 0), (2**63 + 5, 3), (123456789012345, 17), ((1 << 40) | 12345, 2), (2**64 - 1, 999)]:
         as_int64 = seed - 2**64 if seed >= 2**63 else seed
         token = int(sample(pte, logits, 1.0, as_int64, position)[0])
-        # random.split(key, n) is random::bits({n, 2}) under that key
-        raw = mx.random.split(mx.random.key(stream_seed(seed, position)), vocab // 2).reshape(-1)
-        u = (mx.right_shift(raw, mx.array(9, mx.uint32)).astype(mx.float32) + 0.5) * 2.0**-23
-        expected = mx.argmax(mx.array(logits[0].numpy()) - mx.log(-mx.log(u))).item()
+        # random.split(key, 1) is random::bits({1, 2}) under that key
+        hi, lo = mx.random.split(mx.random.key(stream_seed(seed, position)), 1).reshape(-1).tolist()
+        u = ((hi << 21) | (lo >> 11)) * 2.0**-53
+        expected = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
         assert token == expected, (seed, position)
 
 
@@ -186,7 +188,7 @@ def test_unseeded_export_uses_the_global_key_sequence():
     (graph,) = pte_delegate_graphs(prog.buffer)
     bits = [n.op for n in graph.nodes if isinstance(n.op, ir.RandomBitsNode)]
     assert len(bits) == 1 and bits[0].seed is None and bits[0].position is None
-    assert "RandomBitsNode(shape=[4, 1000], width=4)" in describe_graph(graph)
+    assert "RandomBitsNode(shape=[4, 2], width=4)" in describe_graph(graph)
     logits = torch.randn(4, 1000)
     draws = [run(prog.buffer, [logits, torch.tensor(100.0)])[0] for _ in range(10)]
     tokens = torch.stack(draws)

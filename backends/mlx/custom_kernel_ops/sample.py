@@ -1,33 +1,43 @@
-"""`mlx::sample`: draw one token id per row from logits (see SAMPLING.md).
+"""`mlx::sample`: draw one token id per row from logits, per SAMPLING.md.
 
-    torch.ops.mlx.sample(logits[B, V], temperature[] or [B],
-                         seed=None ([] or [B] int64), position=None) -> int64[B]
+    torch.ops.mlx.sample(logits[B, V], temperature[] or [B], seed=None, position=None,
+                         top_k=None, top_p=None, min_p=None,
+                         repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                         history=None, logit_bias_ids=None, logit_bias_values=None) -> int64[B]
 
-* temperature <= 0 or NaN selects greedy decoding (argmax, lowest index on
-  ties) for that row, at run time: no re-export, no host synchronisation.
+* Every parameter is a tensor, [] (all rows) or [B] (one per row); `None`
+  is off. `history` is int64 [B, H] token ids (-1 pads) and feeds the three
+  penalties; `logit_bias_ids` int64 [B, N] (-1 pads) and
+  `logit_bias_values` float [B, N] (-inf bans a token) come together.
+* temperature <= 0 or NaN selects greedy decoding (argmax of the penalized
+  logits, lowest index on ties) for that row, at run time.
 * seeded (seed given): row b's draw is a pure function of (seed[b],
-  position[b]) and its logits, whatever the batch. `position` is required
+  position[b]) and its inputs, whatever the batch. `position` is required
   with a seed: a decode loop passes its step counter.
 * unseeded: MLX's global key sequence (the reference uses torch's).
-* NaN logits count as -inf; if a row has +inf logits the draw is uniform
-  among them; a row with neither finite nor +inf logits yields -1.
 
-The CPU reference below is exact (inverse CDF in float64 on float32
-z = (logits - row max) / T). The MLX lowering draws with the Gumbel-max trick from
-RandomBitsNode bits.
+This module defines the op, its exact CPU reference (filters in float32 z as
+SAMPLING.md writes them, probabilities and the inverse-CDF draw in float64)
+and its fake; the lowering is in `lowering/ops_sampling.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..lowering.builder import GraphBuilder, Value, meta_val
-from ..lowering.registry import Unsupported, handles
-from ..serialization import ir
+# The optional parameters after seed/position, in the op's (and SampleNode's)
+# order: per-row scalars, then [B, N] tables. Adding a parameter here adds it
+# to the op schema, the checks and the lowering.
+ROW_PARAMS = ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+TABLE_PARAMS = ("history", "logit_bias_ids", "logit_bias_values")
+PARAMS = ROW_PARAMS + TABLE_PARAMS
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+INTEGER_PARAMS = ("top_k", "history", "logit_bias_ids")
 
 torch.library.define(
     "mlx::sample",
-    "(Tensor logits, Tensor temperature, Tensor? seed=None, Tensor? position=None) -> Tensor",
+    "(Tensor logits, Tensor temperature, Tensor? seed=None, Tensor? position=None, "
+    + ", ".join(f"Tensor? {name}=None" for name in PARAMS) + ") -> Tensor",
 )
 
 _MASK64 = (1 << 64) - 1
@@ -54,18 +64,42 @@ def _per_row(t: torch.Tensor | None, rows: int, name: str) -> torch.Tensor | Non
     return t.reshape(-1).expand(rows)
 
 
-def check_args(logits, temperature, seed, position) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"mlx::sample: logits must be [B, V], got {list(logits.shape)}")
+def check_args(logits, temperature, seed, position, params: dict) -> None:
+    """Structure (shapes, dtypes, what goes together): ValueError naming the input."""
+    if logits.dim() != 2 or logits.shape[1] < 1:
+        raise ValueError(f"mlx::sample: logits must be [B, V] with V >= 1, got {list(logits.shape)}")
     if not logits.dtype.is_floating_point:
         raise ValueError(f"mlx::sample: logits must be floating point, got {logits.dtype}")
+    rows = logits.shape[0]
     if not temperature.dtype.is_floating_point:
         raise ValueError(f"mlx::sample: temperature must be a float tensor, got {temperature.dtype}")
+    _per_row(temperature, rows, "temperature")
     if (seed is None) != (position is None):
         raise ValueError("mlx::sample: seed and position are given together (position is the decode step)")
     for name, t in (("seed", seed), ("position", position)):
         if t is not None and t.dtype != torch.int64:
             raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
+        _per_row(t, rows, name)
+    for name in PARAMS:
+        t = params.get(name)
+        if t is None:
+            continue
+        if name in INTEGER_PARAMS and t.dtype != torch.int64:
+            raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
+        if name not in INTEGER_PARAMS and not t.dtype.is_floating_point:
+            raise ValueError(f"mlx::sample: {name} must be a float tensor, got {t.dtype}")
+        if name in ROW_PARAMS:
+            _per_row(t, rows, name)
+        elif t.dim() != 2 or t.shape[0] != rows:
+            raise ValueError(f"mlx::sample: {name} must be [{rows}, N], got {list(t.shape)}")
+    if any(params.get(name) is not None for name in PENALTIES) and params.get("history") is None:
+        raise ValueError("mlx::sample: repetition/frequency/presence penalties need a history")
+    ids, values = params.get("logit_bias_ids"), params.get("logit_bias_values")
+    if (ids is None) != (values is None):
+        raise ValueError("mlx::sample: logit_bias_ids and logit_bias_values are given together")
+    if ids is not None and ids.shape != values.shape:
+        raise ValueError(f"mlx::sample: logit_bias_ids {list(ids.shape)} and logit_bias_values "
+                         f"{list(values.shape)} must have one shape")
 
 
 def _uniforms(rows: int, seeds, positions) -> torch.Tensor:
@@ -79,22 +113,84 @@ def _uniforms(rows: int, seeds, positions) -> torch.Tensor:
     ])
 
 
-@torch.library.impl("mlx::sample", "CompositeExplicitAutograd")
-def sample_reference(logits, temperature, seed=None, position=None):
-    """Exact reference: inverse-CDF draw in float64 from softmax(float32 z)."""
-    check_args(logits, temperature, seed, position)
+def _nan_to_neg_inf(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(x), float("-inf"), x)
+
+
+def _scatter_rows(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per row, the sum of `values` at `ids`; ids outside [0, V) (the -1 pads) go nowhere."""
+    at = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+    out = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32)
+    return out.scatter_add_(1, at, values.float())[:, :vocab]
+
+
+def penalized_logits(logits, history=None, repetition_penalty=None, frequency_penalty=None,
+                     presence_penalty=None, logit_bias_ids=None, logit_bias_values=None) -> torch.Tensor:
+    """SAMPLING.md step 1, in float32: NaN as -inf, penalties, then the bias."""
     rows, vocab = logits.shape
-    x = logits.float()
-    x = torch.where(torch.isnan(x), float("-inf"), x)
-    temps = _per_row(temperature.float(), rows, "temperature")
+    x = _nan_to_neg_inf(logits.float())
+    if history is not None:
+        counts = _scatter_rows(history, torch.ones(history.shape), vocab)
+        seen = counts > 0
+        if repetition_penalty is not None:
+            r = _per_row(repetition_penalty.float(), rows, "repetition_penalty")[:, None]
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        if frequency_penalty is not None:
+            x = x - _per_row(frequency_penalty.float(), rows, "frequency_penalty")[:, None] * counts
+        if presence_penalty is not None:
+            x = x - _per_row(presence_penalty.float(), rows, "presence_penalty")[:, None] * seen.float()
+        x = _nan_to_neg_inf(x)
+    if logit_bias_ids is not None:
+        x = _nan_to_neg_inf(x + _scatter_rows(logit_bias_ids, logit_bias_values, vocab))
+    return x
+
+
+def filtered_z(x: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """SAMPLING.md steps 3-6 on penalized logits x: float32 z, -inf where filtered out."""
+    rows, vocab = x.shape
+    neg_inf = float("-inf")
+    temps = _per_row(temperature.float(), rows, "temperature")[:, None]
+    row_max = x.amax(dim=1, keepdim=True)
+    # step 3: subtract the row max first (x / T may overflow float32 for tiny
+    # T), and -inf stays -inf whatever T (-inf / inf is NaN)
+    z = torch.where(x > neg_inf, (x - row_max) / temps, neg_inf)
     posinf = torch.isposinf(x)
-    any_posinf = posinf.any(dim=1, keepdim=True)
-    # SAMPLING.md step 3: subtract the row max first (logits / T may overflow
-    # float32 for tiny T), and -inf stays -inf whatever T (-inf / inf is NaN)
-    row_max = x.amax(dim=1, keepdim=True) if vocab else x.new_zeros(rows, 1)
-    scaled = torch.where(x > float("-inf"), (x - row_max) / temps[:, None], float("-inf"))
-    z = torch.where(any_posinf, torch.where(posinf, 0.0, float("-inf")), scaled)
-    has_candidate = x.amax(dim=1) > float("-inf") if vocab else torch.zeros(rows, dtype=torch.bool)
+    z = torch.where(row_max == float("inf"), torch.where(posinf, 0.0, neg_inf), z)
+    thr = torch.full((rows, 1), neg_inf)
+    if top_k is not None:  # step 4: the K-th largest z, ties kept
+        k = _per_row(top_k, rows, "top_k")[:, None]
+        kth = z.sort(dim=1, descending=True).values.gather(1, (k - 1).clamp(0, vocab - 1))
+        thr = torch.where((k > 0) & (k < vocab), kth, thr)
+    if min_p is not None:  # step 5 (the max always stays)
+        m = _per_row(min_p.float(), rows, "min_p")[:, None]
+        thr = torch.maximum(thr, torch.where(m > 0, torch.log(m).clamp(max=0.0), neg_inf))
+    z = torch.where(z >= thr, z, neg_inf)
+    if top_p is not None:  # step 6, in float64 over the survivors
+        p = _per_row(top_p.double(), rows, "top_p")[:, None]
+        ordered = z.sort(dim=1, descending=True).values
+        mass = torch.softmax(ordered.double(), dim=1)
+        before = mass.cumsum(dim=1) - mass  # strictly more likely (up to ties, see below)
+        kept = (before < p).sum(dim=1, keepdim=True).clamp(min=1)
+        # the kept positions are a prefix; z >= its last value keeps whole tie groups
+        last = ordered.gather(1, kept - 1)
+        z = torch.where((p < 1) & (z < last), neg_inf, z)
+    return z
+
+
+@torch.library.impl("mlx::sample", "CompositeExplicitAutograd")
+def sample_reference(logits, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
+                     repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                     history=None, logit_bias_ids=None, logit_bias_values=None):
+    """Exact reference: inverse-CDF draw in float64 from softmax(float32 z)."""
+    params = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
+                  logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
+    check_args(logits, temperature, seed, position, params)
+    rows, vocab = logits.shape
+    x = penalized_logits(logits, history, repetition_penalty, frequency_penalty, presence_penalty,
+                         logit_bias_ids, logit_bias_values)
+    z = filtered_z(x, temperature, top_k, top_p, min_p)
+    has_candidate = x.amax(dim=1) > float("-inf")
     # rows without candidates get a harmless uniform distribution, masked below
     z = torch.where(has_candidate[:, None], z, 0.0).double()
     cdf = torch.softmax(z, dim=1).cumsum(dim=1)
@@ -102,88 +198,17 @@ def sample_reference(logits, temperature, seed=None, position=None):
     # first index whose cdf exceeds u * total: never a zero-probability token
     sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp(max=vocab - 1)
     greedy = torch.argmax(x, dim=1)
+    temps = _per_row(temperature.float(), rows, "temperature")
     token = torch.where(temps > 0, sampled, greedy)
     return torch.where(has_candidate, token, -1)
 
 
 @torch.library.register_fake("mlx::sample")
-def _sample_fake(logits, temperature, seed=None, position=None):
-    check_args(logits, temperature, seed, position)
+def _sample_fake(logits, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
+                 repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+                 history=None, logit_bias_ids=None, logit_bias_values=None):
+    check_args(logits, temperature, seed, position, dict(
+        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
+        logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values))
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
-
-
-# ------------------------------------------------------------ lowering --
-F32 = torch.float32
-
-
-def _as_column(b: GraphBuilder, v: Value, rows: int) -> Value:
-    """A [] or [B] per-row parameter as something that broadcasts over [B, V]."""
-    if len(v.shape) == 0:
-        return v
-    return b.reshape(v, (rows, 1))
-
-
-@handles(torch.ops.mlx.sample.default)
-def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
-    args = list(node.args) + [None] * (4 - len(node.args))
-    logits_arg, temp_arg = args[0], args[1]
-    seed_arg = node.kwargs.get("seed", args[2])
-    pos_arg = node.kwargs.get("position", args[3])
-    logits = b.get(logits_arg)
-    if len(logits.shape) != 2 or any(isinstance(d, torch.SymInt) for d in logits.shape):
-        raise Unsupported("sample needs static [B, V] logits")
-    rows, vocab = logits.shape
-    shape = (rows, vocab)
-
-    emit = b.emit
-
-    def binop(op_cls, x: Value, y: Value, dtype=F32, shp=shape) -> Value:
-        return emit(op_cls, dtype, shp, a=x.tid, b=y.tid)
-
-    def where(c: Value, x: Value, y: Value, dtype, shp) -> Value:
-        return emit(ir.WhereNode, dtype, shp, condition=c.tid, x=x.tid, y=y.tid)
-
-    neg_inf, pos_inf = b.literal(float("-inf"), F32), b.literal(float("inf"), F32)
-    # float32 logits with NaN -> -inf
-    x = b.cast(logits, F32)
-    x = where(emit(ir.IsNanNode, torch.bool, shape, a=x.tid), neg_inf, x, F32, shape)
-    row_max = emit(ir.MaxNode, F32, (rows, 1), a=x.tid, axes=[1], keepdims=True)
-
-    # greedy branch: argmax, lowest index on ties (MLX returns the first max)
-    greedy = b.cast(emit(ir.ArgmaxNode, torch.int32, (rows,), a=x.tid, axis=1, keepdims=False), torch.int64)
-
-    # sampling branch: z = x / T; a row with +inf logits samples among them
-    temp = b.cast(b.get(temp_arg), F32)
-    # SAMPLING.md step 3: z = (x - row max) / T, which cannot overflow for
-    # tiny T; -inf stays -inf whatever T (-inf / inf would be NaN)
-    z = binop(ir.DivideNode, binop(ir.SubtractNode, x, row_max), _as_column(b, temp, rows))
-    z = where(binop(ir.GreaterNode, x, neg_inf, torch.bool), z, neg_inf, F32, shape)
-    any_posinf = binop(ir.EqualNode, row_max, pos_inf, torch.bool, (rows, 1))
-    only_posinf = where(emit(ir.IsPosInfNode, torch.bool, shape, a=x.tid), b.literal(0.0, F32), neg_inf, F32, shape)
-    z = where(any_posinf, only_posinf, z, F32, shape)
-
-    # Gumbel-max: u in (0, 1) exactly from the top 23 bits; z + Gumbel noise
-    # is z - log(-log u)
-    seed = b.get(seed_arg) if seed_arg is not None else None
-    position = b.get(pos_arg) if pos_arg is not None else None
-    if (seed is None) != (position is None):
-        raise Unsupported("sample: seed and position must be given together")
-    bits = emit(ir.RandomBitsNode, torch.uint32, shape, shape=b.dims(shape),
-                seed=seed.tid if seed else None, position=position.tid if position else None, width=4)
-    top23 = emit(ir.RightShiftNode, torch.uint32, shape, a=bits.tid, b=b.literal(9, torch.uint32).tid)
-    u = binop(ir.AddNode, b.cast(top23, F32), b.literal(0.5, F32))
-    u = binop(ir.MultiplyNode, u, b.literal(2.0**-23, F32))
-    exponential = emit(ir.NegativeNode, F32, shape, a=emit(ir.LogNode, F32, shape, a=u.tid).tid)
-    noisy = binop(ir.SubtractNode, z, emit(ir.LogNode, F32, shape, a=exponential.tid))
-    sampled = b.cast(emit(ir.ArgmaxNode, torch.int32, (rows,), a=noisy.tid, axis=1, keepdims=False), torch.int64)
-
-    # per row: greedy unless T > 0 (NaN compares false); -1 without candidates
-    is_sampling = binop(ir.GreaterNode, temp, b.literal(0.0, F32), torch.bool, temp.shape)
-    token = where(is_sampling, sampled, greedy, torch.int64, (rows,))
-    has_candidate = binop(ir.GreaterNode, row_max, neg_inf, torch.bool, (rows, 1))
-    has_candidate = emit(ir.SqueezeNode, torch.bool, (rows,), a=has_candidate.tid, axes=[1])
-    token = where(has_candidate, token, b.literal(-1, torch.int64), torch.int64, (rows,))
-    out = meta_val(node)
-    if tuple(out.shape) != (rows,):
-        raise Unsupported(f"sample output shape {tuple(out.shape)}")
-    b.bind(node, token)

@@ -1,26 +1,49 @@
 """Sampling heads: wrap a logits model so the exported program returns token ids.
 
-Exported method inputs, in this order (C++ callers pass them the same way):
+`SamplingHead(model)(*model_args, temperature, seed=None, position=None,
+top_k=None, ..., logit_bias_values=None)`: every sampling parameter of
+SAMPLING.md is a keyword; one given at export becomes a runtime input of the
+program, one left None is off and absent from it. Exported method inputs, in
+this order (C++ callers pass them the same way; runners read the names from
+the program's `emlx_input_names` metadata):
 
-    model inputs...,  temperature (float32 [] or [B]),
-    seed (int64 [] or [B]), position (int64 [] or [B])   # seeded exports only
+    model inputs...
+    temperature          float32 [] or [B]   <= 0: greedy for that row
+    seed, position       int64 [] or [B]     seeded exports only
+    top_k                int64 [] or [B]     0 (or >= V): off
+    top_p                float32 [] or [B]   1: off
+    min_p                float32 [] or [B]   0: off
+    repetition_penalty   float32 [] or [B]   1: off
+    frequency_penalty    float32 [] or [B]   0: off
+    presence_penalty     float32 [] or [B]   0: off
+    history              int64 [B, H]        ids the penalties count, -1 pads
+    logit_bias_ids       int64 [B, N]        -1 pads
+    logit_bias_values    float32 [B, N]      -inf bans the token
 
-`temperature` <= 0 selects greedy decoding for that row at run time.
 `seed` is one 64-bit seed per request (or one for the batch); `position` is
 the decode step of that row: pass 0 for the first generated token and add
 one per step, keeping the seed. A seeded row's token is a pure function of
-(seed, position) and its logits, whatever the batch size or row index.
-Programs exported without a seed have no seed/position inputs and draw from
-MLX's global random key sequence.
+(seed, position) and its inputs, whatever the batch size or row index.
+Programs exported without a seed draw from MLX's global random key sequence.
+`SamplingHead(model, logprobs=True)` also returns the float32 [B]
+log-probability of each chosen token under log_softmax of the raw logits.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from executorch.exir import ExecutorchProgramManager, to_edge_transform_and_lower
 
-from ..custom_kernel_ops import sample as _sample_op  # noqa: F401  (defines torch.ops.mlx.sample)
+from ..custom_kernel_ops.sample import INTEGER_PARAMS, PARAMS, PENALTIES, ROW_PARAMS
 from ..partitioner import MLXPartitioner
+
+# Sampler inputs of a program, in order (model inputs come first).
+SAMPLER_INPUTS = ("temperature", "seed", "position") + PARAMS
+# The value that turns each per-row parameter off.
+OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+       "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
 def last_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -32,16 +55,30 @@ def last_logits(logits: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"the model must return [B, S, vocab] or [B, vocab] logits, got {list(logits.shape)}")
 
 
-class SamplingHead(torch.nn.Module):
-    """`model(*args) -> logits` becomes `head(*args, temperature, seed, position) -> ids[B]`."""
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax of the raw logits (NaN as -inf) at each row's id; -inf for id -1."""
+    x = logits.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    picked = torch.log_softmax(x, dim=-1)[torch.arange(x.shape[0]), ids.clamp(min=0)]
+    return torch.where(ids >= 0, picked, float("-inf"))
 
-    def __init__(self, model: torch.nn.Module):
+
+class SamplingHead(torch.nn.Module):
+    """`model(*args) -> logits` becomes `head(*args, temperature, ...) -> ids[B]`
+    (and logprobs[B] with `logprobs=True`)."""
+
+    def __init__(self, model: torch.nn.Module, logprobs: bool = False):
         super().__init__()
         self.model = model
+        self.logprobs = logprobs
 
-    def forward(self, *model_args, temperature, seed=None, position=None, **model_kwargs):
+    def forward(self, *model_args, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
+                repetition_penalty=None, frequency_penalty=None, presence_penalty=None, history=None,
+                logit_bias_ids=None, logit_bias_values=None, **model_kwargs):
         logits = last_logits(self.model(*model_args, **model_kwargs))
-        return torch.ops.mlx.sample(logits, temperature, seed, position)
+        ids = torch.ops.mlx.sample(logits, temperature, seed, position, top_k, top_p, min_p, repetition_penalty,
+                                   frequency_penalty, presence_penalty, history, logit_bias_ids, logit_bias_values)
+        return (ids, token_logprobs(logits, ids)) if self.logprobs else ids
 
 
 class GreedyHead(torch.nn.Module):
@@ -57,15 +94,7 @@ class GreedyHead(torch.nn.Module):
         return torch.argmax(logits, dim=-1)
 
 
-def validate_temperature(temperature) -> None:
-    """Host-side check: ValueError naming the parameter, before anything runs."""
-    t = torch.as_tensor(temperature, dtype=torch.float32)
-    if t.dim() > 1:
-        raise ValueError(f"temperature must be a scalar or a [B] tensor, got shape {list(t.shape)}")
-    if bool((t < 0).any()):
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t.tolist()}")
-
-
+# ------------------------------------------------------ host-side checks --
 def _int64_param(name: str, value, unsigned_ok: bool = False) -> torch.Tensor:
     """An integer scalar or [B] parameter as int64; TypeError/ValueError naming it."""
     t = value if isinstance(value, torch.Tensor) else None
@@ -84,23 +113,145 @@ def _int64_param(name: str, value, unsigned_ok: bool = False) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None) -> dict[str, torch.Tensor]:
-    """The head's keyword inputs as tensors, in the exported order."""
-    validate_temperature(temperature)
-    kwargs = {"temperature": torch.as_tensor(temperature, dtype=torch.float32)}
+def _float_param(name: str, value) -> torch.Tensor:
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple, torch.Tensor)):
+        raise TypeError(f"{name} must be a number (or numbers), got {value!r}")
+    try:
+        t = torch.as_tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a number (or numbers), got {value!r}") from None
+    if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype == torch.int64):
+        raise TypeError(f"{name} must be a float tensor, got {value.dtype}")
+    return t
+
+
+# name -> (holds for valid values, what is expected)
+_RANGES = {
+    "temperature": (lambda t: t >= 0, ">= 0 (0 means greedy)"),
+    "top_k": (lambda t: t >= 0, ">= 0 (0 means off)"),
+    "top_p": (lambda t: (t > 0) & (t <= 1), "in (0, 1] (1 means off)"),
+    "min_p": (lambda t: (t >= 0) & (t < 1), "in [0, 1) (0 means off)"),
+    "repetition_penalty": (lambda t: (t > 0) & torch.isfinite(t), "> 0 and finite (1 means off)"),
+    "frequency_penalty": (torch.isfinite, "finite (0 means off)"),
+    "presence_penalty": (torch.isfinite, "finite (0 means off)"),
+}
+
+
+def _row_param(name: str, value, batch: int) -> torch.Tensor:
+    t = _int64_param(name, value) if name in INTEGER_PARAMS else _float_param(name, value)
+    if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
+        raise ValueError(f"{name} must be a scalar or have {batch} values (the batch), got shape {list(t.shape)}")
+    ok, expected = _RANGES[name]
+    if not bool(ok(t).all()):
+        raise ValueError(f"{name} must be {expected}, got {t.tolist()}")
+    return t
+
+
+def _table(name: str, value, batch: int, dtype: torch.dtype, vocab: int | None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a {dtype} tensor [{batch}, N], got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise ValueError(f"{name} must be a {dtype} tensor, got {value.dtype}")
+    if value.dim() != 2 or value.shape[0] != batch:
+        raise ValueError(f"{name} must be [{batch}, N] (one row per batch row), got {list(value.shape)}")
+    if dtype == torch.int64 and vocab is not None and bool(((value < -1) | (value >= vocab)).any()):
+        raise ValueError(f"{name} must hold token ids in [0, {vocab}) or -1 (padding)")
+    if dtype.is_floating_point and bool(torch.isnan(value).any()):
+        raise ValueError(f"{name} must not contain NaN")
+    return value
+
+
+def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None, *, vocab: int | None = None,
+                    **params) -> dict[str, torch.Tensor]:
+    """Checks the sampling parameters on the host (TypeError/ValueError naming
+    the parameter, before anything runs); returns those given as tensors, in
+    the program's input order. `params` are SAMPLER_INPUTS names."""
+    unknown = sorted(set(params) - set(PARAMS))
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(PARAMS)}")
+    out = {"temperature": _row_param("temperature", temperature, batch)}
     if seed is not None:
-        kwargs["seed"] = _int64_param("seed", seed, unsigned_ok=True)
-        kwargs["position"] = _int64_param("position", 0 if position is None else position)
-        if bool((kwargs["position"] < 0).any()):
+        out["seed"] = _int64_param("seed", seed, unsigned_ok=True)
+        out["position"] = _int64_param("position", 0 if position is None else position)
+        if bool((out["position"] < 0).any()):
             raise ValueError(f"position must be >= 0 (the decode step), got {position!r}")
+        for name in ("seed", "position"):
+            if out[name].dim() > 1 or (out[name].dim() == 1 and out[name].shape[0] != batch):
+                raise ValueError(f"{name} must be a scalar or have {batch} values (the batch), "
+                                 f"got shape {list(out[name].shape)}")
     elif position is not None:
         raise ValueError("position is only meaningful with a seed")
-    for name, value in kwargs.items():
-        if value.dim() > 1 or (value.dim() == 1 and value.shape[0] != batch):
-            raise ValueError(f"{name} must be a scalar or have {batch} rows (the batch), got shape {list(value.shape)}")
-    return kwargs
+    for name in PARAMS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if name in ROW_PARAMS:
+            out[name] = _row_param(name, value, batch)
+        else:
+            dtype = torch.int64 if name in INTEGER_PARAMS else torch.float32
+            out[name] = _table(name, value, batch, dtype, vocab)
+    if ("logit_bias_ids" in out) != ("logit_bias_values" in out):
+        raise ValueError("logit_bias_ids and logit_bias_values are given together")
+    if "logit_bias_ids" in out and out["logit_bias_ids"].shape != out["logit_bias_values"].shape:
+        raise ValueError(f"logit_bias_ids {list(out['logit_bias_ids'].shape)} and logit_bias_values "
+                         f"{list(out['logit_bias_values'].shape)} must have one shape")
+    return out
 
 
+def logit_bias_tensors(bias: dict[int, float], slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """{token id: value} as ([1, slots] ids, [1, slots] values), -1 padded."""
+    if not isinstance(bias, dict) or not all(isinstance(k, int) and not isinstance(k, bool) for k in bias):
+        raise TypeError(f"logit_bias must be a dict {{token id: value}}, got {bias!r}")
+    if len(bias) > slots:
+        raise ValueError(f"logit_bias has {len(bias)} entries; this program takes at most {slots}")
+    ids = torch.full((1, slots), -1, dtype=torch.int64)
+    values = torch.zeros(1, slots)
+    for j, (k, v) in enumerate(bias.items()):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+            raise ValueError(f"logit_bias[{k}] must be a number (-inf bans the token), got {v!r}")
+        ids[0, j], values[0, j] = k, float(v)
+    return ids, values
+
+
+def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, torch.Tensor]) -> list:
+    """The sampler inputs a program takes (`names`, with their exported
+    shapes), from checked `given` values; what is not given is off.
+    ValueError for a given parameter the program does not take."""
+    extra = [n for n in given if n not in names]
+    if extra:
+        raise ValueError(f"this program was exported without {', '.join(extra)}; it takes "
+                         f"{', '.join(names) or 'no sampling inputs'} (re-export with them)")
+    out = []
+    for name in names:
+        shape = shapes[name]
+        value = given.get(name)
+        if value is None:
+            if name == "seed":
+                raise ValueError("this program is seeded: pass a seed")
+            if name in OFF or name == "temperature":
+                value = torch.tensor(OFF.get(name, 1.0), dtype=torch.int64 if name in INTEGER_PARAMS else torch.float32)
+            elif name in ("history", "logit_bias_ids"):
+                value = torch.full(shape, -1, dtype=torch.int64)
+            else:  # logit_bias_values
+                value = torch.zeros(shape)
+        if name in ("history", "logit_bias_ids", "logit_bias_values"):
+            if value.shape[1] > shape[1]:
+                if name != "history":
+                    raise ValueError(f"{name} has {value.shape[1]} entries per row; this program takes {shape[1]}")
+                value = value[:, -shape[1]:]  # the most recent tokens
+            if value.shape[1] < shape[1]:
+                fill = torch.full((shape[0], shape[1] - value.shape[1]), -1 if value.dtype == torch.int64 else 0,
+                                  dtype=value.dtype)
+                value = torch.cat([value, fill], dim=1)
+        elif tuple(value.shape) != shape:
+            if value.dim() != 0:
+                raise ValueError(f"{name} must have shape {list(shape)} for this program, got {list(value.shape)}")
+            value = value.expand(shape)  # one value for every row
+        out.append(value.contiguous())
+    return out
+
+
+# ----------------------------------------------------------------- export --
 def _check_model_args(model_args) -> int:
     """The batch size of the example inputs; ValueError for what cannot export."""
     if not isinstance(model_args, (tuple, list)) or not model_args:
@@ -113,6 +264,33 @@ def _check_model_args(model_args) -> int:
     return first.shape[0]
 
 
+def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[str, ...] = (),
+                     history_size: int = 0, logit_bias_size: int = 0) -> dict[str, torch.Tensor]:
+    """Example values of the sampler inputs a program takes, in input order."""
+    for name in params:
+        if name not in ROW_PARAMS:
+            raise ValueError(f"unknown sampling parameter {name!r}; known: {', '.join(ROW_PARAMS)}")
+    if any(p in params for p in PENALTIES) != (history_size > 0):
+        raise ValueError("the penalties (repetition, frequency, presence) count tokens in a history: give "
+                         "history_size > 0 with at least one of them, and not without")
+    if history_size < 0 or logit_bias_size < 0:
+        raise ValueError("history_size and logit_bias_size must be >= 0")
+    shape = (batch,) if per_row else ()
+    examples = {"temperature": torch.ones(shape)}
+    if seeded:
+        examples["seed"] = torch.zeros(shape, dtype=torch.int64)
+        examples["position"] = torch.zeros(shape, dtype=torch.int64)
+    for name in ROW_PARAMS:
+        if name in params:
+            examples[name] = torch.full(shape, OFF[name], dtype=torch.int64 if name in INTEGER_PARAMS else None)
+    if history_size:
+        examples["history"] = torch.full((batch, history_size), -1, dtype=torch.int64)
+    if logit_bias_size:
+        examples["logit_bias_ids"] = torch.full((batch, logit_bias_size), -1, dtype=torch.int64)
+        examples["logit_bias_values"] = torch.zeros(batch, logit_bias_size)
+    return examples
+
+
 def export_sampling_head(
     model: torch.nn.Module,
     model_args: tuple,
@@ -120,24 +298,43 @@ def export_sampling_head(
     seeded: bool = True,
     per_row: bool = False,
     strict: bool = False,
+    top_k: bool = False,
+    top_p: bool = False,
+    min_p: bool = False,
+    repetition_penalty: bool = False,
+    frequency_penalty: bool = False,
+    presence_penalty: bool = False,
+    history_size: int = 0,
+    logit_bias_size: int = 0,
+    logprobs: bool = False,
 ) -> ExecutorchProgramManager:
-    """Exports `SamplingHead(model)` and lowers it with MLXPartitioner.
+    """Exports `SamplingHead(model, logprobs)` and lowers it with MLXPartitioner.
 
-    `per_row` makes temperature/seed/position [B] inputs (one per row)
-    instead of scalars. Returns the ExecuTorch program (`.buffer` is the .pte).
+    Each parameter set True becomes a runtime input (see the module doc for
+    the order); `history_size` H > 0 adds the [B, H] history the penalties
+    count, `logit_bias_size` N > 0 the [B, N] logit bias. `per_row` makes the
+    per-row parameters [B] inputs instead of scalars. Returns the ExecuTorch
+    program (`.buffer` is the .pte); its `emlx_input_names` constant method
+    names every input.
     """
     batch = _check_model_args(model_args)
-    shape = (batch,) if per_row else ()
-    kwargs = {"temperature": torch.ones(shape, dtype=torch.float32)}
-    if seeded:
-        kwargs["seed"] = torch.zeros(shape, dtype=torch.int64)
-        kwargs["position"] = torch.zeros(shape, dtype=torch.int64)
-    ep = torch.export.export(SamplingHead(model).eval(), tuple(model_args), kwargs, strict=strict)
-    return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch()
+    chosen = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    kwargs = sampler_examples(batch, seeded=seeded, per_row=per_row,
+                              params=tuple(name for name, on in chosen.items() if on),
+                              history_size=history_size, logit_bias_size=logit_bias_size)
+    head = SamplingHead(model, logprobs=logprobs).eval()
+    ep = torch.export.export(head, tuple(model_args), kwargs, strict=strict)
+    return _lower(ep, {"emlx_samples": True, "emlx_logprobs": logprobs})
 
 
 def export_greedy_head(model: torch.nn.Module, model_args: tuple, *, strict: bool = False) -> ExecutorchProgramManager:
     _check_model_args(model_args)
     ep = torch.export.export(GreedyHead(model).eval(), tuple(model_args), strict=strict)
-    return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch()
+    return _lower(ep, {"emlx_samples": True, "emlx_logprobs": False})
 
+
+def _lower(ep: torch.export.ExportedProgram, meta: dict) -> ExecutorchProgramManager:
+    names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    meta = {"emlx_input_names": ",".join(names), **meta}
+    return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()], constant_methods=meta).to_executorch()

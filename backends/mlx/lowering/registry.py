@@ -64,6 +64,7 @@ def _load_handlers() -> None:
         ops_elementwise,
         ops_linalg,
         ops_reduction,
+        ops_sampling,
         ops_shape,
     )
-    from ..custom_kernel_ops import quantized, sample  # noqa: F401
+    from ..custom_kernel_ops import quantized  # noqa: F401

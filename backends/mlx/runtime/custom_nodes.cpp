@@ -2,12 +2,14 @@
 #include <mlx/mlx.h>
 #include <mlx/fast.h>
 #include <mlx/random.h>
+#include <mlx/transforms.h>
 
 #include <algorithm>
 
 #include "dtype.h"
 #include "interpreter.h"
 #include "linear.h"
+#include "sampler.h"
 
 namespace emlx {
 
@@ -52,19 +54,18 @@ void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
   }
   if (shape.empty()) throw std::invalid_argument("RandomBitsNode: seeded bits need a [rows, ...] shape");
   const int rows = shape[0];
-  mx::Shape row_shape(shape.begin() + 1, shape.end());
   auto position = st.get_optional(n->position()).value_or(mx::array(int64_t{0}));
   auto s = mx::broadcast_to(mx::astype(mx::flatten(*seed), mx::uint64), {rows});
   auto p = mx::broadcast_to(mx::astype(mx::flatten(position), mx::uint64), {rows});
   auto keys = keys_for(mix64(mx::bitwise_xor(s, mix64(p))));
-  // random::bits takes one key of shape (2): one call per row, so a row's
-  // bits depend on its own key only, whatever the batch.
-  std::vector<mx::array> out;
-  out.reserve(rows);
-  for (int r = 0; r < rows; ++r) {
-    out.push_back(mx::random::bits(row_shape, width, mx::take(keys, r, 0)));
-  }
-  st.set(n->out(), mx::stack(out, 0));
+  // random::bits takes one key; vmapped over keys [rows, 2] it is one
+  // RandomBits node that gives row r exactly random::bits(row shape, width,
+  // key r): a row's bits depend on its own key only, whatever the batch.
+  mx::Shape row_shape(shape.begin() + 1, shape.end());
+  auto per_key = mx::vmap(
+      [&](const std::vector<mx::array>& key) { return std::vector<mx::array>{mx::random::bits(row_shape, width, key[0])}; },
+      {0}, {0});
+  st.set(n->out(), per_key({keys})[0]);
 }
 
 namespace {
@@ -233,6 +234,20 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
   auto ids = in_range(st.get(n->indices()), w.shape(0), "QuantizedEmbeddingNode");
   st.set(n->out(), mx::dequantize(mx::view(mx::take(w, ids, 0), mx::uint32), mx::take(scales, ids, 0),
                                   mx::take(biases, ids, 0), n->group_size(), n->bits()));
+}
+
+void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) {
+  SampleInputs in{st.get(n->logits()), st.get(n->temperature()), st.get(n->random())};
+  in.top_k = st.get_optional(n->top_k());
+  in.top_p = st.get_optional(n->top_p());
+  in.min_p = st.get_optional(n->min_p());
+  in.repetition_penalty = st.get_optional(n->repetition_penalty());
+  in.frequency_penalty = st.get_optional(n->frequency_penalty());
+  in.presence_penalty = st.get_optional(n->presence_penalty());
+  in.history = st.get_optional(n->history());
+  in.logit_bias_ids = st.get_optional(n->logit_bias_ids());
+  in.logit_bias_values = st.get_optional(n->logit_bias_values());
+  st.set(n->out(), sample(in));
 }
 
 }  // namespace emlx

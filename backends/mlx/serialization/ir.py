@@ -528,6 +528,23 @@ class RsqrtNode:
 
 
 @dataclass
+class SampleNode:
+    logits: Tid | None = None
+    temperature: Tid | None = None
+    random: Tid | None = None
+    top_k: Tid | None = None
+    top_p: Tid | None = None
+    min_p: Tid | None = None
+    repetition_penalty: Tid | None = None
+    frequency_penalty: Tid | None = None
+    presence_penalty: Tid | None = None
+    history: Tid | None = None
+    logit_bias_ids: Tid | None = None
+    logit_bias_values: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
 class ScaledDotProductAttentionNode:
     q: Tid | None = None
     k: Tid | None = None
@@ -673,8 +690,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 
@@ -1743,6 +1760,41 @@ def _pack_RsqrtNode(b, v):
 
 def _unpack_RsqrtNode(r):
     return RsqrtNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SampleNode(b, v):
+    fb.SampleNodeStart(b)
+    if v.logits is not None:
+        fb.SampleNodeAddLogits(b, _pack_Tid(b, v.logits))
+    if v.temperature is not None:
+        fb.SampleNodeAddTemperature(b, _pack_Tid(b, v.temperature))
+    if v.random is not None:
+        fb.SampleNodeAddRandom(b, _pack_Tid(b, v.random))
+    if v.top_k is not None:
+        fb.SampleNodeAddTopK(b, _pack_Tid(b, v.top_k))
+    if v.top_p is not None:
+        fb.SampleNodeAddTopP(b, _pack_Tid(b, v.top_p))
+    if v.min_p is not None:
+        fb.SampleNodeAddMinP(b, _pack_Tid(b, v.min_p))
+    if v.repetition_penalty is not None:
+        fb.SampleNodeAddRepetitionPenalty(b, _pack_Tid(b, v.repetition_penalty))
+    if v.frequency_penalty is not None:
+        fb.SampleNodeAddFrequencyPenalty(b, _pack_Tid(b, v.frequency_penalty))
+    if v.presence_penalty is not None:
+        fb.SampleNodeAddPresencePenalty(b, _pack_Tid(b, v.presence_penalty))
+    if v.history is not None:
+        fb.SampleNodeAddHistory(b, _pack_Tid(b, v.history))
+    if v.logit_bias_ids is not None:
+        fb.SampleNodeAddLogitBiasIds(b, _pack_Tid(b, v.logit_bias_ids))
+    if v.logit_bias_values is not None:
+        fb.SampleNodeAddLogitBiasValues(b, _pack_Tid(b, v.logit_bias_values))
+    if v.out is not None:
+        fb.SampleNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SampleNodeEnd(b)
+
+
+def _unpack_SampleNode(r):
+    return SampleNode(logits=_opt(_unpack_Tid, r.Logits()), temperature=_opt(_unpack_Tid, r.Temperature()), random=_opt(_unpack_Tid, r.Random()), top_k=_opt(_unpack_Tid, r.TopK()), top_p=_opt(_unpack_Tid, r.TopP()), min_p=_opt(_unpack_Tid, r.MinP()), repetition_penalty=_opt(_unpack_Tid, r.RepetitionPenalty()), frequency_penalty=_opt(_unpack_Tid, r.FrequencyPenalty()), presence_penalty=_opt(_unpack_Tid, r.PresencePenalty()), history=_opt(_unpack_Tid, r.History()), logit_bias_ids=_opt(_unpack_Tid, r.LogitBiasIds()), logit_bias_values=_opt(_unpack_Tid, r.LogitBiasValues()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ScaledDotProductAttentionNode(b, v):

@@ -99,6 +99,7 @@ class Op(object):
     SliceUpdateNode = 66
     QuantizedLinearNode = 67
     QuantizedEmbeddingNode = 68
+    SampleNode = 69
 
 
 # Reference to a value slot of the graph.
@@ -6133,6 +6134,210 @@ def QuantizedEmbeddingNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def QuantizedEmbeddingNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# One token id per row, int64 [B] (SAMPLING.md, whole): penalties from `history`
+# ([B, H] ids, -1 padding) and the sparse logit bias, then greedy where
+# temperature <= 0, else the top-k / min-p / top-p filters and one exact
+# inverse-CDF draw using the row's two 32-bit words of `random` ([B, 2] uint32).
+# Parameters are [] or [B]; an absent one is off.
+class SampleNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = SampleNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSampleNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SampleNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # SampleNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # SampleNode
+    def Logits(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def Temperature(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def Random(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def TopK(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def TopP(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def MinP(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def RepetitionPenalty(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def FrequencyPenalty(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def PresencePenalty(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def History(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def LogitBiasIds(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def LogitBiasValues(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def SampleNodeStart(builder):
+    builder.StartObject(13)
+
+def SampleNodeAddLogits(builder, logits):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(logits), 0)
+
+def SampleNodeAddTemperature(builder, temperature):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(temperature), 0)
+
+def SampleNodeAddRandom(builder, random):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(random), 0)
+
+def SampleNodeAddTopK(builder, topK):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(topK), 0)
+
+def SampleNodeAddTopP(builder, topP):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(topP), 0)
+
+def SampleNodeAddMinP(builder, minP):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(minP), 0)
+
+def SampleNodeAddRepetitionPenalty(builder, repetitionPenalty):
+    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(repetitionPenalty), 0)
+
+def SampleNodeAddFrequencyPenalty(builder, frequencyPenalty):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(frequencyPenalty), 0)
+
+def SampleNodeAddPresencePenalty(builder, presencePenalty):
+    builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(presencePenalty), 0)
+
+def SampleNodeAddHistory(builder, history):
+    builder.PrependStructSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(history), 0)
+
+def SampleNodeAddLogitBiasIds(builder, logitBiasIds):
+    builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasIds), 0)
+
+def SampleNodeAddLogitBiasValues(builder, logitBiasValues):
+    builder.PrependStructSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasValues), 0)
+
+def SampleNodeAddOut(builder, out):
+    builder.PrependStructSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SampleNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -241,6 +241,9 @@ struct QuantizedLinearNodeBuilder;
 struct QuantizedEmbeddingNode;
 struct QuantizedEmbeddingNodeBuilder;
 
+struct SampleNode;
+struct SampleNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -411,11 +414,12 @@ enum class Op : uint8_t {
   SliceUpdateNode = 66,
   QuantizedLinearNode = 67,
   QuantizedEmbeddingNode = 68,
+  SampleNode = 69,
   MIN = NONE,
-  MAX = QuantizedEmbeddingNode
+  MAX = SampleNode
 };
 
-inline const Op (&EnumValuesOp())[69] {
+inline const Op (&EnumValuesOp())[70] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -485,13 +489,14 @@ inline const Op (&EnumValuesOp())[69] {
     Op::LinearNode,
     Op::SliceUpdateNode,
     Op::QuantizedLinearNode,
-    Op::QuantizedEmbeddingNode
+    Op::QuantizedEmbeddingNode,
+    Op::SampleNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[70] = {
+  static const char * const names[71] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -561,13 +566,14 @@ inline const char * const *EnumNamesOp() {
     "SliceUpdateNode",
     "QuantizedLinearNode",
     "QuantizedEmbeddingNode",
+    "SampleNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::QuantizedEmbeddingNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SampleNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -846,6 +852,10 @@ template<> struct OpTraits<emlx::ir::QuantizedLinearNode> {
 
 template<> struct OpTraits<emlx::ir::QuantizedEmbeddingNode> {
   static const Op enum_value = Op::QuantizedEmbeddingNode;
+};
+
+template<> struct OpTraits<emlx::ir::SampleNode> {
+  static const Op enum_value = Op::SampleNode;
 };
 
 template <bool B = false>
@@ -6910,6 +6920,183 @@ struct QuantizedEmbeddingNode::Traits {
   static auto constexpr Create = CreateQuantizedEmbeddingNode;
 };
 
+/// One token id per row, int64 [B] (SAMPLING.md, whole): penalties from `history`
+/// ([B, H] ids, -1 padding) and the sparse logit bias, then greedy where
+/// temperature <= 0, else the top-k / min-p / top-p filters and one exact
+/// inverse-CDF draw using the row's two 32-bit words of `random` ([B, 2] uint32).
+/// Parameters are [] or [B]; an absent one is off.
+struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SampleNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_LOGITS = 4,
+    VT_TEMPERATURE = 6,
+    VT_RANDOM = 8,
+    VT_TOP_K = 10,
+    VT_TOP_P = 12,
+    VT_MIN_P = 14,
+    VT_REPETITION_PENALTY = 16,
+    VT_FREQUENCY_PENALTY = 18,
+    VT_PRESENCE_PENALTY = 20,
+    VT_HISTORY = 22,
+    VT_LOGIT_BIAS_IDS = 24,
+    VT_LOGIT_BIAS_VALUES = 26,
+    VT_OUT = 28
+  };
+  const emlx::ir::Tid *logits() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_LOGITS);
+  }
+  const emlx::ir::Tid *temperature() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_TEMPERATURE);
+  }
+  const emlx::ir::Tid *random() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_RANDOM);
+  }
+  const emlx::ir::Tid *top_k() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_TOP_K);
+  }
+  const emlx::ir::Tid *top_p() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_TOP_P);
+  }
+  const emlx::ir::Tid *min_p() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_MIN_P);
+  }
+  const emlx::ir::Tid *repetition_penalty() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_REPETITION_PENALTY);
+  }
+  const emlx::ir::Tid *frequency_penalty() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_FREQUENCY_PENALTY);
+  }
+  const emlx::ir::Tid *presence_penalty() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_PRESENCE_PENALTY);
+  }
+  const emlx::ir::Tid *history() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_HISTORY);
+  }
+  const emlx::ir::Tid *logit_bias_ids() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_LOGIT_BIAS_IDS);
+  }
+  const emlx::ir::Tid *logit_bias_values() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_LOGIT_BIAS_VALUES);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_LOGITS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_TEMPERATURE, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_RANDOM, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_TOP_K, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_TOP_P, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_MIN_P, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_REPETITION_PENALTY, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_FREQUENCY_PENALTY, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_PRESENCE_PENALTY, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_HISTORY, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_LOGIT_BIAS_IDS, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_LOGIT_BIAS_VALUES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SampleNodeBuilder {
+  typedef SampleNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_logits(const emlx::ir::Tid *logits) {
+    fbb_.AddStruct(SampleNode::VT_LOGITS, logits);
+  }
+  void add_temperature(const emlx::ir::Tid *temperature) {
+    fbb_.AddStruct(SampleNode::VT_TEMPERATURE, temperature);
+  }
+  void add_random(const emlx::ir::Tid *random) {
+    fbb_.AddStruct(SampleNode::VT_RANDOM, random);
+  }
+  void add_top_k(const emlx::ir::Tid *top_k) {
+    fbb_.AddStruct(SampleNode::VT_TOP_K, top_k);
+  }
+  void add_top_p(const emlx::ir::Tid *top_p) {
+    fbb_.AddStruct(SampleNode::VT_TOP_P, top_p);
+  }
+  void add_min_p(const emlx::ir::Tid *min_p) {
+    fbb_.AddStruct(SampleNode::VT_MIN_P, min_p);
+  }
+  void add_repetition_penalty(const emlx::ir::Tid *repetition_penalty) {
+    fbb_.AddStruct(SampleNode::VT_REPETITION_PENALTY, repetition_penalty);
+  }
+  void add_frequency_penalty(const emlx::ir::Tid *frequency_penalty) {
+    fbb_.AddStruct(SampleNode::VT_FREQUENCY_PENALTY, frequency_penalty);
+  }
+  void add_presence_penalty(const emlx::ir::Tid *presence_penalty) {
+    fbb_.AddStruct(SampleNode::VT_PRESENCE_PENALTY, presence_penalty);
+  }
+  void add_history(const emlx::ir::Tid *history) {
+    fbb_.AddStruct(SampleNode::VT_HISTORY, history);
+  }
+  void add_logit_bias_ids(const emlx::ir::Tid *logit_bias_ids) {
+    fbb_.AddStruct(SampleNode::VT_LOGIT_BIAS_IDS, logit_bias_ids);
+  }
+  void add_logit_bias_values(const emlx::ir::Tid *logit_bias_values) {
+    fbb_.AddStruct(SampleNode::VT_LOGIT_BIAS_VALUES, logit_bias_values);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SampleNode::VT_OUT, out);
+  }
+  explicit SampleNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SampleNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SampleNode>(end);
+    fbb_.Required(o, SampleNode::VT_LOGITS);
+    fbb_.Required(o, SampleNode::VT_TEMPERATURE);
+    fbb_.Required(o, SampleNode::VT_RANDOM);
+    fbb_.Required(o, SampleNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SampleNode> CreateSampleNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *logits = nullptr,
+    const emlx::ir::Tid *temperature = nullptr,
+    const emlx::ir::Tid *random = nullptr,
+    const emlx::ir::Tid *top_k = nullptr,
+    const emlx::ir::Tid *top_p = nullptr,
+    const emlx::ir::Tid *min_p = nullptr,
+    const emlx::ir::Tid *repetition_penalty = nullptr,
+    const emlx::ir::Tid *frequency_penalty = nullptr,
+    const emlx::ir::Tid *presence_penalty = nullptr,
+    const emlx::ir::Tid *history = nullptr,
+    const emlx::ir::Tid *logit_bias_ids = nullptr,
+    const emlx::ir::Tid *logit_bias_values = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  SampleNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_logit_bias_values(logit_bias_values);
+  builder_.add_logit_bias_ids(logit_bias_ids);
+  builder_.add_history(history);
+  builder_.add_presence_penalty(presence_penalty);
+  builder_.add_frequency_penalty(frequency_penalty);
+  builder_.add_repetition_penalty(repetition_penalty);
+  builder_.add_min_p(min_p);
+  builder_.add_top_p(top_p);
+  builder_.add_top_k(top_k);
+  builder_.add_random(random);
+  builder_.add_temperature(temperature);
+  builder_.add_logits(logits);
+  return builder_.Finish();
+}
+
+struct SampleNode::Traits {
+  using type = SampleNode;
+  static auto constexpr Create = CreateSampleNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -7127,6 +7314,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::QuantizedEmbeddingNode *op_as_QuantizedEmbeddingNode() const {
     return op_type() == emlx::ir::Op::QuantizedEmbeddingNode ? static_cast<const emlx::ir::QuantizedEmbeddingNode *>(op()) : nullptr;
+  }
+  const emlx::ir::SampleNode *op_as_SampleNode() const {
+    return op_type() == emlx::ir::Op::SampleNode ? static_cast<const emlx::ir::SampleNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -7408,6 +7598,10 @@ template<> inline const emlx::ir::QuantizedLinearNode *Node::op_as<emlx::ir::Qua
 
 template<> inline const emlx::ir::QuantizedEmbeddingNode *Node::op_as<emlx::ir::QuantizedEmbeddingNode>() const {
   return op_as_QuantizedEmbeddingNode();
+}
+
+template<> inline const emlx::ir::SampleNode *Node::op_as<emlx::ir::SampleNode>() const {
+  return op_as_SampleNode();
 }
 
 struct NodeBuilder {
@@ -7896,6 +8090,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::QuantizedEmbeddingNode: {
       auto ptr = reinterpret_cast<const emlx::ir::QuantizedEmbeddingNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SampleNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SampleNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -1,0 +1,40 @@
+"""`mlx::sample` -> RandomBitsNode (the row's random words) + SampleNode.
+
+The whole of SAMPLING.md runs in SampleNode (a native kernel on CPUs, MLX
+ops elsewhere); the graph only supplies two 32-bit random words per row:
+from (seed, position) when seeded, MLX's global key sequence otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..custom_kernel_ops import sample as sample_op
+from ..serialization import ir
+from .builder import GraphBuilder, meta_val, node_arg
+from .registry import Unsupported, handles
+
+
+@handles(torch.ops.mlx.sample.default)
+def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
+    logits = b.get(node_arg(node, 0, "logits"))
+    if len(logits.shape) != 2 or any(isinstance(d, torch.SymInt) for d in logits.shape):
+        raise Unsupported("sample needs static [B, V] logits")
+    rows = logits.shape[0]
+    seed, position = node_arg(node, 2, "seed"), node_arg(node, 3, "position")
+    if (seed is None) != (position is None):
+        raise Unsupported("sample: seed and position must be given together")
+    random = b.emit(ir.RandomBitsNode, torch.uint32, (rows, 2), shape=b.dims((rows, 2)), width=4,
+                    seed=b.get(seed).tid if seed is not None else None,
+                    position=b.get(position).tid if position is not None else None)
+    params = {}
+    for index, name in enumerate(sample_op.PARAMS, start=4):
+        arg = node_arg(node, index, name)
+        if arg is not None:
+            params[name] = b.get(arg).tid
+    temperature = b.get(node_arg(node, 1, "temperature"))
+    out = meta_val(node)
+    if tuple(out.shape) != (rows,):
+        raise Unsupported(f"sample output shape {tuple(out.shape)}")
+    b.bind(node, b.emit(ir.SampleNode, torch.int64, (rows,), logits=logits.tid, temperature=temperature.tid,
+                        random=random.tid, **params))

@@ -1,0 +1,143 @@
+"""The sampler's filter cases, an independent float64 oracle of SAMPLING.md,
+and the draws of one lowered program over them.
+
+`python sampler_cases.py OUT` writes the draws of every case to OUT (a
+torch file): the test runs that in a subprocess with
+EMLX_DISABLE_CPU_KERNELS=1 to hold the MLX-ops path to the same contract as
+the native kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import torch
+
+INF = float("inf")
+# V = 12 hand-made logits with ties (1.5, 1.5 and 0.7, 0.7) and a masked token.
+LOGITS = [2.0, 1.5, 1.5, 1.0, 0.7, 0.7, 0.3, 0.0, -0.5, -1.0, -INF, 1.2]
+VOCAB = len(LOGITS)
+HISTORY = [0, 3, 3, 7, 11, -1]  # token 3 twice; -1 pads
+ROWS, CALLS = 2000, 50  # 100k draws per case, each from its own (seed, position)
+
+# case -> (parameters of even rows, parameters of odd rows): the rows of one
+# batch differ in every case. Values sit away from knife edges (checked by
+# `oracle(..., margin=True)`).
+_PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+_BIAS = {5: 0.9, 1: -INF, 8: 2.0}
+CASES = {
+    "top_k": (dict(temperature=1.0, top_k=2), dict(temperature=0.7, top_k=5)),
+    "top_p": (dict(temperature=1.0, top_p=0.6), dict(temperature=1.5, top_p=0.85)),
+    "min_p": (dict(temperature=1.0, min_p=0.2), dict(temperature=0.6, min_p=0.05)),
+    "top_k+top_p": (dict(temperature=1.0, top_k=5, top_p=0.7), dict(temperature=2.0, top_k=3, top_p=0.9)),
+    "top_k+min_p": (dict(temperature=1.0, top_k=6, min_p=0.3), dict(temperature=1.2, top_k=4, min_p=0.1)),
+    "top_p+min_p": (dict(temperature=1.0, top_p=0.8, min_p=0.15), dict(temperature=0.8, top_p=0.95, min_p=0.3)),
+    "all three": (dict(temperature=1.0, top_k=6, top_p=0.8, min_p=0.1),
+                  dict(temperature=1.4, top_k=8, top_p=0.7, min_p=0.05)),
+    "all three+penalties+bias": (dict(temperature=1.0, top_k=6, top_p=0.85, min_p=0.1, **_PENALTIES, bias=_BIAS),
+                                 dict(temperature=0.9, top_k=7, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
+                                      frequency_penalty=0.5, presence_penalty=0.3, bias={2: 1.0})),
+}
+BIAS_SLOTS = 3
+
+
+def penalized(logits: list[float], history=(), repetition_penalty=1.0, frequency_penalty=0.0,
+              presence_penalty=0.0, bias=None) -> list[float]:
+    """SAMPLING.md step 1 in float64, one token at a time."""
+    x = [-INF if math.isnan(v) else v for v in logits]
+    counts = {}
+    for t in history:
+        if 0 <= t < len(x):
+            counts[t] = counts.get(t, 0) + 1
+    for t, c in counts.items():
+        v = x[t] / repetition_penalty if x[t] > 0 else x[t] * repetition_penalty
+        x[t] = v - frequency_penalty * c - presence_penalty
+    for t, v in (bias or {}).items():
+        x[t] = -INF if x[t] == INF and v == -INF else x[t] + v
+    return x
+
+
+def oracle(logits: list[float], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, history=(), margin=False,
+           **penalties) -> list[float]:
+    """The exact distribution of SAMPLING.md, float64, written as the page
+    reads (quadratic; V is small). `margin=True` asserts no filter decision
+    is within 1e-3 of its threshold (so float32 on the device cannot flip it)."""
+    x = penalized(logits, history, **penalties)
+    m = max(x)
+    z = [(v - m) / temperature if v > -INF else -INF for v in x]
+    keep = [v > -INF for v in z]
+    if 0 < top_k < len(z):
+        kth = sorted(z, reverse=True)[top_k - 1]
+        keep = [k and v >= kth for k, v in zip(keep, z)]
+        if margin:
+            assert all(abs(v - kth) > 1e-3 or v == kth for v in z)
+    if min_p > 0:
+        keep = [k and v >= math.log(min_p) for k, v in zip(keep, z)]
+        if margin:
+            assert all(abs(v - math.log(min_p)) > 1e-3 for v in z if v > -INF)
+    if top_p < 1:
+        p = [math.exp(v) if k else 0.0 for k, v in zip(keep, z)]
+        total = sum(p)
+        above = [sum(pj for pj, zj in zip(p, z) if zj > zi) / total for zi in z]
+        if margin:
+            assert all(abs(a - top_p) > 1e-3 for a, k in zip(above, keep) if k)
+        keep = [k and a < top_p for k, a in zip(keep, above)]
+    p = [math.exp(v) if k else 0.0 for k, v in zip(keep, z)]
+    return [v / sum(p) for v in p]
+
+
+def program_inputs(params: list[dict], seeds: torch.Tensor, position: int) -> list[torch.Tensor]:
+    """Inputs of the all-parameter program (after the logits) for rows with `params`."""
+    rows = len(params)
+
+    def col(name, off, dtype=torch.float32):
+        return torch.tensor([p.get(name, off) for p in params], dtype=dtype)
+
+    ids = torch.full((rows, BIAS_SLOTS), -1, dtype=torch.int64)
+    values = torch.zeros(rows, BIAS_SLOTS)
+    for r, p in enumerate(params):
+        for j, (t, v) in enumerate((p.get("bias") or {}).items()):
+            ids[r, j], values[r, j] = t, v
+    return [col("temperature", 1.0), seeds, torch.full((rows,), position, dtype=torch.int64),
+            col("top_k", 0, torch.int64), col("top_p", 1.0), col("min_p", 0.0), col("repetition_penalty", 1.0),
+            col("frequency_penalty", 0.0), col("presence_penalty", 0.0),
+            torch.tensor([HISTORY] * rows, dtype=torch.int64), ids, values]
+
+
+@functools.cache
+def all_parameters_pte(rows: int = ROWS, vocab: int = VOCAB) -> bytes:
+    from executorch_mlx.llm.sampling import export_sampling_head
+
+    class Logits(torch.nn.Module):
+        def forward(self, logits):
+            return logits
+
+    return export_sampling_head(
+        Logits(), (torch.zeros(rows, vocab),), per_row=True, top_k=True, top_p=True, min_p=True,
+        repetition_penalty=True, frequency_penalty=True, presence_penalty=True, history_size=len(HISTORY),
+        logit_bias_size=BIAS_SLOTS).buffer
+
+
+def draws(case: str) -> torch.Tensor:
+    """[CALLS, ROWS] tokens of the lowered program; even rows use the case's
+    first parameters, odd rows its second."""
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(all_parameters_pte())
+    method = program.load_method("forward")
+    even, odd = CASES[case]
+    params = [even if r % 2 == 0 else odd for r in range(ROWS)]
+    logits = torch.tensor([LOGITS] * ROWS)
+    out = []
+    for c in range(CALLS):
+        seeds = torch.arange(ROWS, dtype=torch.int64) + 1_000_003 * c
+        out.append(method.execute([logits, *program_inputs(params, seeds, c)])[0])
+    return torch.stack(out)
+
+
+if __name__ == "__main__":
+    import executorch_mlx  # noqa: F401
+
+    torch.save({case: draws(case) for case in CASES}, sys.argv[1])
