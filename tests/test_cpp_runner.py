@@ -30,9 +30,9 @@ def cpp(pte, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(executorch_mlx.runner_binary()), str(pte), *args], capture_output=True, text=True)
 
 
-def cpp_ids(pte, prompt, new, temperature=0.0, seed=0) -> list[int]:
+def cpp_ids(pte, prompt, new, temperature=0.0, seed=0, *flags: str) -> list[int]:
     done = cpp(pte, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(new),
-               "--temperature", str(temperature), "--seed", str(seed))
+               "--temperature", str(temperature), "--seed", str(seed), *flags)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("ids: ") and "tokens/s" in lines[1] and "tokens/s" in lines[2], done.stdout
@@ -46,6 +46,26 @@ def test_cpp_runner_ids_equal_python_runner(programs, case, temperature, seed):
     assert cpp_ids(programs[case], PROMPT, 8, temperature, seed) == want.token_ids
 
 
+# (Python runner keywords, the same as C++ runner flags)
+SAMPLERS = [
+    (dict(top_k=5, top_p=0.8), ["--top-k", "5", "--top-p", "0.8"]),
+    (dict(min_p=0.1, repetition_penalty=1.5, repetition_context_size=6),
+     ["--min-p", "0.1", "--repetition-penalty", "1.5", "--repetition-context-size", "6"]),
+    (dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={5: 3.0, 17: float("-inf")}),
+     ["--frequency-penalty", "0.7", "--presence-penalty", "0.4", "--logit-bias", "5=3", "--logit-bias", "17=-inf"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,flags", SAMPLERS, ids=["top-k+top-p", "min-p+repetition", "penalties+bias"])
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, temperature):
+    want = LLMRunner(programs["sampled-int4"]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=3,
+                                                       **kwargs)
+    assert cpp_ids(programs["sampled-int4"], PROMPT, 8, temperature, 3, *flags) == want.token_ids
+    if "logit_bias" in kwargs:
+        assert 17 not in want.token_ids
+
+
 @pytest.mark.parametrize("args,message", [
     ([], "--prompt-ids is required"),
     (["--prompt-ids", "1,x"], "--prompt-ids: expected an integer, got 'x'"),
@@ -55,6 +75,14 @@ def test_cpp_runner_ids_equal_python_runner(programs, case, temperature, seed):
     (["--prompt-ids", "1", "--max-new-tokens", "16"], "exceeds the max context of 16"),
     (["--prompt-ids", "100000", "--max-new-tokens", "2"], "prompt token ids must be in [0, "),
     (["--prompt-ids", "1", "--temperature", "0.5", "--seed", "1.5"], "--seed: expected a 64-bit integer"),
+    (["--prompt-ids", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--prompt-ids", "1", "--min-p", "1"], "--min-p must be in [0, 1)"),
+    (["--prompt-ids", "1", "--top-k", "-2"], "--top-k must be >= 0"),
+    (["--prompt-ids", "1", "--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--prompt-ids", "1", "--max-new-tokens", "2", "--repetition-penalty", "1.2", "--repetition-context-size", "65"],
+     "exceeds this program's history of 64 tokens"),
+    (["--prompt-ids", "1", "--logit-bias", "3"], "--logit-bias: expected ID=VALUE"),
+    (["--prompt-ids", "1", "--max-new-tokens", "2", "--logit-bias", "100000=1"], "--logit-bias: token ids must be in [0, "),
 ])
 def test_cpp_runner_bad_arguments(programs, args, message):
     done = cpp(programs["sampled-int4"], *args)
@@ -62,8 +90,9 @@ def test_cpp_runner_bad_arguments(programs, args, message):
 
 
 def test_cpp_runner_greedy_only_on_a_logits_program(programs):
-    done = cpp(programs["logits"], "--prompt-ids", "1", "--max-new-tokens", "2", "--temperature", "0.5")
-    assert done.returncode == 2 and "only greedy decoding" in done.stderr
+    for flags in (["--temperature", "0.5"], ["--top-k", "3"]):
+        done = cpp(programs["logits"], "--prompt-ids", "1", "--max-new-tokens", "2", *flags)
+        assert done.returncode == 2 and "only greedy decoding" in done.stderr
 
 
 def test_cpp_runner_refuses_a_missing_or_foreign_file(programs, tmp_path):

@@ -25,7 +25,9 @@ def cmd_export(args) -> int:
 
     export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
                sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
-               quantize_embedding=args.quantize_embedding, progress=lambda line: print(line, file=sys.stderr))
+               quantize_embedding=args.quantize_embedding, history_size=args.history_size,
+               logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
+               progress=lambda line: print(line, file=sys.stderr))
     return 0
 
 
@@ -35,9 +37,13 @@ def cmd_generate(args) -> int:
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = runner.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             seed=args.seed, on_text=stream)
+                             seed=args.seed, on_text=stream, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                             repetition_penalty=args.repetition_penalty,
+                             repetition_context_size=args.repetition_context_size,
+                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                             logit_bias=dict(args.logit_bias) or None)
     if args.json:
-        print(json.dumps({"token_ids": result.token_ids, "text": result.text,
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,
                           "decode_tokens_per_s": result.decode_tokens_per_s}))
     else:
@@ -83,6 +89,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _bias_entry(text: str) -> tuple[int, float]:
+    token, sep, value = text.partition("=")
+    try:
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=VALUE (e.g. 13=-inf), got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="executorch-mlx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="values per scale and bias when quantizing (default 64)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="quantize the input embedding table too (with --quantize)")
+    p.add_argument("--history-size", type=int, default=64,
+                   help="tokens of history the repetition/frequency/presence penalties can count (default 64)")
+    p.add_argument("--logit-bias-size", type=int, default=16,
+                   help="tokens a generate call can give a logit bias (default 16)")
+    p.add_argument("--logprobs", action="store_true", help="also return each token's log-probability")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")
@@ -114,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="64-bit sampling seed (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this times as likely as the top one, [0, 1) (default 0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style, > 0 (default 1: off)")
+    p.add_argument("--repetition-context-size", type=int, default=20,
+                   help="recent tokens the penalties count (default 20)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="per occurrence (default 0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="once per seen token (default 0: off)")
+    p.add_argument("--logit-bias", type=_bias_entry, action="append", default=[], metavar="ID=VALUE",
+                   help="add VALUE to token ID's logit (-inf bans it); repeatable")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: token_ids, text, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)

@@ -7,11 +7,17 @@ same way; runners read the names from the `emlx_input_names` metadata):
 
     input_ids       int64 [1, S]     S in [1, max_chunk]
     cache_position  int64 [S]        positions of those tokens: start, start+1, ...
-    temperature     float32 []       sampling programs only (<= 0: greedy)
-    seed            int64 []         sampling programs only
-    position        int64 []         sampling programs only: index of the generated token
+    then, sampling programs only, every sampler input (llm/sampling.py,
+    SAMPLING.md; each [] unless said):
+    temperature (float32, <= 0: greedy), seed (int64), position (int64, index
+    of the generated token), top_k (int64), top_p, min_p,
+    repetition_penalty, frequency_penalty, presence_penalty (float32),
+    history (int64 [1, history_size], the token ids the penalties count, -1
+    pads), logit_bias_ids (int64 [1, logit_bias_size], -1 pads),
+    logit_bias_values (float32 [1, logit_bias_size])
 
-A sampling program (the default) returns the next token id, int64 [1]; a
+A sampling program (the default) returns the next token id, int64 [1] (and,
+exported with `logprobs=True`, its float32 [1] log-probability); a
 `sampling=False` program returns the last position's logits [1, 1, vocab]
 (what ExecuTorch's own TextLLMRunner expects). Metadata are constant methods
 with ExecuTorch's LLM-runner names plus ours (see `metadata`).
@@ -28,12 +34,13 @@ import torch
 
 from ..custom_kernel_ops.quantized import GROUP_SIZES
 from .quantize import QUANTIZE_MODES, quantize_model
+from .sampling import ROW_PARAMS, SAMPLER_INPUTS, sampler_examples
 
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INPUT_NAMES = ("input_ids", "cache_position")
-SAMPLING_INPUT_NAMES = INPUT_NAMES + ("temperature", "seed", "position")
+SAMPLING_INPUT_NAMES = INPUT_NAMES + SAMPLER_INPUTS
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -77,17 +84,22 @@ class CachedLM(torch.nn.Module):
 class SampledLM(torch.nn.Module):
     """CachedLM behind a SamplingHead, with an explicit signature for export."""
 
-    def __init__(self, lm: CachedLM):
+    def __init__(self, lm: CachedLM, logprobs: bool):
         super().__init__()
         from .sampling import SamplingHead
 
-        self.head = SamplingHead(lm)
+        self.head = SamplingHead(lm, logprobs=logprobs)
 
-    def forward(self, input_ids, cache_position, temperature, seed, position):
-        return self.head(input_ids, cache_position, temperature=temperature, seed=seed, position=position)
+    def forward(self, input_ids, cache_position, temperature, seed, position, top_k, top_p, min_p,
+                repetition_penalty, frequency_penalty, presence_penalty, history, logit_bias_ids, logit_bias_values):
+        return self.head(input_ids, cache_position, temperature=temperature, seed=seed, position=position,
+                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
+                         logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
 
 
-def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str) -> dict:
+def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
+             logprobs: bool = False) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -102,6 +114,7 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
         "get_bos_id": -1 if bos is None else int(bos),
         "get_eos_ids": [int(e) for e in eos_ids],
         "emlx_samples": sampling,
+        "emlx_logprobs": logprobs,
         "emlx_input_names": ",".join(SAMPLING_INPUT_NAMES if sampling else INPUT_NAMES),
         "emlx_model_type": config["model_type"],
         "emlx_quantization": quantization,
@@ -110,14 +123,19 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
                sampling: bool = True, quantize: str | None = None, group_size: int = 64,
-               quantize_embedding: bool = False, progress: Callable[[str], None] | None = print) -> Path:
+               quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
+               logprobs: bool = False, progress: Callable[[str], None] | None = print) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
     exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
     `quantize` ("int4" or "int8") stores every linear weight (and, with
     `quantize_embedding`, the input embedding) in MLX's affine layout with
-    `group_size` values per scale and bias (see llm/quantize.py)."""
+    `group_size` values per scale and bias (see llm/quantize.py).
+    A sampling program takes every sampler parameter at run time: the
+    penalties count the last tokens of a `history_size`-token history, and
+    up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
+    chosen token's log-probability as a second output."""
     from executorch.exir import to_edge_transform_and_lower
     from transformers import AutoModelForCausalLM
 
@@ -132,6 +150,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     if quantize is None and quantize_embedding:
         raise ValueError("quantize_embedding needs quantize (int4 or int8)")
+    if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
+        raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
+                         f"{logit_bias_size}")
     if quantize is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     quantization = "none" if quantize is None else (
@@ -154,9 +175,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     example = (torch.tensor([[0, 0]], dtype=torch.int64), torch.arange(2))
     dynamic = {"input_ids": {1: seq}, "cache_position": {0: seq}}
     if sampling:
-        module = SampledLM(lm)
-        example += (torch.tensor(1.0), torch.tensor(0), torch.tensor(0))
-        dynamic.update(temperature=None, seed=None, position=None)
+        module = SampledLM(lm, logprobs)
+        sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
+                                   logit_bias_size=logit_bias_size)
+        example += tuple(sampler.values())
+        dynamic.update({name: None for name in sampler})
     else:
         module = lm
     stage("exporting (torch.export, strict)")
@@ -165,7 +188,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     stage("lowering to MLX")
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
-                                                                 quantization))
+                                                                 quantization, logprobs and sampling))
     program = edge.to_executorch()
     output_path = Path(output_path)
     stage(f"writing {output_path}")

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import sampling_inputs
+from .sampling import logit_bias_tensors, program_inputs, sampling_inputs
 
 
 @dataclass
@@ -28,6 +28,7 @@ class GenerationResult:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     stop_reason: str = "max_new_tokens"  # or "eos"
+    logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
     step_seconds: list[float] = field(default_factory=list, repr=False)
 
 
@@ -64,11 +65,15 @@ class LLMRunner:
         meta = {n: self.program.load_method(n).execute([]) for n in names if n != "forward"}
         self.input_names = meta["emlx_input_names"][0].split(",")
         self.samples = bool(meta["emlx_samples"][0])
+        self.logprobs = bool(meta["emlx_logprobs"][0]) if "emlx_logprobs" in meta else False
         self.max_context = int(meta["get_max_context_len"][0])
         self.max_chunk = int(meta["get_max_seq_len"][0])
         self.eos_ids = {int(e) for e in meta.get("get_eos_ids", [])}
         self.vocab_size = int(meta["get_vocab_size"][0])
         self.method = self.program.load_method("forward")
+        forward = self.program.metadata("forward")
+        self.input_shapes = {name: tuple(forward.input_tensor_meta(i).sizes())
+                             for i, name in enumerate(self.input_names)}
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
 
     def reset(self) -> None:
@@ -77,22 +82,29 @@ class LLMRunner:
 
         executorch_mlx.reset_state()
 
-    def _step(self, ids: list[int], start: int, sampling: dict[str, torch.Tensor]) -> int:
-        values = {"input_ids": torch.tensor([ids], dtype=torch.int64),
-                  "cache_position": torch.arange(start, start + len(ids), dtype=torch.int64), **sampling}
-        out = self.method.execute([values[name] for name in self.input_names])[0]
+    def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor]) -> tuple[int, float | None]:
+        values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
+        outputs = self.method.execute(values + sampling)
+        out = outputs[0]
         token = int(out.reshape(-1)[0]) if self.samples else int(torch.argmax(out.reshape(-1, out.shape[-1])[-1]))
         if not 0 <= token < self.vocab_size:
             raise RuntimeError(f"the model produced no valid token (id {token}): its logits are all NaN or -inf")
-        return token
+        return token, float(outputs[1].reshape(-1)[0]) if self.logprobs else None
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-                 seed: int | None = None, on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 seed: int | None = None, on_text: Callable[[str], None] | None = None, *, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 repetition_context_size: int = 20, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
         """Prefills `prompt` (text, or token ids), then decodes on the device
         until an end-of-sequence id or `max_new_tokens`.
 
         temperature <= 0 is greedy. Sampling is seeded: the same seed, prompt
-        and settings give the same tokens (seed None means 0)."""
+        and settings give the same tokens (seed None means 0). The filters
+        and penalties are SAMPLING.md's, with mlx-lm's names and defaults
+        (off); the penalties count the last `repetition_context_size` tokens
+        of prompt and output. `logit_bias` maps token ids to values added to
+        their logits (-inf bans a token)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -112,11 +124,36 @@ class LLMRunner:
                              f"context of {self.max_context}: the KV cache would overflow")
         if any(not 0 <= i < self.vocab_size for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        sampling = {}
-        if self.samples:
-            sampling = sampling_inputs(1, temperature, 0 if seed is None else seed, 0)
-        elif temperature > 0:
+        params = {name: value for name, value, off in (
+            ("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0),
+            ("repetition_penalty", repetition_penalty, 1.0), ("frequency_penalty", frequency_penalty, 0.0),
+            ("presence_penalty", presence_penalty, 0.0)) if value != off}
+        penalized = any(name.endswith("_penalty") for name in params)
+        if isinstance(repetition_context_size, bool) or not isinstance(repetition_context_size, int) or \
+                repetition_context_size < 1:
+            raise ValueError(f"repetition_context_size must be a positive int, got {repetition_context_size!r}")
+        history_size = self.input_shapes.get("history", (1, 0))[1]
+        if penalized and repetition_context_size > history_size:
+            raise ValueError(f"repetition_context_size {repetition_context_size} exceeds this program's history "
+                             f"of {history_size} tokens (export with a larger history_size)")
+        if logit_bias:
+            slots = self.input_shapes.get("logit_bias_ids", (1, 0))[1]
+            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots)
+        if not self.samples and (temperature > 0 or params):
             raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
+        if self.samples:
+            # checked before anything runs; the history is filled in per step
+            given = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size, **params)
+            sampler_names = self.input_names[2:]
+            shapes = {name: self.input_shapes[name] for name in sampler_names}
+
+        def sampling(position: int, context: list[int]) -> list[torch.Tensor]:
+            if not self.samples:
+                return []
+            given["position"] = torch.tensor(position, dtype=torch.int64)
+            if penalized:
+                given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
+            return program_inputs(sampler_names, shapes, given)
         # No reset needed: the prompt is written from position 0, and attention
         # never looks past the current position, so what an earlier
         # conversation left in the cache is never read. (reset_state() would
@@ -124,26 +161,26 @@ class LLMRunner:
 
         t0 = time.perf_counter()
         for start in range(0, len(ids), self.max_chunk):
-            token = self._step(ids[start:start + self.max_chunk], start, sampling)
+            token, logprob = self._step(ids[start:start + self.max_chunk], start, sampling(0, ids))
         prefill_s = time.perf_counter() - t0
 
-        out, steps, printed = [token], [], ""
+        out, steps, printed, logprobs = [token], [], "", [logprob]
         stop = "eos" if token in self.eos_ids else "max_new_tokens"
         printed = self._stream(out, printed, on_text)
         while stop != "eos" and len(out) < max_new_tokens:
-            if self.samples:
-                sampling["position"] = torch.tensor(len(out), dtype=torch.int64)
             t = time.perf_counter()
-            token = self._step([token], len(ids) + len(out) - 1, sampling)
+            token, logprob = self._step([token], len(ids) + len(out) - 1, sampling(len(out), ids + out))
             steps.append(time.perf_counter() - t)
             out.append(token)
+            logprobs.append(logprob)
             if token in self.eos_ids:
                 stop = "eos"
             printed = self._stream(out, printed, on_text)
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
         return GenerationResult(token_ids=out, text=text, prefill_tokens_per_s=len(ids) / prefill_s,
                                 decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
-                                stop_reason=stop, step_seconds=steps)
+                                stop_reason=stop, step_seconds=steps,
+                                logprobs=logprobs if self.logprobs else None)
 
     def _stream(self, ids: list[int], printed: str, on_text) -> str:
         """Emits the new suffix of the decoded text (pieces of a multi-byte

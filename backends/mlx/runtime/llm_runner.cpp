@@ -2,7 +2,9 @@
 // ids in, token ids out, with the sampler on the device.
 //
 //   emlx_runner MODEL.pte --prompt-ids 1,2,3 [--max-new-tokens N]
-//               [--temperature T] [--seed S]
+//               [--temperature T] [--seed S] [--top-k K] [--top-p P] [--min-p M]
+//               [--repetition-penalty R] [--repetition-context-size N]
+//               [--frequency-penalty F] [--presence-penalty Q] [--logit-bias ID=VALUE]...
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
 // tokens per second. It is the example a C++ app copies: load the program
@@ -18,7 +20,9 @@
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -120,7 +124,21 @@ struct Options {
   int64_t max_new_tokens = 32;
   float temperature = 0.0f;
   int64_t seed = 0;
+  // SAMPLING.md's parameters, off by default (the Python runner's names and defaults)
+  int64_t top_k = 0;
+  float top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, frequency_penalty = 0.0f, presence_penalty = 0.0f;
+  int64_t repetition_context_size = 20;
+  std::vector<std::pair<int64_t, float>> logit_bias;
+
+  bool penalized() const { return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
 };
+
+float parse_float(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  const float v = std::strtof(text.c_str(), &end);
+  if (text.empty() || *end != '\0') throw UsageError(flag + ": expected a number, got '" + text + "'");
+  return v;
+}
 
 int64_t parse_int(const std::string& flag, const std::string& text) {
   size_t used = 0;
@@ -150,11 +168,36 @@ Options parse_args(int argc, char** argv) {
     } else if (a == "--max-new-tokens") {
       o.max_new_tokens = parse_int(a, value());
     } else if (a == "--temperature") {
+      o.temperature = parse_float(a, value());
+      if (!(o.temperature >= 0)) throw UsageError("--temperature must be >= 0 (0 means greedy)");
+    } else if (a == "--top-k") {
+      o.top_k = parse_int(a, value());
+      if (o.top_k < 0) throw UsageError("--top-k must be >= 0 (0 means off)");
+    } else if (a == "--top-p") {
+      o.top_p = parse_float(a, value());
+      if (!(o.top_p > 0 && o.top_p <= 1)) throw UsageError("--top-p must be in (0, 1] (1 means off)");
+    } else if (a == "--min-p") {
+      o.min_p = parse_float(a, value());
+      if (!(o.min_p >= 0 && o.min_p < 1)) throw UsageError("--min-p must be in [0, 1) (0 means off)");
+    } else if (a == "--repetition-penalty") {
+      o.repetition_penalty = parse_float(a, value());
+      if (!(o.repetition_penalty > 0 && std::isfinite(o.repetition_penalty))) {
+        throw UsageError("--repetition-penalty must be > 0 and finite (1 means off)");
+      }
+    } else if (a == "--repetition-context-size") {
+      o.repetition_context_size = parse_int(a, value());
+      if (o.repetition_context_size < 1) throw UsageError("--repetition-context-size must be positive");
+    } else if (a == "--frequency-penalty" || a == "--presence-penalty") {
+      const float v = parse_float(a, value());
+      if (!std::isfinite(v)) throw UsageError(a + " must be finite (0 means off)");
+      (a == "--frequency-penalty" ? o.frequency_penalty : o.presence_penalty) = v;
+    } else if (a == "--logit-bias") {
       const std::string t = value();
-      char* end = nullptr;
-      o.temperature = std::strtof(t.c_str(), &end);
-      if (t.empty() || *end != '\0') throw UsageError("--temperature: expected a number, got '" + t + "'");
-      if (o.temperature < 0) throw UsageError("--temperature must be >= 0 (0 means greedy)");
+      const size_t eq = t.find('=');
+      if (eq == std::string::npos) throw UsageError("--logit-bias: expected ID=VALUE, got '" + t + "'");
+      const float v = parse_float(a, t.substr(eq + 1));
+      if (std::isnan(v)) throw UsageError("--logit-bias: the value must not be NaN");
+      o.logit_bias.emplace_back(parse_int(a, t.substr(0, eq)), v);
     } else if (a == "--seed") {
       // any 64-bit seed, signed or not (as the Python runner: 2**63 and up keep their bits)
       const std::string t = value();
@@ -179,33 +222,87 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
-// One call of `forward`: ids at positions start, start+1, ...; returns the next token.
+// One call of `forward`: ids at positions start, start+1, ...; returns the
+// next token. Inputs are found by name; a sampler parameter that is not off
+// must be an input of the program.
 class Generator {
  public:
-  Generator(LoadedMethod& forward, const Metadata& md, const Options& o) : forward_(forward), md_(md) {
-    temperature_ = make_tensor_ptr(Sizes{}, std::vector<float>{o.temperature});
-    seed_ = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.seed});
-    position_ = make_tensor_ptr(Sizes{}, std::vector<int64_t>{0});
+  Generator(LoadedMethod& forward, const Metadata& md, const Options& o)
+      : forward_(forward), md_(md), context_size_(o.repetition_context_size), penalized_(o.penalized()) {
+    auto meta = forward.method->method_meta();
+    auto shape = [&](const std::string& name) -> Sizes {
+      for (size_t i = 0; i < md.input_names.size(); ++i) {
+        if (md.input_names[i] != name) continue;
+        auto info = meta.input_tensor_meta(i);
+        check(info.error(), "reading input '" + name + "'");
+        return Sizes(info->sizes().begin(), info->sizes().end());
+      }
+      return {};
+    };
+    auto has = [&](const std::string& name) {
+      return std::find(md.input_names.begin(), md.input_names.end(), name) != md.input_names.end();
+    };
+    auto need = [&](const char* name, bool on) {
+      if (on && !has(name)) throw UsageError(std::string("this program was exported without ") + name);
+    };
+    need("top_k", o.top_k != 0), need("top_p", o.top_p != 1.0f), need("min_p", o.min_p != 0.0f);
+    need("repetition_penalty", o.repetition_penalty != 1.0f);
+    need("frequency_penalty", o.frequency_penalty != 0.0f), need("presence_penalty", o.presence_penalty != 0.0f);
+    need("logit_bias_ids", !o.logit_bias.empty());
+    inputs_["temperature"] = make_tensor_ptr(Sizes{}, std::vector<float>{o.temperature});
+    inputs_["seed"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.seed});
+    inputs_["position"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{0});
+    inputs_["top_k"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.top_k});
+    for (auto [name, v] : {std::pair{"top_p", o.top_p}, {"min_p", o.min_p}, {"repetition_penalty", o.repetition_penalty},
+                           {"frequency_penalty", o.frequency_penalty}, {"presence_penalty", o.presence_penalty}}) {
+      inputs_[name] = make_tensor_ptr(Sizes{}, std::vector<float>{v});
+    }
+    if (has("history")) {
+      const Sizes h = shape("history");
+      if (penalized_ && context_size_ > h.at(1)) {
+        throw UsageError("--repetition-context-size " + std::to_string(context_size_) + " exceeds this program's history of " +
+                         std::to_string(h.at(1)) + " tokens");
+      }
+      inputs_["history"] = make_tensor_ptr(h, std::vector<int64_t>(h.at(0) * h.at(1), -1));
+    }
+    if (has("logit_bias_ids")) {
+      const Sizes b = shape("logit_bias_ids");
+      if (static_cast<int64_t>(o.logit_bias.size()) > b.at(1)) {
+        throw UsageError("--logit-bias: this program takes at most " + std::to_string(b.at(1)) + " entries");
+      }
+      std::vector<int64_t> ids(b.at(0) * b.at(1), -1);
+      std::vector<float> values(ids.size(), 0.0f);
+      for (size_t j = 0; j < o.logit_bias.size(); ++j) {
+        if (o.logit_bias[j].first < 0 || o.logit_bias[j].first >= md.vocab_size) {
+          throw UsageError("--logit-bias: token ids must be in [0, " + std::to_string(md.vocab_size) + ")");
+        }
+        ids[j] = o.logit_bias[j].first, values[j] = o.logit_bias[j].second;
+      }
+      inputs_["logit_bias_ids"] = make_tensor_ptr(b, std::move(ids));
+      inputs_["logit_bias_values"] = make_tensor_ptr(b, std::move(values));
+    }
   }
 
-  int64_t step(const std::vector<int64_t>& ids, int64_t start, int64_t position) {
+  // `context`: prompt and output so far (the penalties count its tail).
+  int64_t step(const std::vector<int64_t>& ids, int64_t start, int64_t position, const std::vector<int64_t>& context) {
     const auto n = static_cast<executorch::aten::SizesType>(ids.size());
     std::vector<int64_t> positions(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) positions[i] = start + static_cast<int64_t>(i);
-    auto input_ids = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
-    auto cache_position = make_tensor_ptr(Sizes{n}, std::move(positions));
-    position_->mutable_data_ptr<int64_t>()[0] = position;
+    inputs_["input_ids"] = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
+    inputs_["cache_position"] = make_tensor_ptr(Sizes{n}, std::move(positions));
+    inputs_["position"]->mutable_data_ptr<int64_t>()[0] = position;
+    if (penalized_) {  // the last tokens first to last, -1 after them
+      auto* h = inputs_["history"]->mutable_data_ptr<int64_t>();
+      const size_t take = std::min<size_t>(context.size(), context_size_);
+      std::fill(h, h + inputs_["history"]->numel(), -1);
+      std::copy(context.end() - take, context.end(), h);
+    }
     auto& method = *forward_.method;
     for (size_t i = 0; i < md_.input_names.size(); ++i) {
       const std::string& name = md_.input_names[i];
-      TensorPtr* t = name == "input_ids"        ? &input_ids
-                     : name == "cache_position" ? &cache_position
-                     : name == "temperature"    ? &temperature_
-                     : name == "seed"           ? &seed_
-                     : name == "position"       ? &position_
-                                                : nullptr;
-      if (!t) throw std::runtime_error("this runner does not know the program's input '" + name + "'");
-      check(method.set_input(et::EValue(**t), i), "setting input '" + name + "'");
+      auto it = inputs_.find(name);
+      if (it == inputs_.end()) throw std::runtime_error("this runner does not know the program's input '" + name + "'");
+      check(method.set_input(et::EValue(*it->second), i), "setting input '" + name + "'");
     }
     forward_.execute();
     const auto& out = method.get_output(0).toTensor();
@@ -231,7 +328,9 @@ class Generator {
  private:
   LoadedMethod& forward_;
   const Metadata& md_;
-  TensorPtr temperature_, seed_, position_;
+  int64_t context_size_;
+  bool penalized_;
+  std::map<std::string, TensorPtr> inputs_;
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -260,7 +359,8 @@ int run(const Options& o) {
       throw UsageError("prompt token ids must be in [0, " + std::to_string(md.vocab_size) + ")");
     }
   }
-  if (!md.samples && o.temperature > 0) {
+  if (!md.samples && (o.temperature > 0 || o.top_k || o.top_p != 1.0f || o.min_p != 0.0f || o.penalized() ||
+                      !o.logit_bias.empty())) {
     throw UsageError("this program returns logits (exported with --no-sampling): only greedy decoding");
   }
 
@@ -270,15 +370,16 @@ int run(const Options& o) {
   int64_t token = 0;
   for (int64_t start = 0; start < prompt_len; start += md.max_chunk) {
     const int64_t end = std::min(prompt_len, start + md.max_chunk);
-    token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0);
+    token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0, o.prompt);
   }
   const double prefill_s = seconds_since(t0);
-  std::vector<int64_t> out = {token};
+  std::vector<int64_t> out = {token}, context = o.prompt;
   double decode_s = 0;
   while (!md.eos_ids.count(token) && static_cast<int64_t>(out.size()) < o.max_new_tokens) {
     const auto n = static_cast<int64_t>(out.size());
+    context.push_back(token);
     auto t = std::chrono::steady_clock::now();
-    token = gen.step({token}, prompt_len + n - 1, n);
+    token = gen.step({token}, prompt_len + n - 1, n, context);
     decode_s += seconds_since(t);
     out.push_back(token);
   }
@@ -299,7 +400,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
     std::fprintf(stderr,
                  "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--temperature T] "
-                 "[--seed S]\n");
+                 "[--seed S]\n       [--top-k K] [--top-p P] [--min-p M] [--repetition-penalty R] "
+                 "[--repetition-context-size N]\n       [--frequency-penalty F] [--presence-penalty Q] "
+                 "[--logit-bias ID=VALUE]...\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
