@@ -204,8 +204,52 @@ def test_cli_generate_json(exported):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object on stdout
-    assert set(out) == {"token_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert set(out) == {"token_ids", "text", "logprobs", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert out["logprobs"] is None  # exported without --logprobs
     assert out["token_ids"] == LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8).token_ids
     bad = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
                           str(folder), "--prompt", PROMPT, "--max-new-tokens", "500"], capture_output=True, text=True)
     assert bad.returncode == 2 and "max context" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sampler_parameters_reach_the_device(exported):
+    """Each generate keyword changes the tokens the way SAMPLING.md says."""
+    folder, pte = exported("llama")
+    runner = LLMRunner(pte, folder)
+    greedy = runner.generate(PROMPT, max_new_tokens=12).token_ids
+    # +inf bias: that token always wins; -inf: never chosen
+    assert set(runner.generate(PROMPT, max_new_tokens=5, logit_bias={42: float("inf")}).token_ids) == {42}
+    banned = runner.generate(PROMPT, max_new_tokens=12, logit_bias={t: float("-inf") for t in set(greedy[:8])})
+    assert not set(banned.token_ids) & set(greedy[:8])
+    # a huge presence penalty over the whole window: no token repeats one of the last 64
+    ids = runner.tokenizer.encode(PROMPT).ids
+    out = runner.generate(PROMPT, max_new_tokens=40, presence_penalty=1e4, repetition_context_size=64).token_ids
+    context = ids + out
+    for i in range(len(ids), len(context)):
+        assert context[i] not in context[max(0, i - 64):i]
+    # top_k=1 is greedy at any temperature
+    assert runner.generate(PROMPT, max_new_tokens=12, temperature=5.0, seed=1, top_k=1).token_ids == greedy
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(top_p=1.5), "top_p"), (dict(min_p=1.0), "min_p"), (dict(top_k=-1), "top_k"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(repetition_penalty=1.2, repetition_context_size=65), "repetition_context_size"),
+    (dict(logit_bias={i: 1.0 for i in range(17)}), "logit_bias"),
+])
+def test_bad_sampler_parameters_are_refused_before_running(exported, kwargs, name):
+    folder, pte = exported("llama")
+    with pytest.raises(ValueError, match=name):
+        LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=4, temperature=1.0, **kwargs)
+
+
+def test_logprobs_export(exported, tmp_path):
+    folder, _ = exported("llama")
+    pte = export_llm(folder, tmp_path / "lp.pte", max_context=32, logprobs=True, progress=None)
+    result = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=6, temperature=0.8, seed=2)
+    assert len(result.logprobs) == len(result.token_ids)
+    assert all(-30 < lp <= 0 for lp in result.logprobs)
+    # greedy picks the most likely token: its logprob is the largest, and >= log(1/V)
+    greedy = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=6)
+    vocab = LLMRunner(pte, folder).vocab_size
+    assert all(lp >= -torch.log(torch.tensor(float(vocab))) for lp in greedy.logprobs)

@@ -59,7 +59,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log_softmax of the raw logits (NaN as -inf) at each row's id; -inf for id -1."""
     x = logits.float()
     x = torch.where(torch.isnan(x), float("-inf"), x)
-    picked = torch.log_softmax(x, dim=-1)[torch.arange(x.shape[0]), ids.clamp(min=0)]
+    # a select-and-sum over the row, not a gather: it lowers for any batch
+    chosen = torch.arange(x.shape[-1]) == ids[:, None]
+    picked = torch.where(chosen, torch.log_softmax(x, dim=-1), 0.0).sum(dim=-1)
     return torch.where(ids >= 0, picked, float("-inf"))
 
 
