@@ -10,7 +10,8 @@
   penalties; `logit_bias_ids` int64 [B, N] (-1 pads) and
   `logit_bias_values` float [B, N] (-inf bans a token) come together.
 * temperature <= 0 or NaN selects greedy decoding (argmax of the penalized
-  logits, lowest index on ties) for that row, at run time.
+  logits, lowest index on ties) for that row, at run time; temperature None
+  is greedy for every row (no randomness in the program at all).
 * seeded (seed given): row b's draw is a pure function of (seed[b],
   position[b]) and its inputs, whatever the batch. `position` is required
   with a seed: a decode loop passes its step counter.
@@ -36,7 +37,7 @@ INTEGER_PARAMS = ("top_k", "history", "logit_bias_ids")
 
 torch.library.define(
     "mlx::sample",
-    "(Tensor logits, Tensor temperature, Tensor? seed=None, Tensor? position=None, "
+    "(Tensor logits, Tensor? temperature, Tensor? seed=None, Tensor? position=None, "
     + ", ".join(f"Tensor? {name}=None" for name in PARAMS) + ") -> Tensor",
 )
 
@@ -71,9 +72,10 @@ def check_args(logits, temperature, seed, position, params: dict) -> None:
     if not logits.dtype.is_floating_point:
         raise ValueError(f"mlx::sample: logits must be floating point, got {logits.dtype}")
     rows = logits.shape[0]
-    if not temperature.dtype.is_floating_point:
-        raise ValueError(f"mlx::sample: temperature must be a float tensor, got {temperature.dtype}")
-    _per_row(temperature, rows, "temperature")
+    if temperature is not None:
+        if not temperature.dtype.is_floating_point:
+            raise ValueError(f"mlx::sample: temperature must be a float tensor, got {temperature.dtype}")
+        _per_row(temperature, rows, "temperature")
     if (seed is None) != (position is None):
         raise ValueError("mlx::sample: seed and position are given together (position is the decode step)")
     for name, t in (("seed", seed), ("position", position)):
@@ -187,6 +189,8 @@ def sample_reference(logits, temperature, seed=None, position=None, top_k=None, 
                   logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
     check_args(logits, temperature, seed, position, params)
     rows, vocab = logits.shape
+    if temperature is None:
+        temperature = torch.zeros(())
     x = penalized_logits(logits, history, repetition_penalty, frequency_penalty, presence_penalty,
                          logit_bias_ids, logit_bias_values)
     z = filtered_z(x, temperature, top_k, top_p, min_p)

@@ -34,7 +34,8 @@ from __future__ import annotations
 import math
 
 import torch
-from executorch.exir import ExecutorchProgramManager, to_edge_transform_and_lower
+from executorch.exir import ExecutorchBackendConfig, ExecutorchProgramManager, to_edge_transform_and_lower
+from executorch.exir.passes import MemoryPlanningPass
 
 from ..custom_kernel_ops.sample import INTEGER_PARAMS, PARAMS, PENALTIES, ROW_PARAMS
 from ..partitioner import MLXPartitioner
@@ -84,16 +85,15 @@ class SamplingHead(torch.nn.Module):
 
 
 class GreedyHead(torch.nn.Module):
-    """Argmax decoding (lowest index on ties, NaN never chosen); no extra inputs."""
+    """Argmax decoding (lowest index on ties, NaN never chosen, -1 for a row
+    with nothing to choose); no extra inputs: mlx::sample without a temperature."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, *model_args, **model_kwargs):
-        logits = last_logits(self.model(*model_args, **model_kwargs)).float()
-        logits = torch.where(torch.isnan(logits), float("-inf"), logits)
-        return torch.argmax(logits, dim=-1)
+        return torch.ops.mlx.sample(last_logits(self.model(*model_args, **model_kwargs)), None)
 
 
 # ------------------------------------------------------ host-side checks --
@@ -339,4 +339,7 @@ def export_greedy_head(model: torch.nn.Module, model_args: tuple, *, strict: boo
 def _lower(ep: torch.export.ExportedProgram, meta: dict) -> ExecutorchProgramManager:
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     meta = {"emlx_input_names": ",".join(names), **meta}
-    return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()], constant_methods=meta).to_executorch()
+    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()], constant_methods=meta)
+    # Inputs are not memory-planned: ExecuTorch hands the caller's tensors
+    # (the logits, often megabytes) to the delegate instead of copying them.
+    return edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False)))

@@ -2,7 +2,8 @@
 
 The whole of SAMPLING.md runs in SampleNode (a native kernel on CPUs, MLX
 ops elsewhere); the graph only supplies two 32-bit random words per row:
-from (seed, position) when seeded, MLX's global key sequence otherwise.
+from (seed, position) when seeded, MLX's global key sequence otherwise, and
+zeros for a greedy-only sampler (no temperature: GreedyHead).
 """
 
 from __future__ import annotations
@@ -24,17 +25,25 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     seed, position = node_arg(node, 2, "seed"), node_arg(node, 3, "position")
     if (seed is None) != (position is None):
         raise Unsupported("sample: seed and position must be given together")
-    random = b.emit(ir.RandomBitsNode, torch.uint32, (rows, 2), shape=b.dims((rows, 2)), width=4,
-                    seed=b.get(seed).tid if seed is not None else None,
-                    position=b.get(position).tid if position is not None else None)
+    temperature = node_arg(node, 1, "temperature")
+    if temperature is None:  # greedy only: no randomness at all
+        temperature = b.literal(0.0, torch.float32)
+        random = b.emit(ir.FullNode, torch.uint32, (rows, 2), shape=b.dims((rows, 2)),
+                        value=b.literal(0, torch.uint32).tid, dtype=ir.DType.uint32)
+    else:
+        temperature = b.get(temperature)
+        random = b.emit(ir.RandomBitsNode, torch.uint32, (rows, 2), shape=b.dims((rows, 2)), width=4,
+                        seed=b.get(seed).tid if seed is not None else None,
+                        position=b.get(position).tid if position is not None else None)
     params = {}
     for index, name in enumerate(sample_op.PARAMS, start=4):
         arg = node_arg(node, index, name)
         if arg is not None:
             params[name] = b.get(arg).tid
-    temperature = b.get(node_arg(node, 1, "temperature"))
     out = meta_val(node)
     if tuple(out.shape) != (rows,):
         raise Unsupported(f"sample output shape {tuple(out.shape)}")
+    if seed is not None:  # a native kernel derives the row's words from them itself
+        params.update(seed=b.get(seed).tid, position=b.get(position).tid)
     b.bind(node, b.emit(ir.SampleNode, torch.int64, (rows,), logits=logits.tid, temperature=temperature.tid,
                         random=random.tid, **params))

@@ -238,6 +238,8 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
 
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) {
   SampleInputs in{st.get(n->logits()), st.get(n->temperature()), st.get(n->random())};
+  in.seed = st.get_optional(n->seed());
+  in.position = st.get_optional(n->position());
   in.top_k = st.get_optional(n->top_k());
   in.top_p = st.get_optional(n->top_p());
   in.min_p = st.get_optional(n->min_p());

@@ -11,6 +11,8 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -39,51 +41,50 @@ constexpr int kHeapTopK = 1024;
 // The hot passes over a row of V floats, in portable C++ and (on x86-64
 // machines that have it) AVX2.
 
-float load_generic(const float* in, float* x, int V) {
-  float m = kNegInf;
-  for (int i = 0; i < V; ++i) {
-    const float v = in[i] != in[i] ? kNegInf : in[i];  // NaN counts as -inf
-    x[i] = v;
-    m = v > m ? v : m;
-  }
-  return m;
+// x with NaN as -inf (the penalties write into this copy).
+void load_generic(const float* in, float* x, int V) {
+  for (int i = 0; i < V; ++i) x[i] = in[i] != in[i] ? kNegInf : in[i];
 }
 
+// The largest x; NaN never wins.
 float max_generic(const float* x, int V) {
   float m = kNegInf;
   for (int i = 0; i < V; ++i) m = x[i] > m ? x[i] : m;
   return m;
 }
 
-// z = (x - m) / T in float32 (SAMPLING.md step 3); -inf stays -inf.
-void scale_generic(float* x, int V, float m, float T) {
-  for (int i = 0; i < V; ++i) x[i] = x[i] > kNegInf ? (x[i] - m) / T : kNegInf;
+// z = (x - m) / T in float32 (SAMPLING.md step 3); -inf (and NaN) stay -inf.
+inline float z_of(float x, float m, float T) { return x > kNegInf ? (x - m) / T : kNegInf; }
+
+void scale_generic(const float* x, float* z, int V, float m, float T) {
+  for (int i = 0; i < V; ++i) z[i] = z_of(x[i], m, T);
 }
+
+inline float mass_of(float z, float lo) { return z >= lo && z >= kExpFloor ? std::exp(z) : 0.0f; }
 
 // Sum of exp(z) over z >= lo, and how many such z are finite.
 double exp_sum_generic(const float* z, int V, float lo, int* count) {
   double s = 0;
   int n = 0;
   for (int i = 0; i < V; ++i) {
-    if (z[i] >= lo && z[i] > kNegInf) ++n, s += z[i] >= kExpFloor ? std::exp(z[i]) : 0.0f;
+    if (z[i] >= lo && z[i] > kNegInf) ++n, s += mass_of(z[i], lo);
   }
   *count = n;
   return s;
 }
 
-// In place: e = exp(z) where z >= lo, else 0; per-block sums; the total.
-double exp_blocks_generic(float* z, int V, float lo, double* sums) {
-  lo = std::max(lo, kExpFloor);
-  double total = 0;
+// Per block of kBlock: the sum of exp(z) over z >= lo, z computed from x on
+// the fly (x is only read). With `e`, also each token's mass.
+void block_masses_generic(const float* x, int V, float m, float T, float lo, double* sums, float* e) {
   for (int b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
     float s = 0;
     for (int i = b0; i < std::min(V, b0 + kBlock); ++i) {
-      z[i] = z[i] >= lo ? std::exp(z[i]) : 0.0f;
-      s += z[i];
+      const float w = mass_of(z_of(x[i], m, T), lo);
+      if (e) e[i - b0] = w;
+      s += w;
     }
-    sums[blk] = s, total += s;
+    sums[blk] = s;
   }
-  return total;
 }
 
 // The first index >= from whose z is > t (V if none).
@@ -127,42 +128,44 @@ EMLX_AVX2 inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-EMLX_AVX2 float load_avx2(const float* in, float* x, int V) {
+EMLX_AVX2 void load_avx2(const float* in, float* x, int V) {
   const __m256 ninf = _mm256_set1_ps(kNegInf);
-  __m256 m = ninf;
   int i = 0;
   for (; i + 8 <= V; i += 8) {
-    __m256 v = _mm256_loadu_ps(in + i);
-    v = _mm256_blendv_ps(v, ninf, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    _mm256_storeu_ps(x + i, v);
-    m = _mm256_max_ps(m, v);
+    const __m256 v = _mm256_loadu_ps(in + i);
+    _mm256_storeu_ps(x + i, _mm256_blendv_ps(v, ninf, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   }
-  float r = hmax(m);
-  for (; i < V; ++i) {
-    x[i] = in[i] != in[i] ? kNegInf : in[i];
-    r = x[i] > r ? x[i] : r;
-  }
-  return r;
+  load_generic(in + i, x + i, V - i);
 }
 
 EMLX_AVX2 float max_avx2(const float* x, int V) {
-  __m256 m = _mm256_set1_ps(kNegInf);
+  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0;
   int i = 0;
-  for (; i + 8 <= V; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-  float r = hmax(m);
-  for (; i < V; ++i) r = x[i] > r ? x[i] : r;
-  return r;
+  // max_ps returns its second operand when either is NaN: the running max
+  for (; i + 16 <= V; i += 16) {
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+  }
+  for (; i + 8 <= V; i += 8) m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+  return std::max(hmax(_mm256_max_ps(m0, m1)), max_generic(x + i, V - i));
 }
 
-EMLX_AVX2 void scale_avx2(float* x, int V, float m, float T) {
-  const __m256 ninf = _mm256_set1_ps(kNegInf), vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(T);
+EMLX_AVX2 inline __m256 z256(__m256 v, __m256 vm, __m256 vt) {
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  const __m256 z = _mm256_div_ps(_mm256_sub_ps(v, vm), vt);
+  return _mm256_blendv_ps(ninf, z, _mm256_cmp_ps(v, ninf, _CMP_GT_OQ));
+}
+
+EMLX_AVX2 inline __m256 mass256(__m256 z, __m256 vlo) {
+  const __m256 floor = _mm256_set1_ps(kExpFloor);
+  return _mm256_and_ps(exp256(_mm256_max_ps(z, floor)), _mm256_cmp_ps(z, vlo, _CMP_GE_OQ));
+}
+
+EMLX_AVX2 void scale_avx2(const float* x, float* z, int V, float m, float T) {
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(T);
   int i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 z = _mm256_div_ps(_mm256_sub_ps(v, vm), vt);
-    _mm256_storeu_ps(x + i, _mm256_blendv_ps(ninf, z, _mm256_cmp_ps(v, ninf, _CMP_GT_OQ)));
-  }
-  scale_generic(x + i, V - i, m, T);
+  for (; i + 8 <= V; i += 8) _mm256_storeu_ps(z + i, z256(_mm256_loadu_ps(x + i), vm, vt));
+  scale_generic(x + i, z + i, V - i, m, T);
 }
 
 EMLX_AVX2 double exp_sum_avx2(const float* z, int V, float lo, int* count) {
@@ -186,28 +189,25 @@ EMLX_AVX2 double exp_sum_avx2(const float* z, int V, float lo, int* count) {
   return s;
 }
 
-EMLX_AVX2 double exp_blocks_avx2(float* z, int V, float lo, double* sums) {
-  lo = std::max(lo, kExpFloor);
-  const __m256 vlo = _mm256_set1_ps(lo), floor = _mm256_set1_ps(kExpFloor);
-  double total = 0;
+EMLX_AVX2 void block_masses_avx2(const float* x, int V, float m, float T, float lo, double* sums, float* e) {
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(T), vlo = _mm256_set1_ps(std::max(lo, kExpFloor));
   for (int b0 = 0, blk = 0; b0 < V; b0 += kBlock, ++blk) {
     const int b1 = std::min(V, b0 + kBlock);
     __m256 acc = _mm256_setzero_ps();
     int i = b0;
     for (; i + 8 <= b1; i += 8) {
-      const __m256 v = _mm256_loadu_ps(z + i);
-      const __m256 e = _mm256_and_ps(exp256(_mm256_max_ps(v, floor)), _mm256_cmp_ps(v, vlo, _CMP_GE_OQ));
-      _mm256_storeu_ps(z + i, e);
-      acc = _mm256_add_ps(acc, e);
+      const __m256 w = mass256(z256(_mm256_loadu_ps(x + i), vm, vt), vlo);
+      if (e) _mm256_storeu_ps(e + (i - b0), w);
+      acc = _mm256_add_ps(acc, w);
     }
     float s = hsum(acc);
     for (; i < b1; ++i) {
-      z[i] = z[i] >= lo ? std::exp(z[i]) : 0.0f;
-      s += z[i];
+      const float w = mass_of(z_of(x[i], m, T), lo);
+      if (e) e[i - b0] = w;
+      s += w;
     }
-    sums[blk] = s, total += s;
+    sums[blk] = s;
   }
-  return total;
 }
 
 EMLX_AVX2 int next_above_avx2(const float* z, int from, int V, float t) {
@@ -226,19 +226,19 @@ bool has_avx2() {
 #endif
 
 struct Passes {
-  float (*load)(const float*, float*, int);
+  void (*load)(const float*, float*, int);
   float (*max)(const float*, int);
-  void (*scale)(float*, int, float, float);
+  void (*scale)(const float*, float*, int, float, float);
   double (*exp_sum)(const float*, int, float, int*);
-  double (*exp_blocks)(float*, int, float, double*);
+  void (*block_masses)(const float*, int, float, float, float, double*, float*);
   int (*next_above)(const float*, int, int, float);
 };
 
 const Passes& passes() {
   static const Passes generic{load_generic, max_generic, scale_generic,
-                              exp_sum_generic, exp_blocks_generic, next_above_generic};
+                              exp_sum_generic, block_masses_generic, next_above_generic};
 #if defined(__x86_64__)
-  static const Passes avx2{load_avx2, max_avx2, scale_avx2, exp_sum_avx2, exp_blocks_avx2, next_above_avx2};
+  static const Passes avx2{load_avx2, max_avx2, scale_avx2, exp_sum_avx2, block_masses_avx2, next_above_avx2};
   if (has_avx2()) return avx2;
 #endif
   return generic;
@@ -317,19 +317,23 @@ int64_t draw(const std::vector<int>& ids, const std::vector<double>& e, size_t n
 }
 
 int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
-  thread_local std::vector<float> x, tmp;
+  thread_local std::vector<float> copy, zs, tmp;
   thread_local std::vector<double> sums, mass;
   thread_local std::vector<int> cand;
   thread_local std::vector<int32_t> ids;
-  x.resize(V);
-  float m = p.load(logits, x.data(), V);
+  // The row is only read, except when penalties or a bias rewrite a few
+  // tokens: then a copy (NaN as -inf) takes them.
+  const float* x = logits;
   if (r.history_len || r.bias_len) {
-    penalize(x.data(), V, r, ids);
-    m = p.max(x.data(), V);
+    copy.resize(V);
+    p.load(logits, copy.data(), V);
+    penalize(copy.data(), V, r, ids);
+    x = copy.data();
   }
+  const float m = p.max(x, V);
   if (!(m > kNegInf)) return -1;  // no finite logit and no +inf
   if (!(r.temperature > 0)) {     // greedy: the lowest index of the max
-    return std::find(x.begin(), x.end(), m) - x.begin();
+    return std::find(x, x + V, m) - x;
   }
   if (m == kPosInf) {  // the draw is uniform among the +inf tokens
     cand.clear();
@@ -338,39 +342,55 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
     }
     return cand[std::min(cand.size() - 1, static_cast<size_t>(r.u * cand.size()))];
   }
-  float* z = x.data();
-  p.scale(z, V, m, r.temperature);
-  float thr = kNegInf;
-  const bool top_k = r.top_k > 0 && r.top_k < V;
-  if (top_k) thr = kth_largest(z, V, r.top_k, p, tmp);
-  if (r.min_p > 0) thr = std::max(thr, std::min(0.0f, std::log(r.min_p)));  // the max always stays
-  const bool few = top_k && r.top_k <= kHeapTopK;  // survivors: about K, collected directly
-  if (!(r.top_p < 1) && !few) {                     // temperature and min-p: one pass, then a walk
-    sums.resize((V + kBlock - 1) / kBlock);
-    const double total = p.exp_blocks(z, V, thr, sums.data());
+  const bool top_k = r.top_k > 0 && r.top_k < V, top_p = r.top_p < 1;
+  float thr = kNegInf;  // in z: tokens below it are filtered out
+  if (r.min_p > 0) thr = std::min(0.0f, std::log(r.min_p));  // the max always stays
+  if (!top_k && !top_p) {
+    // temperature and min-p: per-block masses in one read of the row, then
+    // the block the draw lands in, recomputed
+    const int blocks = (V + kBlock - 1) / kBlock;
+    sums.resize(blocks), tmp.resize(kBlock);
+    p.block_masses(x, V, m, r.temperature, thr, sums.data(), nullptr);
+    double total = 0;
+    for (double b : sums) total += b;
     const double target = r.u * total;
     double cum = 0;
-    for (size_t b = 0; b < sums.size(); ++b) {
+    int last = -1;
+    for (int b = 0; b < blocks; ++b) {
+      if (sums[b] <= 0) continue;
       if (cum + sums[b] <= target) {
         cum += sums[b];
+        last = b;
         continue;
       }
-      for (int i = b * kBlock; i < std::min<int>(V, (b + 1) * kBlock); ++i) {
-        cum += z[i];
-        if (cum > target && z[i] > 0) return i;
+      const int n = std::min(kBlock, V - b * kBlock);
+      p.block_masses(x + b * kBlock, n, m, r.temperature, thr, &sums[b], tmp.data());
+      for (int i = 0; i < n; ++i) {
+        cum += tmp[i];
+        if (cum > target && tmp[i] > 0) return b * kBlock + i;
       }
+      last = b;
     }
-    for (int i = V - 1; i >= 0; --i) {
-      if (z[i] > 0) return i;  // rounding carried the target past the end
+    if (last < 0) return std::find(x, x + V, m) - x;
+    // rounding carried the target past the end: the last token with mass
+    p.block_masses(x + last * kBlock, std::min(kBlock, V - last * kBlock), m, r.temperature, thr, &sums[last],
+                   tmp.data());
+    for (int i = std::min(kBlock, V - last * kBlock) - 1; i >= 0; --i) {
+      if (tmp[i] > 0) return last * kBlock + i;
     }
-    return std::max_element(z, z + V) - z;
+    return std::find(x, x + V, m) - x;
   }
+  zs.resize(V);
+  float* z = zs.data();
+  p.scale(x, z, V, m, r.temperature);
+  if (top_k) thr = std::max(thr, kth_largest(z, V, r.top_k, p, tmp));
+  const bool few = top_k && r.top_k <= kHeapTopK;  // survivors: about K, collected directly
   // Candidates: the survivors of top-k / min-p; for top-p without a small
   // K, only tokens that can be in the nucleus. A token whose probability is
   // below (1 - P) / n (n survivors) has at least P of the mass above it.
   float lo = thr;
   double total = 0;
-  if (!few) {
+  if (top_p && !few) {
     int n = 0;
     total = p.exp_sum(z, V, thr, &n);
     const double outside = 1.0 - std::max(0.0, static_cast<double>(r.top_p));
@@ -380,18 +400,17 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
   for (int i = p.next_above(z, 0, V, kNegInf); i < V; i = p.next_above(z, i + 1, V, kNegInf)) {
     if (z[i] >= lo) cand.push_back(i);
   }
-  if (!(r.top_p < 1)) {  // top-k alone (or with min-p)
-    mass.resize(cand.size());
+  mass.resize(cand.size());
+  if (!top_p) {  // top-k (and min-p)
     double s = 0;
-    for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = z[cand[j]] >= kExpFloor ? std::exp(z[cand[j]]) : 0.0;
+    for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = mass_of(z[cand[j]], kNegInf);
     return draw(cand, mass, cand.size(), s, r.u);
   }
   // top-p: by decreasing z; keep a tie group while the mass strictly above it is < P
   std::sort(cand.begin(), cand.end(), [z](int a, int b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
-  mass.resize(cand.size());
   double s = 0;
-  for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = z[cand[j]] >= kExpFloor ? std::exp(z[cand[j]]) : 0.0;
-  if (few) total = s;
+  for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = mass_of(z[cand[j]], kNegInf);
+  if (few || !(total > 0)) total = s;
   const double limit = static_cast<double>(r.top_p) * total;
   double above = 0;
   size_t kept = 0;
@@ -407,11 +426,73 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
 
 // ---------------------------------------------------------- primitive --
 enum Param { kTopK, kTopP, kMinP, kRepetition, kFrequency, kPresence, kHistory, kBiasIds, kBiasValues, kNumParams };
+constexpr unsigned kSeeded = 1u << kNumParams;  // inputs[2], [3] are seed and position, not random words
 
-// Inputs: logits [B, V] float32, temperature [B] float32, random [B, 2]
-// uint32, then the present parameters in Param order: per-row ones [B]
-// (top_k int32, the rest float32), history and bias ids [B, *] int32, bias
-// values [B, N] float32. Output: int64 [B].
+// SplitMix64's finalizer: how a row's (seed, position) become one 64-bit
+// key seed (RandomBitsNode does the same with MLX ops).
+uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as
+// easy as 1, 2, 3", SC 2011), the counter-based hash behind MLX's
+// random::bits: bits({2}, 4, key) is the hash of the counter (0, 1).
+std::pair<uint32_t, uint32_t> threefry2x32(uint32_t k0, uint32_t k1, uint32_t x0, uint32_t x1) {
+  static constexpr int kRot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
+  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+  x0 += ks[0], x1 += ks[1];
+  for (int i = 0; i < 5; ++i) {  // five groups of four rounds, a key injection after each
+    for (int j = 0; j < 4; ++j) {
+      const int r = kRot[4 * (i % 2) + j];
+      x0 += x1;
+      x1 = ((x1 << r) | (x1 >> (32 - r))) ^ x0;
+    }
+    x0 += ks[(i + 1) % 3];
+    x1 += ks[(i + 2) % 3] + static_cast<uint32_t>(i + 1);
+  }
+  return {x0, x1};
+}
+
+uint64_t element_u64(const mx::array& a, int64_t b) {
+  const int64_t off = a.ndim() >= 1 ? b * a.strides()[0] : 0;
+  switch (a.dtype()) {
+    case mx::int64: return static_cast<uint64_t>(a.data<int64_t>()[off]);
+    case mx::uint64: return a.data<uint64_t>()[off];
+    case mx::int32: return static_cast<uint64_t>(static_cast<int64_t>(a.data<int32_t>()[off]));
+    default: throw std::invalid_argument("SampleNode: seed and position must be 64-bit integers");
+  }
+}
+
+// Element (b, j) of a [], [B] or [B, N] array of any real dtype and strides
+// (the parameters reach the kernel as they are: no conversion ops).
+double element(const mx::array& a, int64_t b, int64_t j = 0) {
+  int64_t off = 0;
+  if (a.ndim() >= 1) off += b * a.strides()[0];
+  if (a.ndim() >= 2) off += j * a.strides()[1];
+  switch (a.dtype()) {
+    case mx::float32: return a.data<float>()[off];
+    case mx::float16: return static_cast<float>(a.data<mx::float16_t>()[off]);
+    case mx::bfloat16: return static_cast<float>(a.data<mx::bfloat16_t>()[off]);
+    case mx::float64: return a.data<double>()[off];
+    case mx::int64: return static_cast<double>(a.data<int64_t>()[off]);
+    case mx::int32: return a.data<int32_t>()[off];
+    case mx::int16: return a.data<int16_t>()[off];
+    case mx::int8: return a.data<int8_t>()[off];
+    case mx::uint32: return a.data<uint32_t>()[off];
+    case mx::uint16: return a.data<uint16_t>()[off];
+    case mx::uint8: return a.data<uint8_t>()[off];
+    case mx::uint64: return static_cast<double>(a.data<uint64_t>()[off]);
+    default: throw std::invalid_argument("SampleNode: unsupported parameter dtype");
+  }
+}
+
+// Inputs: logits [B, V] float32 (rows may be strided), temperature, random
+// [B, 2] uint32 (or, kSeeded, seed and position), then the present
+// parameters in Param order, each as given ([] or [B]; history and bias
+// [B, N]). Output: int64 [B].
 class Sampler : public mx::UnaryPrimitive {
  public:
   Sampler(mx::Stream s, unsigned present) : mx::UnaryPrimitive(s), present_(present) {}
@@ -423,36 +504,57 @@ class Sampler : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     enc.dispatch([inputs, out, present = present_]() mutable {
       const mx::array* param[kNumParams] = {};
-      for (int k = 0, next = 3; k < kNumParams; ++k) {
+      for (int k = 0, next = (present & kSeeded) ? 4 : 3; k < kNumParams; ++k) {
         if (present & (1u << k)) param[k] = &inputs[next++];
       }
-      const int B = inputs[0].shape(0), V = inputs[0].shape(1);
-      const float* logits = inputs[0].data<float>();
-      const float* temperature = inputs[1].data<float>();
-      const uint32_t* bits = inputs[2].data<uint32_t>();
-      auto f32 = [&](Param k, int b, float off) { return param[k] ? param[k]->data<float>()[b] : off; };
+      const auto& logits = inputs[0];
+      const int B = logits.shape(0), V = logits.shape(1);
+      auto get = [&](Param k, int b, double off) { return param[k] ? element(*param[k], b) : off; };
       int64_t* ids = out.data<int64_t>();
       const Passes& p = passes();
       parallel_for(B, [&](int b) {
+        thread_local std::vector<float> row;
+        thread_local std::vector<int32_t> history, bias_ids;
+        thread_local std::vector<float> bias_values;
         Row r{};
-        r.temperature = temperature[b];
-        r.top_k = param[kTopK] ? param[kTopK]->data<int32_t>()[b] : 0;
-        r.top_p = f32(kTopP, b, 1.0f), r.min_p = f32(kMinP, b, 0.0f);
-        r.repetition = f32(kRepetition, b, 1.0f);
-        r.frequency = f32(kFrequency, b, 0.0f), r.presence = f32(kPresence, b, 0.0f);
+        r.temperature = static_cast<float>(element(inputs[1], b));
+        const double k = get(kTopK, b, 0);
+        r.top_k = k >= 0 ? static_cast<int>(std::min<double>(k, V)) : 0;
+        r.top_p = static_cast<float>(get(kTopP, b, 1)), r.min_p = static_cast<float>(get(kMinP, b, 0));
+        r.repetition = static_cast<float>(get(kRepetition, b, 1));
+        r.frequency = static_cast<float>(get(kFrequency, b, 0)), r.presence = static_cast<float>(get(kPresence, b, 0));
+        // ids outside [0, V) (the -1 pads) are skipped by penalize()
+        auto token = [V](double id) { return id >= 0 && id < V ? static_cast<int32_t>(id) : -1; };
         if (param[kHistory]) {
-          r.history_len = param[kHistory]->shape(1);
-          r.history = param[kHistory]->data<int32_t>() + static_cast<size_t>(b) * r.history_len;
+          history.resize(param[kHistory]->shape(1));
+          for (size_t j = 0; j < history.size(); ++j) history[j] = token(element(*param[kHistory], b, j));
+          r.history = history.data(), r.history_len = static_cast<int>(history.size());
         }
         if (param[kBiasIds]) {
-          r.bias_len = param[kBiasIds]->shape(1);
-          r.bias_ids = param[kBiasIds]->data<int32_t>() + static_cast<size_t>(b) * r.bias_len;
-          r.bias_values = param[kBiasValues]->data<float>() + static_cast<size_t>(b) * r.bias_len;
+          bias_ids.resize(param[kBiasIds]->shape(1)), bias_values.resize(bias_ids.size());
+          for (size_t j = 0; j < bias_ids.size(); ++j) {
+            bias_ids[j] = token(element(*param[kBiasIds], b, j));
+            bias_values[j] = static_cast<float>(element(*param[kBiasValues], b, j));
+          }
+          r.bias_ids = bias_ids.data(), r.bias_values = bias_values.data();
+          r.bias_len = static_cast<int>(bias_ids.size());
+        }
+        uint64_t w0, w1;
+        if (present & kSeeded) {  // random::bits({2}, 4, random::key(mix64(seed ^ mix64(position))))
+          const uint64_t key = mix64(element_u64(inputs[2], b) ^ mix64(element_u64(inputs[3], b)));
+          std::tie(w0, w1) = threefry2x32(static_cast<uint32_t>(key >> 32), static_cast<uint32_t>(key), 0, 1);
+        } else {
+          w0 = static_cast<uint64_t>(element(inputs[2], b, 0)), w1 = static_cast<uint64_t>(element(inputs[2], b, 1));
         }
         // 53 bits: the top 32 of the first word and 21 of the second
-        const uint64_t u53 = (static_cast<uint64_t>(bits[2 * b]) << 21) | (bits[2 * b + 1] >> 11);
-        r.u = static_cast<double>(u53) * 0x1.0p-53;
-        ids[b] = sample_row(logits + static_cast<size_t>(b) * V, V, r, p);
+        r.u = static_cast<double>((w0 << 21) | (w1 >> 11)) * 0x1.0p-53;
+        const float* x = logits.data<float>() + static_cast<int64_t>(b) * logits.strides()[0];
+        if (logits.strides()[1] != 1) {  // a strided row: gathered once
+          row.resize(V);
+          for (int i = 0; i < V; ++i) row[i] = x[static_cast<int64_t>(i) * logits.strides()[1]];
+          x = row.data();
+        }
+        ids[b] = sample_row(x, V, r, p);
       });
     });
   }
@@ -501,6 +603,16 @@ void check(const SampleInputs& in) {
     throw std::invalid_argument("SampleNode: random must be uint32 [B, 2]");
   }
   check_row_param("temperature", in.temperature, B);
+  check_row_param("seed", in.seed, B);
+  check_row_param("position", in.position, B);
+  for (const auto* a : {&in.seed, &in.position}) {
+    if (*a && (*a)->dtype() != mx::int64 && (*a)->dtype() != mx::uint64) {
+      throw std::invalid_argument("SampleNode: seed and position must be 64-bit integers");
+    }
+  }
+  if (in.seed.has_value() != in.position.has_value()) {
+    throw std::invalid_argument("SampleNode: seed and position come together");
+  }
   check_row_param("top_k", in.top_k, B);
   check_row_param("top_p", in.top_p, B);
   check_row_param("min_p", in.min_p, B);
@@ -538,24 +650,19 @@ mx::array ids_or_minus_one(const mx::array& ids, int V) {
 mx::array sample(const SampleInputs& in) {
   check(in);
   if (!kernels_enabled()) return sample_reference(in);
-  const int B = in.logits.shape(0), V = in.logits.shape(1);
-  auto row = [B](const mx::array& a, mx::Dtype t) { return mx::contiguous(mx::broadcast_to(mx::astype(a, t), {B})); };
-  std::vector<mx::array> inputs = {mx::contiguous(mx::astype(in.logits, mx::float32)),
-                                   row(in.temperature, mx::float32), mx::contiguous(in.random)};
+  const int B = in.logits.shape(0);
+  std::vector<mx::array> inputs = {mx::astype(in.logits, mx::float32), in.temperature};
   unsigned present = 0;
-  auto add = [&](Param k, mx::array a) { present |= 1u << k, inputs.push_back(std::move(a)); };
-  if (in.top_k) {  // K >= V is off: clip into int32 first
-    add(kTopK, row(mx::clip(*in.top_k, mx::array(0, in.top_k->dtype()), mx::array(V, in.top_k->dtype())), mx::int32));
+  if (in.seed && in.position) {  // `random` is then never evaluated
+    present |= kSeeded, inputs.push_back(*in.seed), inputs.push_back(*in.position);
+  } else {
+    inputs.push_back(in.random);
   }
-  if (in.top_p) add(kTopP, row(*in.top_p, mx::float32));
-  if (in.min_p) add(kMinP, row(*in.min_p, mx::float32));
-  if (in.repetition_penalty) add(kRepetition, row(*in.repetition_penalty, mx::float32));
-  if (in.frequency_penalty) add(kFrequency, row(*in.frequency_penalty, mx::float32));
-  if (in.presence_penalty) add(kPresence, row(*in.presence_penalty, mx::float32));
-  if (in.history) add(kHistory, mx::contiguous(ids_or_minus_one(*in.history, V)));
-  if (in.logit_bias_ids) {
-    add(kBiasIds, mx::contiguous(ids_or_minus_one(*in.logit_bias_ids, V)));
-    add(kBiasValues, mx::contiguous(mx::astype(*in.logit_bias_values, mx::float32)));
+  const std::optional<mx::array>* params[kNumParams] = {
+      &in.top_k, &in.top_p, &in.min_p, &in.repetition_penalty, &in.frequency_penalty, &in.presence_penalty,
+      &in.history, &in.logit_bias_ids, &in.logit_bias_values};
+  for (int k = 0; k < kNumParams; ++k) {
+    if (*params[k]) present |= 1u << k, inputs.push_back(**params[k]);
   }
   auto prim = std::make_shared<Sampler>(mx::default_stream(mx::Device::cpu), present);
   return mx::array({B}, mx::int64, prim, inputs);

@@ -14,6 +14,9 @@ struct SampleInputs {
   mlx::core::array logits;       // [B, V] floating point
   mlx::core::array temperature;  // [] or [B]; <= 0 or NaN: greedy
   mlx::core::array random;       // [B, 2] uint32: the row's random words
+  // What `random` was drawn from, when seeded ([] or [B] int64 each): the
+  // native kernel derives the same words (MLX's threefry) without it.
+  std::optional<mlx::core::array> seed, position;
   std::optional<mlx::core::array> top_k, top_p, min_p;  // [] or [B] each
   std::optional<mlx::core::array> repetition_penalty, frequency_penalty, presence_penalty;
   std::optional<mlx::core::array> history;                        // [B, H] token ids, -1 padding

@@ -532,6 +532,8 @@ class SampleNode:
     logits: Tid | None = None
     temperature: Tid | None = None
     random: Tid | None = None
+    seed: Tid | None = None
+    position: Tid | None = None
     top_k: Tid | None = None
     top_p: Tid | None = None
     min_p: Tid | None = None
@@ -1770,6 +1772,10 @@ def _pack_SampleNode(b, v):
         fb.SampleNodeAddTemperature(b, _pack_Tid(b, v.temperature))
     if v.random is not None:
         fb.SampleNodeAddRandom(b, _pack_Tid(b, v.random))
+    if v.seed is not None:
+        fb.SampleNodeAddSeed(b, _pack_Tid(b, v.seed))
+    if v.position is not None:
+        fb.SampleNodeAddPosition(b, _pack_Tid(b, v.position))
     if v.top_k is not None:
         fb.SampleNodeAddTopK(b, _pack_Tid(b, v.top_k))
     if v.top_p is not None:
@@ -1794,7 +1800,7 @@ def _pack_SampleNode(b, v):
 
 
 def _unpack_SampleNode(r):
-    return SampleNode(logits=_opt(_unpack_Tid, r.Logits()), temperature=_opt(_unpack_Tid, r.Temperature()), random=_opt(_unpack_Tid, r.Random()), top_k=_opt(_unpack_Tid, r.TopK()), top_p=_opt(_unpack_Tid, r.TopP()), min_p=_opt(_unpack_Tid, r.MinP()), repetition_penalty=_opt(_unpack_Tid, r.RepetitionPenalty()), frequency_penalty=_opt(_unpack_Tid, r.FrequencyPenalty()), presence_penalty=_opt(_unpack_Tid, r.PresencePenalty()), history=_opt(_unpack_Tid, r.History()), logit_bias_ids=_opt(_unpack_Tid, r.LogitBiasIds()), logit_bias_values=_opt(_unpack_Tid, r.LogitBiasValues()), out=_opt(_unpack_Tid, r.Out()))
+    return SampleNode(logits=_opt(_unpack_Tid, r.Logits()), temperature=_opt(_unpack_Tid, r.Temperature()), random=_opt(_unpack_Tid, r.Random()), seed=_opt(_unpack_Tid, r.Seed()), position=_opt(_unpack_Tid, r.Position()), top_k=_opt(_unpack_Tid, r.TopK()), top_p=_opt(_unpack_Tid, r.TopP()), min_p=_opt(_unpack_Tid, r.MinP()), repetition_penalty=_opt(_unpack_Tid, r.RepetitionPenalty()), frequency_penalty=_opt(_unpack_Tid, r.FrequencyPenalty()), presence_penalty=_opt(_unpack_Tid, r.PresencePenalty()), history=_opt(_unpack_Tid, r.History()), logit_bias_ids=_opt(_unpack_Tid, r.LogitBiasIds()), logit_bias_values=_opt(_unpack_Tid, r.LogitBiasValues()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ScaledDotProductAttentionNode(b, v):

@@ -6142,7 +6142,9 @@ def QuantizedEmbeddingNodeEnd(builder):
 # ([B, H] ids, -1 padding) and the sparse logit bias, then greedy where
 # temperature <= 0, else the top-k / min-p / top-p filters and one exact
 # inverse-CDF draw using the row's two 32-bit words of `random` ([B, 2] uint32).
-# Parameters are [] or [B]; an absent one is off.
+# Parameters are [] or [B]; an absent one is off. `seed` and `position`, when
+# given, are those `random` was drawn from (RandomBitsNode): a native kernel
+# may derive the same words itself.
 class SampleNode(object):
     __slots__ = ['_tab']
 
@@ -6196,7 +6198,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def TopK(self):
+    def Seed(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         if o != 0:
             x = o + self._tab.Pos
@@ -6206,7 +6208,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def TopP(self):
+    def Position(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
         if o != 0:
             x = o + self._tab.Pos
@@ -6216,7 +6218,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def MinP(self):
+    def TopK(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         if o != 0:
             x = o + self._tab.Pos
@@ -6226,7 +6228,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def RepetitionPenalty(self):
+    def TopP(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
         if o != 0:
             x = o + self._tab.Pos
@@ -6236,7 +6238,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def FrequencyPenalty(self):
+    def MinP(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
         if o != 0:
             x = o + self._tab.Pos
@@ -6246,7 +6248,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def PresencePenalty(self):
+    def RepetitionPenalty(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
         if o != 0:
             x = o + self._tab.Pos
@@ -6256,7 +6258,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def History(self):
+    def FrequencyPenalty(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
         if o != 0:
             x = o + self._tab.Pos
@@ -6266,7 +6268,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def LogitBiasIds(self):
+    def PresencePenalty(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
         if o != 0:
             x = o + self._tab.Pos
@@ -6276,7 +6278,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def LogitBiasValues(self):
+    def History(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
         if o != 0:
             x = o + self._tab.Pos
@@ -6286,7 +6288,7 @@ class SampleNode(object):
         return None
 
     # SampleNode
-    def Out(self):
+    def LogitBiasIds(self):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
         if o != 0:
             x = o + self._tab.Pos
@@ -6295,8 +6297,28 @@ class SampleNode(object):
             return obj
         return None
 
+    # SampleNode
+    def LogitBiasValues(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SampleNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def SampleNodeStart(builder):
-    builder.StartObject(13)
+    builder.StartObject(15)
 
 def SampleNodeAddLogits(builder, logits):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(logits), 0)
@@ -6307,35 +6329,41 @@ def SampleNodeAddTemperature(builder, temperature):
 def SampleNodeAddRandom(builder, random):
     builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(random), 0)
 
+def SampleNodeAddSeed(builder, seed):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(seed), 0)
+
+def SampleNodeAddPosition(builder, position):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(position), 0)
+
 def SampleNodeAddTopK(builder, topK):
-    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(topK), 0)
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(topK), 0)
 
 def SampleNodeAddTopP(builder, topP):
-    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(topP), 0)
+    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(topP), 0)
 
 def SampleNodeAddMinP(builder, minP):
-    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(minP), 0)
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(minP), 0)
 
 def SampleNodeAddRepetitionPenalty(builder, repetitionPenalty):
-    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(repetitionPenalty), 0)
+    builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(repetitionPenalty), 0)
 
 def SampleNodeAddFrequencyPenalty(builder, frequencyPenalty):
-    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(frequencyPenalty), 0)
+    builder.PrependStructSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(frequencyPenalty), 0)
 
 def SampleNodeAddPresencePenalty(builder, presencePenalty):
-    builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(presencePenalty), 0)
+    builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(presencePenalty), 0)
 
 def SampleNodeAddHistory(builder, history):
-    builder.PrependStructSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(history), 0)
+    builder.PrependStructSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(history), 0)
 
 def SampleNodeAddLogitBiasIds(builder, logitBiasIds):
-    builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasIds), 0)
+    builder.PrependStructSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasIds), 0)
 
 def SampleNodeAddLogitBiasValues(builder, logitBiasValues):
-    builder.PrependStructSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasValues), 0)
+    builder.PrependStructSlot(13, flatbuffers.number_types.UOffsetTFlags.py_type(logitBiasValues), 0)
 
 def SampleNodeAddOut(builder, out):
-    builder.PrependStructSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+    builder.PrependStructSlot(14, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def SampleNodeEnd(builder):
     return builder.EndObject()

@@ -6924,7 +6924,9 @@ struct QuantizedEmbeddingNode::Traits {
 /// ([B, H] ids, -1 padding) and the sparse logit bias, then greedy where
 /// temperature <= 0, else the top-k / min-p / top-p filters and one exact
 /// inverse-CDF draw using the row's two 32-bit words of `random` ([B, 2] uint32).
-/// Parameters are [] or [B]; an absent one is off.
+/// Parameters are [] or [B]; an absent one is off. `seed` and `position`, when
+/// given, are those `random` was drawn from (RandomBitsNode): a native kernel
+/// may derive the same words itself.
 struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef SampleNodeBuilder Builder;
   struct Traits;
@@ -6932,16 +6934,18 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_LOGITS = 4,
     VT_TEMPERATURE = 6,
     VT_RANDOM = 8,
-    VT_TOP_K = 10,
-    VT_TOP_P = 12,
-    VT_MIN_P = 14,
-    VT_REPETITION_PENALTY = 16,
-    VT_FREQUENCY_PENALTY = 18,
-    VT_PRESENCE_PENALTY = 20,
-    VT_HISTORY = 22,
-    VT_LOGIT_BIAS_IDS = 24,
-    VT_LOGIT_BIAS_VALUES = 26,
-    VT_OUT = 28
+    VT_SEED = 10,
+    VT_POSITION = 12,
+    VT_TOP_K = 14,
+    VT_TOP_P = 16,
+    VT_MIN_P = 18,
+    VT_REPETITION_PENALTY = 20,
+    VT_FREQUENCY_PENALTY = 22,
+    VT_PRESENCE_PENALTY = 24,
+    VT_HISTORY = 26,
+    VT_LOGIT_BIAS_IDS = 28,
+    VT_LOGIT_BIAS_VALUES = 30,
+    VT_OUT = 32
   };
   const emlx::ir::Tid *logits() const {
     return GetStruct<const emlx::ir::Tid *>(VT_LOGITS);
@@ -6951,6 +6955,12 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::Tid *random() const {
     return GetStruct<const emlx::ir::Tid *>(VT_RANDOM);
+  }
+  const emlx::ir::Tid *seed() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SEED);
+  }
+  const emlx::ir::Tid *position() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_POSITION);
   }
   const emlx::ir::Tid *top_k() const {
     return GetStruct<const emlx::ir::Tid *>(VT_TOP_K);
@@ -6988,6 +6998,8 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_LOGITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_TEMPERATURE, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_RANDOM, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_SEED, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_POSITION, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_TOP_K, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_TOP_P, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_MIN_P, 4) &&
@@ -7014,6 +7026,12 @@ struct SampleNodeBuilder {
   }
   void add_random(const emlx::ir::Tid *random) {
     fbb_.AddStruct(SampleNode::VT_RANDOM, random);
+  }
+  void add_seed(const emlx::ir::Tid *seed) {
+    fbb_.AddStruct(SampleNode::VT_SEED, seed);
+  }
+  void add_position(const emlx::ir::Tid *position) {
+    fbb_.AddStruct(SampleNode::VT_POSITION, position);
   }
   void add_top_k(const emlx::ir::Tid *top_k) {
     fbb_.AddStruct(SampleNode::VT_TOP_K, top_k);
@@ -7065,6 +7083,8 @@ inline ::flatbuffers::Offset<SampleNode> CreateSampleNode(
     const emlx::ir::Tid *logits = nullptr,
     const emlx::ir::Tid *temperature = nullptr,
     const emlx::ir::Tid *random = nullptr,
+    const emlx::ir::Tid *seed = nullptr,
+    const emlx::ir::Tid *position = nullptr,
     const emlx::ir::Tid *top_k = nullptr,
     const emlx::ir::Tid *top_p = nullptr,
     const emlx::ir::Tid *min_p = nullptr,
@@ -7086,6 +7106,8 @@ inline ::flatbuffers::Offset<SampleNode> CreateSampleNode(
   builder_.add_min_p(min_p);
   builder_.add_top_p(top_p);
   builder_.add_top_k(top_k);
+  builder_.add_position(position);
+  builder_.add_seed(seed);
   builder_.add_random(random);
   builder_.add_temperature(temperature);
   builder_.add_logits(logits);
