@@ -397,9 +397,8 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
     lo = std::max(thr, static_cast<float>(std::log(outside * total / std::max(n, 1))) - 1e-3f);
   }
   cand.clear();
-  for (int i = p.next_above(z, 0, V, kNegInf); i < V; i = p.next_above(z, i + 1, V, kNegInf)) {
-    if (z[i] >= lo) cand.push_back(i);
-  }
+  const float below = lo > kNegInf ? std::nextafter(lo, kNegInf) : kNegInf;  // z > below: z >= lo (and finite)
+  for (int i = p.next_above(z, 0, V, below); i < V; i = p.next_above(z, i + 1, V, below)) cand.push_back(i);
   mass.resize(cand.size());
   if (!top_p) {  // top-k (and min-p)
     double s = 0;
