@@ -14,8 +14,9 @@ For each batch size B, the same float32 logits [B, V] go through:
 
 Modes (temperature 0.8 in all): temperature alone; top-k 50 + top-p 0.9;
 min-p 0.05; repetition penalty 1.1 over a 64-token history. Everything is
-measured interleaved in one process (median of --repeats); the table prints
-each as a ratio to MLX argmax, then the absolute argmax time.
+measured interleaved in one process, in a shuffled order each round (median
+of --repeats); the table prints each as a ratio to MLX argmax, then the
+absolute argmax time.
 
     .venv/bin/python benchmarks/bench_sampling.py [--vocab 128256] [--batch 1 8 32] [--repeats 50]
 
@@ -25,6 +26,7 @@ mlx-lm is a benchmark-only dependency: pip install -e '.[bench]'.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -129,8 +131,12 @@ def bench(vocab: int, batch: int, repeats: int) -> dict[str, float]:
     times = {name: [] for name in runs}
     for fn in runs.values():  # warm-up
         fn(0)
+    order = list(runs.items())
     for step in range(repeats):
-        for name, fn in runs.items():  # interleaved, so drift hits all alike
+        # interleaved, so drift hits all alike, in a new order each round, so
+        # that no one always runs right after the same neighbour
+        random.Random(step).shuffle(order)
+        for name, fn in order:
             t0 = time.perf_counter()
             fn(step)
             times[name].append(time.perf_counter() - t0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,3 +339,30 @@ def test_decoder_checks_tokens_steps_and_the_program():
     mlp = lower(torch.nn.Linear(4, 2), (torch.randn(3, 4),)).to_executorch().buffer
     with pytest.raises(ValueError, match="not a sampling head"):
         SampledDecoder(mlp)
+
+
+# ------------------------------------------------------ older programs --
+DATA = Path(__file__).with_name("data")
+
+
+def test_programs_exported_before_the_sample_node_still_run():
+    """tests/data/*_v1_*.pte were exported by the previous lowering of
+    mlx::sample (Gumbel-max over RandomBitsNode bits [B, V], no SampleNode, no
+    metadata). They load and run unchanged: greedy rows are the argmax, and a
+    seeded row's token is the Gumbel-max draw under MLX's own
+    random::key(stream_seed(S, t)), reconstructed here with MLX's Python API."""
+    import mlx.core as mx
+
+    from executorch_mlx.custom_kernel_ops.sample import stream_seed
+
+    sampler, greedy = (DATA / "sampler_v1_b4_v8.pte").read_bytes(), (DATA / "greedy_v1_b4_v8.pte").read_bytes()
+    logits = torch.randn(4, 8)
+    assert torch.equal(run(greedy, [logits])[0], logits.argmax(1))
+    zeros = torch.zeros(4, dtype=torch.int64)
+    assert torch.equal(run(sampler, [logits, torch.zeros(4), zeros, zeros])[0], logits.argmax(1))
+    seeds, position = torch.tensor([3, 2**40 + 7, -5, 11]), 9
+    tokens = run(sampler, [logits, torch.ones(4), seeds, torch.full((4,), position)])[0]
+    for row in range(4):
+        raw = mx.random.split(mx.random.key(stream_seed(int(seeds[row]), position)), 4).reshape(-1)
+        u = (mx.right_shift(raw, mx.array(9, mx.uint32)).astype(mx.float32) + 0.5) * 2.0**-23
+        assert int(tokens[row]) == mx.argmax(mx.array(logits[row].numpy()) - mx.log(-mx.log(u))).item()
