@@ -137,7 +137,24 @@ def draws(case: str) -> torch.Tensor:
     return torch.stack(out)
 
 
+def shared_word_draws() -> torch.Tensor:
+    """[10, 64] seeded tokens over V = 1000 with filters on: both paths read
+    the same random words, so they agree except where a uniform falls within
+    rounding of a CDF step (the native kernel uses 53 bits, MLX ops 24)."""
+    rows, vocab = 64, 1000
+    pte = all_parameters_pte(rows, vocab)
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(pte).load_method("forward")
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 2
+    params = [dict(temperature=1.0, top_k=200, top_p=0.95, min_p=0.001)] * rows
+    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(rows) * 977, c)])[0]
+                        for c in range(10)])
+
+
 if __name__ == "__main__":
     import executorch_mlx  # noqa: F401
 
-    torch.save({case: draws(case) for case in CASES}, sys.argv[1])
+    out = {case: draws(case) for case in CASES}
+    out["shared words"] = shared_word_draws()
+    torch.save(out, sys.argv[1])

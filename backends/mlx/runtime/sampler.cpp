@@ -418,9 +418,16 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
     while (j < cand.size() && z[cand[j]] == z[cand[kept]]) above += mass[j++];
     kept = j;
   }
+  // the draw walks the nucleus in token order, as the MLX-ops path's CDF
+  // does: the same random words then give the same token on every device
+  std::vector<size_t> order(kept);
+  for (size_t j = 0; j < kept; ++j) order[j] = j;
+  std::sort(order.begin(), order.end(), [](size_t a, size_t b) { return cand[a] < cand[b]; });
+  std::vector<int> nucleus(kept);
+  std::vector<double> masses(kept);
   double kept_mass = 0;
-  for (size_t j = 0; j < kept; ++j) kept_mass += mass[j];
-  return draw(cand, mass, kept, kept_mass, r.u);
+  for (size_t j = 0; j < kept; ++j) nucleus[j] = cand[order[j]], kept_mass += masses[j] = mass[order[j]];
+  return draw(nucleus, masses, kept, kept_mass, r.u);
 }
 
 // ---------------------------------------------------------- primitive --
