@@ -152,9 +152,49 @@ def shared_word_draws() -> torch.Tensor:
                         for c in range(10)])
 
 
+# The two silent wrong results issue #6 found, as rows of one batch:
+# (logits, temperature, the tokens that may be drawn).
+EDGE_ROWS = [
+    # T = +inf makes the finite tokens uniform; -inf / inf is NaN, which an
+    # argmax-based draw would take: masked tokens must never be drawn
+    ([-INF, 0.0, 3.0, -INF, -1.0, -INF], INF, {1, 2, 4}),
+    # logits / T overflows float32 (tiny T; logits near the float32 limit)
+    ([1.0, 3.0, 2.0, 3.0 - 1e-6, 0.0, 0.5], 1e-45, {1}),
+    ([-3.0e38, 3.0e38, 2.9e38, 3.1e38, 1.0, 0.0], 0.5, {3}),
+]
+
+
+def edge_draws(calls: int = 20) -> torch.Tensor:
+    """[calls, ROWS] tokens for EDGE_ROWS repeated down the batch (padded with -inf)."""
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(all_parameters_pte()).load_method("forward")
+    kinds = [EDGE_ROWS[r % len(EDGE_ROWS)] for r in range(ROWS)]
+    logits = torch.tensor([row + [-INF] * (VOCAB - len(row)) for row, _, _ in kinds])
+    params = [dict(temperature=t) for _, t, _ in kinds]
+    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(ROWS) + 7 * c, c)])[0]
+                        for c in range(calls)])
+
+
+def greedy_draws() -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """(logits, tokens, per-row parameters): greedy rows with penalties, bias, ties."""
+    from executorch.runtime import Runtime
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(ROWS, VOCAB, generator=gen) * 2
+    logits[::7, 4] = logits[::7, 5] = 9.0  # ties: the lowest index wins
+    params = [dict(temperature=0.0 if r % 3 else -1.0, top_k=r % 5, top_p=0.5, repetition_penalty=1.0 + r % 4 / 2,
+                   frequency_penalty=(r % 3) / 2, presence_penalty=(r % 2) * 0.7,
+                   bias={r % VOCAB: 3.0 * ((r % 5) - 2), 7: -INF}) for r in range(ROWS)]
+    method = Runtime.get().load_program(all_parameters_pte()).load_method("forward")
+    return logits, method.execute([logits, *program_inputs(params, torch.arange(ROWS), 0)])[0], params
+
+
 if __name__ == "__main__":
     import executorch_mlx  # noqa: F401
 
     out = {case: draws(case) for case in CASES}
     out["shared words"] = shared_word_draws()
+    out["edge"] = edge_draws()
+    out["greedy"] = greedy_draws()[1]
     torch.save(out, sys.argv[1])

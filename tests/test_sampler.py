@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run
-from sampler_cases import CALLS, CASES, HISTORY, LOGITS, ROWS, VOCAB, all_parameters_pte, draws, oracle, shared_word_draws
+from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB, draws, edge_draws, greedy_draws,
+                           oracle, shared_word_draws)
 from sampler_cases import program_inputs as case_inputs
 from scipy.stats import chisquare
 
@@ -88,24 +89,30 @@ def _greedy_reference(logits, params):
     return torch.ops.mlx.sample(logits, **{n: t for n, t in zip(names, inputs) if n})
 
 
-def test_greedy_with_penalties_and_bias_equals_the_reference():
-    rows = ROWS
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(rows, VOCAB, generator=gen) * 2
-    logits[::7, 4] = logits[::7, 5] = 9.0  # ties: the lowest index wins
-    params = [dict(temperature=0.0 if r % 3 else -1.0, top_k=r % 5, top_p=0.5, repetition_penalty=1.0 + r % 4 / 2,
-                   frequency_penalty=(r % 3) / 2, presence_penalty=(r % 2) * 0.7,
-                   bias={r % VOCAB: 3.0 * ((r % 5) - 2), 7: -float("inf")}) for r in range(rows)]
-    got = run(all_parameters_pte(), [logits, *case_inputs(params, torch.arange(rows), 0)])[0]
+@pytest.mark.parametrize("path", ["native", "mlx-ops"])
+def test_greedy_with_penalties_and_bias_equals_the_reference(path, request):
+    logits, got, params = greedy_draws()
+    if path == "mlx-ops":
+        got = request.getfixturevalue("mlx_ops_draws")["greedy"]
     want = _greedy_reference(logits, params)
     assert torch.equal(got, want)
     # and by hand: the penalized argmax (the oracle's step 1)
     from sampler_cases import penalized
-    for r in range(0, rows, 97):
+    for r in range(0, ROWS, 97):
         x = penalized(logits[r].tolist(), HISTORY, **{k: v for k, v in params[r].items()
                                                      if k in ("repetition_penalty", "frequency_penalty",
                                                               "presence_penalty", "bias")})
         assert int(got[r]) == max(range(VOCAB), key=lambda i: (x[i], -i))
+
+
+@pytest.mark.parametrize("path", ["native", "mlx-ops"])
+def test_infinite_temperature_and_overflow_rows_draw_only_allowed_tokens(path, request):
+    """Issue #6's two silent wrong results, on both device paths (the
+    reference: test_sampling.py): masked tokens stay out at T = +inf, and an
+    overflowing logits / T picks the largest logit."""
+    tokens = edge_draws() if path == "native" else request.getfixturevalue("mlx_ops_draws")["edge"]
+    for kind, (_, _, allowed) in enumerate(EDGE_ROWS):
+        assert set(tokens[:, kind::len(EDGE_ROWS)].flatten().tolist()) == allowed, kind
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_chosen_id():
