@@ -120,13 +120,28 @@ def all_parameters_pte(rows: int = ROWS, vocab: int = VOCAB) -> bytes:
         logit_bias_size=BIAS_SLOTS).buffer
 
 
+@functools.cache
+def all_parameters_method(rows: int = ROWS, vocab: int = VOCAB):
+    """`forward` of all_parameters_pte, loaded once; its Program is kept
+    alive with it (a Method does not keep its Program)."""
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(all_parameters_pte(rows, vocab))
+    return program, program.load_method("forward")
+
+
+def reference_tokens(logits: torch.Tensor, params: list[dict]) -> torch.Tensor:
+    """torch.ops.mlx.sample (the CPU reference, unseeded) over rows with `params`."""
+    inputs = program_inputs(params, torch.zeros(len(params), dtype=torch.int64), 0)
+    names = ["temperature", None, None, "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+             "presence_penalty", "history", "logit_bias_ids", "logit_bias_values"]  # program_inputs' order
+    return torch.ops.mlx.sample(logits, **{n: t for n, t in zip(names, inputs) if n})
+
+
 def draws(case: str) -> torch.Tensor:
     """[CALLS, ROWS] tokens of the lowered program; even rows use the case's
     first parameters, odd rows its second."""
-    from executorch.runtime import Runtime
-
-    program = Runtime.get().load_program(all_parameters_pte())
-    method = program.load_method("forward")
+    method = all_parameters_method()[1]
     even, odd = CASES[case]
     params = [even if r % 2 == 0 else odd for r in range(ROWS)]
     logits = torch.tensor([LOGITS] * ROWS)
@@ -142,10 +157,7 @@ def shared_word_draws() -> torch.Tensor:
     the same random words, so they agree except where a uniform falls within
     rounding of a CDF step (the native kernel uses 53 bits, MLX ops 24)."""
     rows, vocab = 64, 1000
-    pte = all_parameters_pte(rows, vocab)
-    from executorch.runtime import Runtime
-
-    method = Runtime.get().load_program(pte).load_method("forward")
+    method = all_parameters_method(rows, vocab)[1]
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 2
     params = [dict(temperature=1.0, top_k=200, top_p=0.95, min_p=0.001)] * rows
     return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(rows) * 977, c)])[0]
@@ -166,9 +178,7 @@ EDGE_ROWS = [
 
 def edge_draws(calls: int = 20) -> torch.Tensor:
     """[calls, ROWS] tokens for EDGE_ROWS repeated down the batch (padded with -inf)."""
-    from executorch.runtime import Runtime
-
-    method = Runtime.get().load_program(all_parameters_pte()).load_method("forward")
+    method = all_parameters_method()[1]
     kinds = [EDGE_ROWS[r % len(EDGE_ROWS)] for r in range(ROWS)]
     logits = torch.tensor([row + [-INF] * (VOCAB - len(row)) for row, _, _ in kinds])
     params = [dict(temperature=t) for _, t, _ in kinds]
@@ -178,15 +188,13 @@ def edge_draws(calls: int = 20) -> torch.Tensor:
 
 def greedy_draws() -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
     """(logits, tokens, per-row parameters): greedy rows with penalties, bias, ties."""
-    from executorch.runtime import Runtime
-
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(ROWS, VOCAB, generator=gen) * 2
     logits[::7, 4] = logits[::7, 5] = 9.0  # ties: the lowest index wins
     params = [dict(temperature=0.0 if r % 3 else -1.0, top_k=r % 5, top_p=0.5, repetition_penalty=1.0 + r % 4 / 2,
                    frequency_penalty=(r % 3) / 2, presence_penalty=(r % 2) * 0.7,
                    bias={r % VOCAB: 3.0 * ((r % 5) - 2), 7: -INF}) for r in range(ROWS)]
-    method = Runtime.get().load_program(all_parameters_pte()).load_method("forward")
+    method = all_parameters_method()[1]
     return logits, method.execute([logits, *program_inputs(params, torch.arange(ROWS), 0)])[0], params
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 from harness import run
 from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB, draws, edge_draws, greedy_draws,
-                           oracle, shared_word_draws)
-from sampler_cases import program_inputs as case_inputs
+                           oracle, reference_tokens, shared_word_draws)
 from scipy.stats import chisquare
 
 from executorch_mlx.llm.decode import SampledDecoder
@@ -61,12 +60,8 @@ def test_filters_draw_the_exact_distribution(case, path, request):
     else:  # the CPU reference op (unseeded: torch's generator), same parameters
         torch.manual_seed(0)
         params = [even if r % 2 == 0 else odd for r in range(ROWS)]
-        inputs = case_inputs(params, torch.zeros(ROWS, dtype=torch.int64), 0)
-        names = ["temperature", None, None, "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", "history", "logit_bias_ids", "logit_bias_values"]
-        kwargs = {n: t for n, t in zip(names, inputs) if n}
         logits = torch.tensor([LOGITS] * ROWS)
-        tokens = torch.stack([torch.ops.mlx.sample(logits, **kwargs) for _ in range(CALLS)])
+        tokens = torch.stack([reference_tokens(logits, params) for _ in range(CALLS)])
     assert tokens.shape == (CALLS, ROWS)
     _check_distribution(tokens[:, 0::2], even)
     _check_distribution(tokens[:, 1::2], odd)
@@ -82,19 +77,12 @@ def test_both_paths_draw_from_the_same_random_words(mlx_ops_draws):
     assert len(set(native.flatten().tolist())) > 50  # and the draws are spread
 
 
-def _greedy_reference(logits, params):
-    inputs = case_inputs(params, torch.zeros(len(params), dtype=torch.int64), 0)
-    names = ["temperature", None, None, "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-             "presence_penalty", "history", "logit_bias_ids", "logit_bias_values"]
-    return torch.ops.mlx.sample(logits, **{n: t for n, t in zip(names, inputs) if n})
-
-
 @pytest.mark.parametrize("path", ["native", "mlx-ops"])
 def test_greedy_with_penalties_and_bias_equals_the_reference(path, request):
     logits, got, params = greedy_draws()
     if path == "mlx-ops":
         got = request.getfixturevalue("mlx_ops_draws")["greedy"]
-    want = _greedy_reference(logits, params)
+    want = reference_tokens(logits, params)
     assert torch.equal(got, want)
     # and by hand: the penalized argmax (the oracle's step 1)
     from sampler_cases import penalized

@@ -208,13 +208,8 @@ __attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, si
   linear_block(o, n0, n1, scratch);
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #else
 constexpr auto linear_block_avx2 = linear_block_generic;
-bool has_avx2() { return false; }
 #endif
 
 std::vector<float> bf16_array_to_f32(const mx::array& a) {
@@ -300,11 +295,6 @@ class Linear : public mx::UnaryPrimitive {
   bool has_bias_;
 };
 
-bool kernels_enabled() {
-  static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
-  return !disabled && mx::default_device() == mx::Device::cpu;
-}
-
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
 
 mx::array run_kernel(const mx::array& x, std::vector<mx::array> operands, const std::optional<mx::array>& bias,
@@ -355,7 +345,7 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
-  const bool kernel = kernels_enabled() && float_activation(x.dtype()) && w.dtype() == x.dtype() &&
+  const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && w.dtype() == x.dtype() &&
                       (!bias || bias->dtype() == x.dtype());
   if (!kernel) return linear_reference(x, w, bias);
   return run_kernel(x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, w.shape(1),
@@ -377,7 +367,7 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("QuantizedLinearNode: bias must be [N]");
   }
-  const bool kernel = kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
+  const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
                       (!bias || bias->dtype() == x.dtype());
   if (!kernel) return quantized_linear_reference(x, w, scales, biases, bias, group_size, bits);
   return run_kernel(x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, K, w.shape(0));

@@ -219,10 +219,6 @@ EMLX_AVX2 int next_above_avx2(const float* z, int from, int V, float t) {
   return next_above_generic(z, from, V, t);
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 struct Passes {
@@ -399,16 +395,12 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
   cand.clear();
   const float below = lo > kNegInf ? std::nextafter(lo, kNegInf) : kNegInf;  // z > below: z >= lo (and finite)
   for (int i = p.next_above(z, 0, V, below); i < V; i = p.next_above(z, i + 1, V, below)) cand.push_back(i);
-  mass.resize(cand.size());
-  if (!top_p) {  // top-k (and min-p)
-    double s = 0;
-    for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = mass_of(z[cand[j]], kNegInf);
-    return draw(cand, mass, cand.size(), s, r.u);
-  }
   // top-p: by decreasing z; keep a tie group while the mass strictly above it is < P
-  std::sort(cand.begin(), cand.end(), [z](int a, int b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+  if (top_p) std::sort(cand.begin(), cand.end(), [z](int a, int b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+  mass.resize(cand.size());
   double s = 0;
   for (size_t j = 0; j < cand.size(); ++j) s += mass[j] = mass_of(z[cand[j]], kNegInf);
+  if (!top_p) return draw(cand, mass, cand.size(), s, r.u);  // top-k (and min-p)
   if (few || !(total > 0)) total = s;
   const double limit = static_cast<double>(r.top_p) * total;
   double above = 0;
@@ -639,11 +631,6 @@ void check(const SampleInputs& in) {
   }
 }
 
-bool kernels_enabled() {
-  static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
-  return !disabled && mx::default_device() == mx::Device::cpu;
-}
-
 // Token ids into int32, anything outside [0, V) as -1 (ignored by both paths).
 mx::array ids_or_minus_one(const mx::array& ids, int V) {
   auto valid = mx::logical_and(mx::greater_equal(ids, mx::array(0, ids.dtype())),
@@ -655,7 +642,7 @@ mx::array ids_or_minus_one(const mx::array& ids, int V) {
 
 mx::array sample(const SampleInputs& in) {
   check(in);
-  if (!kernels_enabled()) return sample_reference(in);
+  if (!cpu_kernels_enabled()) return sample_reference(in);
   const int B = in.logits.shape(0);
   std::vector<mx::array> inputs = {mx::astype(in.logits, mx::float32), in.temperature};
   unsigned present = 0;

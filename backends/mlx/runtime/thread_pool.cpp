@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <mlx/mlx.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -109,5 +111,19 @@ void parallel_for(int n, const std::function<void(int)>& fn) {
 }
 
 int pool_size() { return pool().size(); }
+
+bool cpu_kernels_enabled() {
+  static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
+  return !disabled && mlx::core::default_device() == mlx::core::Device::cpu;
+}
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
 
 }  // namespace emlx

@@ -15,4 +15,12 @@ void parallel_for(int n, const std::function<void(int)>& fn);
 // Threads that parallel_for uses, the caller included.
 int pool_size();
 
+// Whether our CPU kernels run (the linear layer, the sampler): on MLX's CPU
+// device, unless EMLX_DISABLE_CPU_KERNELS is set (then MLX ops do the work,
+// as on GPUs).
+bool cpu_kernels_enabled();
+
+// Whether this x86-64 CPU has AVX2 and FMA (false on other machines).
+bool has_avx2();
+
 }  // namespace emlx
