@@ -46,6 +46,8 @@ def load() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             lib.emlx_last_error.restype = ctypes.c_char_p
             lib.emlx_backend_id.restype = ctypes.c_char_p
+            lib.emlx_memory_budget.restype = ctypes.c_uint64
+            lib.emlx_set_memory_budget.argtypes = [ctypes.c_uint64]
             if not lib.emlx_registered():
                 raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
             return lib
@@ -65,3 +67,25 @@ def reset_state() -> None:
     process back to its initial value: a new conversation without a reload."""
     if load().emlx_reset_state() != 0:
         raise RuntimeError(last_error())
+
+
+def memory_budget() -> int:
+    """Bytes a program loaded now may hold at once as it runs (the values
+    alive together, and its KV cache; weights are not counted): the value of
+    set_memory_budget, else the EMLX_MEMORY_BUDGET environment variable
+    ("8G", "512M", "30%", bytes), else a quarter of physical memory. Loading
+    a program that would exceed it fails with an error naming both sizes."""
+    budget = load().emlx_memory_budget()
+    if budget == 0:
+        raise ValueError(last_error())
+    return budget
+
+
+def set_memory_budget(nbytes: int | None) -> None:
+    """Sets the memory budget of programs loaded from now on (None: back to
+    the default). C++ callers: the backend option "memory_budget_mib"."""
+    if nbytes is None:
+        nbytes = 0
+    elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"memory budget must be a positive int of bytes or None, got {nbytes!r}")
+    load().emlx_set_memory_budget(nbytes)

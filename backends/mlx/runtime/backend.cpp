@@ -4,12 +4,17 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <variant>
 
 #include "dtype.h"
 #include "interpreter.h"
+#include "memory_budget.h"
 
 namespace emlx {
 
@@ -21,6 +26,10 @@ using et::Error;
 // The id programs are lowered for; must equal the Python BackendDetails
 // class name (executorch_mlx.backend.MLXGraphBackend).
 constexpr const char* kBackendId = "MLXGraphBackend";
+// Backend option (int, MiB): the memory budget (memory_budget.h), process-wide
+// through executorch::runtime::set_option, or per program as a load-time
+// runtime spec. 0 restores the default.
+constexpr const char* kMemoryBudgetOption = "memory_budget_mib";
 
 namespace {
 
@@ -135,8 +144,12 @@ class MLXGraphBackend final : public et::BackendInterface {
                                        et::ArrayRef<et::CompileSpec>) const override {
     auto handle = std::make_unique<Handle>(std::move(*processed));
     try {
+      size_t budget = 0;
+      auto spec = context.get_runtime_spec<int>(kMemoryBudgetOption);
+      if (spec.ok() && *spec < 0) throw std::invalid_argument(std::string(kMemoryBudgetOption) + " is negative");
+      budget = spec.ok() && *spec > 0 ? static_cast<size_t>(*spec) << 20 : memory_budget();
       handle->program = std::make_unique<Program>(handle->blob.data(), handle->blob.size(),
-                                                  context.get_named_data_map());
+                                                  context.get_named_data_map(), budget);
     } catch (const std::exception& e) {
       return fail(Error::InvalidProgram, std::string("invalid program: ") + e.what());
     }
@@ -169,6 +182,28 @@ class MLXGraphBackend final : public et::BackendInterface {
     return Error::Ok;
   }
 
+  Error set_option(et::BackendOptionContext&, const et::Span<et::BackendOption>& options) override {
+    for (auto& opt : options) {
+      if (std::strcmp(opt.key, kMemoryBudgetOption) != 0) continue;
+      auto* mib = std::get_if<int>(&opt.value);
+      if (!mib || *mib < 0) return fail(Error::InvalidArgument, std::string(kMemoryBudgetOption) + ": expected an int >= 0");
+      set_memory_budget(static_cast<size_t>(*mib) << 20);
+    }
+    return Error::Ok;
+  }
+
+  Error get_option(et::BackendOptionContext&, et::Span<et::BackendOption>& options) override {
+    for (auto& opt : options) {
+      if (std::strcmp(opt.key, kMemoryBudgetOption) != 0) continue;
+      try {
+        opt.value = static_cast<int>(std::min<size_t>(memory_budget() >> 20, INT32_MAX));
+      } catch (const std::exception& e) {
+        return fail(Error::InvalidArgument, e.what());
+      }
+    }
+    return Error::Ok;
+  }
+
   void destroy(et::DelegateHandle* raw) const override { delete static_cast<Handle*>(raw); }
 };
 
@@ -184,6 +219,20 @@ __attribute__((visibility("default"))) const char* emlx_last_error() { return em
 // Whether the static registration above succeeded.
 __attribute__((visibility("default"))) int emlx_registered() { return emlx::g_registered == emlx::Error::Ok; }
 __attribute__((visibility("default"))) const char* emlx_backend_id() { return emlx::kBackendId; }
+// The memory budget of programs loaded from now on (memory_budget.h), in
+// bytes; 0 restores the default. The getter returns 0 on failure (a
+// malformed EMLX_MEMORY_BUDGET; reason in emlx_last_error).
+__attribute__((visibility("default"))) void emlx_set_memory_budget(uint64_t bytes) {
+  emlx::set_memory_budget(static_cast<size_t>(bytes));
+}
+__attribute__((visibility("default"))) uint64_t emlx_memory_budget() {
+  try {
+    return emlx::memory_budget();
+  } catch (const std::exception& e) {
+    emlx::set_last_error(e.what());
+    return 0;
+  }
+}
 // Sets the mutable state (KV caches) of every loaded program back to its
 // initial value. Returns 0, or -1 on failure (reason in emlx_last_error).
 __attribute__((visibility("default"))) int emlx_reset_state() {

@@ -80,14 +80,6 @@ mx::array in_range(const mx::array& indices, int size, const char* node) {
   return mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
 }
 
-int checked_axis(int axis, size_t ndim, const char* node) {
-  if (axis < 0 || axis >= static_cast<int>(ndim)) {
-    throw std::invalid_argument(std::string(node) + ": axis " + std::to_string(axis) + " out of range for rank " +
-                                std::to_string(ndim));
-  }
-  return axis;
-}
-
 int64_t floor_div(int64_t a, int64_t b) {
   if (b == 0) throw std::invalid_argument("SymIntNode: division by zero");
   int64_t q = a / b;
@@ -97,14 +89,12 @@ int64_t floor_div(int64_t a, int64_t b) {
 
 void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
   const auto& a = st.get(n->a());
-  const int ndim = static_cast<int>(a.ndim());
-  const int axis = checked_axis(n->axis() < 0 ? n->axis() + ndim : n->axis(), a.ndim(), "TakeNode");
+  const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema
   st.set(n->out(), mx::take(a, in_range(st.get(n->indices()), a.shape(axis), "TakeNode"), axis));
 }
 
 void exec_CumsumNode(Interpreter& st, const ir::CumsumNode* n) {
-  const auto& a = st.get(n->a());
-  st.set(n->out(), mx::cumsum(a, checked_axis(n->axis(), a.ndim(), "CumsumNode"), n->reverse(), n->inclusive()));
+  st.set(n->out(), mx::cumsum(st.get(n->a()), n->axis(), n->reverse(), n->inclusive()));
 }
 
 void exec_SymIntNode(Interpreter& st, const ir::SymIntNode* n) {
@@ -183,8 +173,9 @@ void exec_ScatterNode(Interpreter& st, const ir::ScatterNode* n) {
   if (indices.size() != axes.size() || indices.empty()) {
     throw std::invalid_argument("ScatterNode: one index array per axis");
   }
-  for (size_t i = 0; i < axes.size(); ++i) {
-    indices[i] = in_range(indices[i], a.shape(checked_axis(axes[i], a.ndim(), "ScatterNode")), "ScatterNode");
+  for (size_t i = 0; i < axes.size(); ++i) {  // axes checked by the schema
+    if (axes[i] < 0) axes[i] += static_cast<int>(a.ndim());
+    indices[i] = in_range(indices[i], a.shape(axes[i]), "ScatterNode");
   }
   const auto& updates = st.get(n->updates());
   const auto& ishape = indices[0].shape();

@@ -11,7 +11,9 @@
 #include <string>
 #include <utility>
 
+#include "checks.h"
 #include "dtype.h"
+#include "memory_budget.h"
 
 namespace emlx {
 
@@ -78,14 +80,6 @@ mx::Shape to_shape(const flatbuffers::Vector<int32_t>* v) {
   mx::Shape s;
   if (v) {
     for (auto x : *v) s.push_back(x);
-  }
-  return s;
-}
-
-mx::Shape to_strides(const flatbuffers::Vector<int32_t>* v) {
-  mx::Shape s = to_shape(v);
-  for (auto x : s) {
-    if (x == 0) throw std::invalid_argument("a stride is 0");
   }
   return s;
 }
@@ -162,10 +156,40 @@ void check_size(const mx::array& a) {
 }
 }  // namespace
 
+#include "generated/op_dispatch.inc"
+
 void Interpreter::set(uint32_t slot, mx::array a) {
   if (slot >= values_.size()) throw std::invalid_argument(slot_str(slot) + " out of range");
   check_size(a);
+  if (node_ >= 0) {
+    // A node output: alive (allocated when evaluated) until its last reader.
+    live_bytes_ -= counted_[slot];
+    counted_[slot] = a.nbytes();
+    live_bytes_ += counted_[slot];
+    if (liveness_.state_bytes + live_bytes_ > liveness_.budget) {
+      throw std::invalid_argument(
+          "values alive at once reach " + format_bytes(liveness_.state_bytes + live_bytes_) + " (this output: " +
+          format_bytes(a.nbytes()) + "), over the memory budget of " + format_bytes(liveness_.budget) +
+          " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_mib)");
+    }
+  }
   values_[slot] = std::move(a);
+}
+
+void Interpreter::run_node(uint32_t i, const ir::Node* node) {
+  node_ = i;
+  try {
+    execute_node(*this, node);
+  } catch (const std::exception& e) {
+    std::vector<int64_t> reads, writes;
+    const char* name = node_refs(node, reads, writes);
+    throw std::invalid_argument("node " + std::to_string(i) + " (" + (name ? name : "?") + "): " + e.what());
+  }
+  for (uint32_t slot : liveness_.dies_after[i]) {
+    live_bytes_ -= counted_[slot];
+    counted_[slot] = 0;
+  }
+  node_ = -1;
 }
 
 void Interpreter::set(const ir::Tid* t, mx::array a) {
@@ -173,10 +197,10 @@ void Interpreter::set(const ir::Tid* t, mx::array a) {
   set(t->idx(), std::move(a));
 }
 
-#include "generated/op_dispatch.inc"
-
-Program::Program(const void* data, size_t size, const NamedDataMap* named_data) {
+Program::Program(const void* data, size_t size, const NamedDataMap* named_data, size_t memory_budget) {
   verify(data, size);
+  liveness_.budget = memory_budget;
+  plan_liveness();
   try {
     for (auto* lit : *graph_->literals()) literals_.emplace_back(lit->slot(), scalar_literal(lit));
     load_constants(named_data);
@@ -194,7 +218,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data) 
       probe.push_back(mx::zeros(shape, to_mlx_dtype(io->dtype())));
     }
     std::lock_guard<std::mutex> lock(mlx_mutex());
-    Interpreter st(graph_->num_values(), symbols);
+    Interpreter st(graph_->num_values(), symbols, liveness_);
     for (size_t i = 0; i < buffer_initial_.size(); ++i) {
       st.set(graph_->mutable_buffers()->Get(i)->slot(), buffer_initial_[i]);
     }
@@ -237,14 +261,22 @@ void Program::verify(const void* data, size_t size) {
                        "); upgrade executorch-mlx");
   }
   const uint32_t n = graph_->num_values();
-  if (n > kMaxValues) throw ProgramError("too many value slots: " + std::to_string(n));
+  // Every slot worth having is written once, by a Tid of 4 bytes or more:
+  // a blob cannot justify more slots than a quarter of its size (each run
+  // allocates them all).
+  if (n > kMaxValues || uint64_t{n} * sizeof(ir::Tid) > size) {
+    throw ProgramError(std::to_string(n) + " value slots: more than a blob of " + std::to_string(size) +
+                       " bytes can define");
+  }
   if (!graph_->inputs() || !graph_->outputs() || !graph_->nodes() || !graph_->constants() ||
       !graph_->literals() || !graph_->symbols() || !graph_->mutable_buffers()) {
     throw ProgramError("graph is missing a required list");
   }
   std::vector<bool> defined(n, false);
+  // Each slot is written once (so nodes are no more than slots).
   auto define = [&](int64_t slot, const char* what) {
     if (slot < 0 || slot >= n) throw ProgramError(std::string(what) + ": " + slot_str(slot) + " out of range");
+    if (defined[slot]) throw ProgramError(std::string(what) + ": " + slot_str(slot) + " is written twice");
     defined[slot] = true;
   };
   auto check_dims = [&](const flatbuffers::Vector<const ir::Dim*>* dims, const char* what) {
@@ -299,6 +331,44 @@ void Program::verify(const void* data, size_t size) {
   }
 }
 
+void Program::plan_liveness() {
+  const uint32_t n = graph_->num_values();
+  auto* nodes = graph_->nodes();
+  constexpr uint32_t kNever = UINT32_MAX;
+  std::vector<uint32_t> last(n, kNever);  // the node that last writes or reads a node output
+  std::vector<bool> produced(n, false);
+  std::vector<int64_t> reads, writes;
+  for (uint32_t i = 0; i < nodes->size(); ++i) {
+    reads.clear();
+    writes.clear();
+    node_refs(nodes->Get(i), reads, writes);
+    for (auto r : reads) last[r] = i;
+    for (auto w : writes) {
+      last[w] = i;
+      produced[w] = true;
+    }
+  }
+  for (auto* io : *graph_->outputs()) last[io->slot()] = kNever;
+  for (auto* b : *graph_->mutable_buffers()) last[b->update()] = kNever;
+  liveness_.dies_after.assign(nodes->size(), {});
+  for (uint32_t s = 0; s < n; ++s) {
+    if (produced[s] && last[s] != kNever) liveness_.dies_after[last[s]].push_back(s);
+  }
+  // The state, alive throughout: refused before it is allocated.
+  for (auto* b : *graph_->mutable_buffers()) {
+    size_t bytes = mx::size_of(to_mlx_dtype(b->dtype()));
+    bool overflow = false;
+    for (auto d : *b->shape()) overflow |= d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes);
+    if (overflow || __builtin_add_overflow(liveness_.state_bytes, bytes, &liveness_.state_bytes)) {
+      throw ProgramError("mutable buffer: size overflows");
+    }
+  }
+  if (liveness_.state_bytes > liveness_.budget) {
+    throw ProgramError("mutable buffers of " + format_bytes(liveness_.state_bytes) + " exceed the memory budget of " +
+                       format_bytes(liveness_.budget) + " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_mib)");
+  }
+}
+
 void Program::load_constants(const NamedDataMap* named_data) {
   auto* consts = graph_->constants();
   auto* buffers = graph_->mutable_buffers();
@@ -314,11 +384,15 @@ void Program::load_constants(const NamedDataMap* named_data) {
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
     FreeableBuffer buf = std::move(data.get());
     auto mdtype = to_mlx_dtype(dtype);
-    size_t numel = 1;
-    for (auto d : shape) numel *= static_cast<size_t>(d);
-    if (buf.size() != numel * mx::size_of(mdtype)) {
+    size_t nbytes = mx::size_of(mdtype);
+    for (auto d : shape) {
+      if (__builtin_mul_overflow(nbytes, static_cast<size_t>(d), &nbytes)) {
+        throw ProgramError(std::string("constant '") + name + "': size overflows");
+      }
+    }
+    if (buf.size() != nbytes) {
       throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf.size()) +
-                         " bytes, expected " + std::to_string(numel * mx::size_of(mdtype)));
+                         " bytes, expected " + std::to_string(nbytes));
     }
     mx::array a(mx::allocator::malloc(buf.size()), std::move(shape), mdtype);
     if (buf.size() > 0) std::memcpy(a.data<void>(), buf.data(), buf.size());
@@ -328,10 +402,7 @@ void Program::load_constants(const NamedDataMap* named_data) {
   for (auto* c : *consts) {
     mx::Shape shape;
     if (c->shape()) {
-      for (auto d : *c->shape()) {
-        if (d < 0) throw ProgramError("constant has a negative dimension");
-        shape.push_back(static_cast<mx::ShapeElem>(d));
-      }
+      for (auto d : *c->shape()) shape.push_back(checked_dim(d));
     }
     constants_.emplace_back(c->slot(), load(c->name()->c_str(), c->dtype(), std::move(shape)));
   }
@@ -370,7 +441,8 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const
   for (auto& [slot, arr] : literals_) st.set(slot, arr);
   auto* ins = graph_->inputs();
   for (uint32_t i = 0; i < ins->size(); ++i) st.set(ins->Get(i)->slot(), inputs[i]);
-  for (auto* node : *graph_->nodes()) execute_node(st, node);
+  auto* nodes = graph_->nodes();
+  for (uint32_t i = 0; i < nodes->size(); ++i) st.run_node(i, nodes->Get(i));
 }
 
 std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const std::vector<int64_t>& symbols) {
@@ -378,7 +450,7 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   auto* buffers = graph_->mutable_buffers();
   std::vector<mx::array> outs, updates;
   {
-    Interpreter st(graph_->num_values(), symbols);
+    Interpreter st(graph_->num_values(), symbols, liveness_);
     // The state moves into the slot table: once the table is gone, the
     // graph holds the only reference, so MLX updates it in place.
     for (uint32_t i = 0; i < state_.size(); ++i) st.set(buffers->Get(i)->slot(), std::move(state_[i]));

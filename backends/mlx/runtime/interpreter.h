@@ -35,14 +35,22 @@ struct InputError : std::runtime_error {
 mlx::core::ShapeElem checked_dim(int64_t d);
 std::vector<int> to_ints(const flatbuffers::Vector<int32_t>* v);
 mlx::core::Shape to_shape(const flatbuffers::Vector<int32_t>* v);
-// Strides as an MLX shape; throws on a zero stride.
-mlx::core::Shape to_strides(const flatbuffers::Vector<int32_t>* v);
+
+// Which values a run holds at once, for the memory budget (memory_budget.h):
+// computed once per program from the graph.
+struct Liveness {
+  // dies_after[i]: the slots node i writes or reads for the last time (not
+  // graph outputs or buffer updates, which live to the end of the run).
+  std::vector<std::vector<uint32_t>> dies_after;
+  size_t state_bytes = 0;  // the mutable buffers, alive throughout
+  size_t budget = 0;
+};
 
 // Value slots of one execution.
 class Interpreter {
  public:
-  Interpreter(uint32_t num_values, std::vector<int64_t> symbols)
-      : values_(num_values), symbols_(std::move(symbols)) {}
+  Interpreter(uint32_t num_values, std::vector<int64_t> symbols, const Liveness& liveness)
+      : values_(num_values), counted_(num_values, 0), symbols_(std::move(symbols)), liveness_(liveness) {}
 
   const mlx::core::array& get(const ir::Tid* t) const;
   std::optional<mlx::core::array> get_optional(const ir::Tid* t) const;
@@ -57,9 +65,17 @@ class Interpreter {
   // The size of dynamic dimension `i` in this execution.
   int64_t symbol(int64_t i) const;
 
+  // Runs node `i` (of `name`): what it writes counts against the memory
+  // budget until its last reader has run. Errors name the node.
+  void run_node(uint32_t i, const ir::Node* node);
+
  private:
   std::vector<std::optional<mlx::core::array>> values_;
+  std::vector<size_t> counted_;  // bytes of each node output still alive
   std::vector<int64_t> symbols_;
+  const Liveness& liveness_;
+  size_t live_bytes_ = 0;
+  int64_t node_ = -1;  // the node running, or -1 while binding inputs
 };
 
 // A program after `load`: the blob is verified, every reference checked,
@@ -67,8 +83,11 @@ class Interpreter {
 class Program {
  public:
   // Verifies `data` (kept alive by the caller for the Program's lifetime)
-  // and loads its constants from `named_data`. Throws ProgramError.
-  Program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named_data);
+  // and loads its constants from `named_data`. Every run (a dry run at load
+  // included) may hold at most `memory_budget` bytes (memory_budget.h).
+  // Throws ProgramError.
+  Program(const void* data, size_t size, const executorch::runtime::NamedDataMap* named_data,
+          size_t memory_budget);
 
   const ir::Graph& graph() const { return *graph_; }
 
@@ -87,12 +106,14 @@ class Program {
 
  private:
   void verify(const void* data, size_t size);
+  void plan_liveness();
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
   void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
   // Fresh (writable, evaluated) initial values of the mutable buffers.
   std::vector<mlx::core::array> initial_state() const;
 
   const ir::Graph* graph_ = nullptr;
+  Liveness liveness_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
   // Initial values of the mutable buffers (zero-copy constants, or zeros)

@@ -244,6 +244,20 @@ class PyGen:
             return "list[float]" if t.element in ("Float", "Double") else "list[int]"
         raise NotImplementedError(f"field type {t}")
 
+    def wire_type(self, f: FField) -> str:
+        t = f.type
+        if t.base == "Vector":
+            inner = self.s.objects[t.index].name if t.element == "Obj" else t.element
+            name = f"[{inner}]"
+        elif t.base in _SCALARS:
+            e = self.enum_of(t)
+            name = e.name if e else t.base
+        elif t.base == "Obj":
+            name = self.s.objects[t.index].name
+        else:
+            name = t.base
+        return name + (" required" if f.required else "")
+
     def default(self, f: FField) -> str:
         t = f.type
         if t.base in _SCALARS:
@@ -300,6 +314,14 @@ class PyGen:
         out.append("\nOp = Union[" + ", ".join(n.name for n in nodes) + "]")
         out.append("OP_TYPES = {" + ", ".join(f"{n.name}: {i + 1}" for i, n in enumerate(nodes)) + "}")
         out.append("OP_CLASSES = {v: k for k, v in OP_TYPES.items()}\n")
+        out.append("# Each field's wire type, for tools that walk graphs field by field (fuzzing):")
+        out.append("# a scalar's FlatBuffers type (Int, UInt, Long, Float, Double, Bool) or enum")
+        out.append("# name, a table or struct name, or [T] for a vector; 'required' marks required fields.")
+        out.append("FIELD_TYPES = {")
+        for o in s.objects:
+            entries = ", ".join(f"{f.name!r}: {self.wire_type(f)!r}" for f in self.fields(o))
+            out.append(f"    {o.name!r}: {{{entries}}},")
+        out.append("}\n")
         for o in s.objects:
             out += self.gen_pack(o) + self.gen_unpack(o)
         root = s.root
@@ -435,8 +457,6 @@ class CppGen:
             if el == "IntOrSlot":
                 return f"st.resolve_shape({acc})"
         if t.base == "Vector" and t.element == "Int":
-            if "stride" in f.attributes:
-                return f"to_strides({acc})"
             return f"to_shape({acc})" if "shape" in f.attributes else f"to_ints({acc})"
         if t.base in _SCALARS:
             if t.index >= 0 and self.s.enums[t.index].name == "DType":
@@ -444,12 +464,60 @@ class CppGen:
             return acc
         raise NotImplementedError(f"no C++ mapping for field {node}.{f.name} ({t})")
 
+    def rank(self, node: FObject, f: FField, target: str) -> str:
+        """The C++ rank of the value(s) in field `target` of `node`."""
+        g = next((x for x in node.fields if x.name == target), None)
+        if g is None or not self._is_tid(g.type, vector=g.type.base == "Vector"):
+            raise SystemExit(f"{node.name}.{f.name}: attribute names {target!r}, not a Tid or [Tid] field")
+        if g.type.base == "Vector":
+            return f'common_rank(st.get_list(n->{target}()), "{node.name}.{target}")'
+        return f"rank_of(st.get(n->{target}()))"
+
+    def _is_tid(self, t: FType, vector: bool = False) -> bool:
+        return (t.base == ("Vector" if vector else "Obj") and (t.element == "Obj" if vector else True)
+                and t.index >= 0 and self.s.objects[t.index].name == "Tid")
+
+    def checks(self, node: FObject) -> list[str]:
+        """Argument checks from the schema's attributes, run before MLX sees the node."""
+        lines = []
+        for f in node.fields:
+            a, acc, where = f.attributes, f"n->{f.name}()", f'"{node.name}.{f.name}"'
+            vector = f.type.base == "Vector"
+            if "axis" in a:
+                fn = "check_axes" if vector else "check_axis"
+                lines.append(f"{fn}({acc}, {self.rank(node, f, a['axis'])}, {where});")
+            if "new_axis" in a:
+                lines.append(f"check_axes({acc}, {self.rank(node, f, a['new_axis'])} + static_cast<int>({acc}->size()), {where});")
+            if "permutation" in a:
+                lines.append(f"check_permutation({acc}, {self.rank(node, f, a['permutation'])}, {where});")
+            if "per_axis" in a:
+                lines.append(f"check_per_axis({acc}->size(), {self.rank(node, f, a['per_axis'])}, {where});")
+            if "stride" in a:
+                lines.append(f"check_strides({acc}, {where});")
+            if "numel" in a:
+                lines.append(f"check_numel(st.resolve_shape({acc}), st.get(n->{a['numel']}()), {where});")
+            if "one_of" in a:
+                allowed = ", ".join(str(int(v)) for v in a["one_of"].split())
+                lines.append(f"check_one_of({acc}, {{{allowed}}}, {where});")
+            if "kind" in a:
+                kind = f"Kind::{a['kind']}"
+                if kind not in ("Kind::floating", "Kind::integer", "Kind::number"):
+                    raise SystemExit(f"{node.name}.{f.name}: unknown kind {a['kind']!r}")
+                if self._is_tid(f.type, vector=True):
+                    lines.append(f"for (const auto& v : st.get_list({acc})) check_kind(v.dtype(), {kind}, {where});")
+                elif self._is_tid(f.type):
+                    lines.append(f"if ({acc}) check_kind(st.get({acc}).dtype(), {kind}, {where});")
+                else:  # a DType field
+                    lines.append(f"check_kind(to_mlx_dtype({acc}), {kind}, {where});")
+        return lines
+
     def gen(self) -> str:
         s = self.s
         out = [CPP_HEADER,
                "// Included by runtime/interpreter.cpp inside namespace emlx.",
                "// Needs: Interpreter (get/get_optional/get_list/resolve_shape/set),",
-               "// to_ints, to_shape, to_strides, to_mlx_dtype, and exec_<Node> for custom nodes.\n",
+               "// to_ints, to_shape, to_mlx_dtype, the checks of runtime/checks.h,",
+               "// and exec_<Node> for custom nodes.\n",
                f"constexpr uint32_t kSchemaVersion = {s.version};",
                f'constexpr const char* kFileIdentifier = "{s.file_ident}";\n']
         nodes = s.nodes()
@@ -462,6 +530,7 @@ class CppGen:
         for n in nodes:
             out.append(f"    case ir::Op::{n.name}: {{")
             out.append(f"      auto* n = node->op_as_{n.name}();")
+            out += ["      " + line for line in self.checks(n)]
             if "custom" in n.attributes:
                 out.append(f"      exec_{n.name}(st, n);")
             elif "mlx" in n.attributes:
