@@ -62,6 +62,10 @@ def last_error() -> str:
     return load().emlx_last_error().decode()
 
 
+def clear_last_error() -> None:
+    load().emlx_clear_last_error()
+
+
 def reset_state() -> None:
     """Sets the persistent state (KV caches) of every program loaded in this
     process back to its initial value: a new conversation without a reload."""

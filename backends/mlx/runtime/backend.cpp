@@ -216,6 +216,7 @@ const Error g_registered = et::register_backend({kBackendId, &g_backend});
 extern "C" {
 // For the Python package: the reason behind the last error on this thread.
 __attribute__((visibility("default"))) const char* emlx_last_error() { return emlx::last_error().c_str(); }
+__attribute__((visibility("default"))) void emlx_clear_last_error() { emlx::set_last_error(""); }
 // Whether the static registration above succeeded.
 __attribute__((visibility("default"))) int emlx_registered() { return emlx::g_registered == emlx::Error::Ok; }
 __attribute__((visibility("default"))) const char* emlx_backend_id() { return emlx::kBackendId; }

@@ -42,9 +42,10 @@ mx::array keys_for(const mx::array& seeds) {
 // RandomBitsNode: MLX's counter-based RNG (threefry), seeded per row.
 void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
   auto shape = st.resolve_shape(n->shape());
-  const int width = n->width();
-  if (width != 1 && width != 2 && width != 4) {
-    throw std::invalid_argument("RandomBitsNode: width must be 1, 2 or 4 bytes");
+  const int width = n->width();  // 1, 2 or 4: checked by the schema
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {  // nothing to draw (MLX divides by the size)
+    st.set(n->out(), mx::zeros(shape, width == 4 ? mx::uint32 : width == 2 ? mx::uint16 : mx::uint8));
+    return;
   }
   auto seed = st.get_optional(n->seed());
   if (!seed) {
@@ -177,10 +178,23 @@ void exec_ScatterNode(Interpreter& st, const ir::ScatterNode* n) {
     if (axes[i] < 0) axes[i] += static_cast<int>(a.ndim());
     indices[i] = in_range(indices[i], a.shape(axes[i]), "ScatterNode");
   }
+  // MLX checks only that the update slice is no larger than `a`: one longer
+  // than 1 along an axis written at the last index would write past `a`.
   const auto& updates = st.get(n->updates());
   const auto& ishape = indices[0].shape();
-  if (updates.ndim() != ishape.size() + a.ndim()) {
-    throw std::invalid_argument("ScatterNode: updates must have rank indices + a");
+  bool fits = updates.ndim() == ishape.size() + a.ndim();
+  for (const auto& idx : indices) fits &= idx.shape() == ishape;
+  for (size_t d = 0; fits && d < updates.ndim(); ++d) {
+    const int i = static_cast<int>(d) - static_cast<int>(ishape.size());
+    const bool on_axis = i >= 0 && std::find(axes.begin(), axes.end(), i) != axes.end();
+    fits = i < 0 ? updates.shape(d) == ishape[d] : on_axis ? updates.shape(d) == 1 : updates.shape(d) <= a.shape(i);
+  }
+  if (!fits) {
+    throw std::invalid_argument("ScatterNode: updates must be [*indices shape, *slice of a], the slice 1 along axes");
+  }
+  if (updates.size() == 0) {  // nothing to write (MLX's kernel divides by the update count)
+    st.set(n->out(), a);
+    return;
   }
   st.set(n->out(), mx::scatter(a, indices, mx::astype(updates, a.dtype()), axes));
 }

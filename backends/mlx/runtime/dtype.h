@@ -5,6 +5,8 @@
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 
 #include <optional>
+#include <stdexcept>
+#include <string>
 
 #include "generated/schema_generated.h"
 
@@ -29,7 +31,7 @@ inline mlx::core::Dtype to_mlx_dtype(ir::DType d) {
     case ir::DType::uint32: return mlx::core::uint32;
     case ir::DType::uint64: return mlx::core::uint64;
   }
-  throw std::invalid_argument("invalid dtype in program");
+  throw std::invalid_argument("dtype " + std::to_string(static_cast<int>(d)) + " is not a DType");
 }
 
 // The ExecuTorch scalar type for an IR dtype that can cross the delegate

@@ -1,0 +1,232 @@
+"""Runs fuzz cases through ExecuTorch in worker processes.
+
+A case is a template program with its delegate blob swapped for another of
+the same length. Workers load and execute cases one after another and
+report each outcome; a worker that dies (a crash) or stalls past the
+timeout (a hang) is counted against its case and replaced, so one bad case
+never ends the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import random
+import re
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from ..serialization import ir
+from . import graphs, mutate, sketch
+from .sketch import Template
+
+LOAD, EXECUTE, RAN, CRASHED, HUNG = "refused at load", "refused at execute", "ran", "crashed", "hung"
+
+
+@dataclass(frozen=True)
+class Case:
+    template: str  # key of the template program
+    blob: bytes  # the delegate blob to run (same length as the template's)
+    label: str  # what was changed
+
+
+@dataclass
+class Report:
+    outcomes: collections.Counter = field(default_factory=collections.Counter)
+    by_label: dict[str, tuple[str, str]] = field(default_factory=dict)  # label -> (outcome, reason)
+    reasons: collections.Counter = field(default_factory=collections.Counter)  # refusal messages, numbers elided
+    unexplained: list[str] = field(default_factory=list)  # refused with no reason from our runtime
+    failures: list[str] = field(default_factory=list)  # crashed or hung, with what was changed
+
+    def summary(self) -> str:
+        total = sum(self.outcomes.values())
+        parts = ", ".join(f"{k} {self.outcomes[k]}" for k in (LOAD, EXECUTE, RAN, CRASHED, HUNG))
+        return f"{total} cases: {parts}"
+
+
+# ---------------------------------------------------------------- cases --
+def structured_cases(count: int, seed: int = 0, max_changes: int = 1,
+                     names: list[str] | None = None) -> tuple[list[Case], dict[str, Template]]:
+    """`count` mutated graphs, spread evenly over every seed graph (graphs.py)."""
+    rng = random.Random(seed)
+    names = names or list(graphs.GRAPHS)
+    cases = []
+    for k, name in enumerate(names):
+        base = graphs.GRAPHS[name]()
+        share = count // len(names) + (k < count % len(names))
+        for changes in mutate.sample(base, rng, share, max_changes):
+            label = f"{name}: " + "; ".join(m.describe() for m in changes)
+            cases.append(Case("sketch", sketch.pad(ir.serialize(mutate.apply(base, *changes))), label))
+    return cases, {"sketch": sketch.sketch_template()}
+
+
+def seed_cases(names: list[str] | None = None) -> tuple[list[Case], dict[str, Template]]:
+    """Every seed graph unmutated (each must run)."""
+    names = names or list(graphs.GRAPHS)
+    cases = [Case("sketch", sketch.pad(ir.serialize(graphs.GRAPHS[n]())), n) for n in names]
+    return cases, {"sketch": sketch.sketch_template()}
+
+
+def byte_cases(templates: dict[str, Template], count: int, seed: int = 0) -> list[Case]:
+    """`count` copies of the templates' blobs with 1 to 4 random bytes
+    changed (past the root offset and file identifier), spread evenly."""
+    rng = random.Random(seed)
+    keys = sorted(templates)
+    cases = []
+    for i in range(count):
+        key = keys[i % len(keys)]
+        data = bytearray(templates[key].placeholder)
+        changed = []
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(8, len(data))
+            data[at] = rng.randrange(256)
+            changed.append(f"{at}={data[at]}")
+        cases.append(Case(key, bytes(data), f"{key} bytes " + ",".join(changed)))
+    return cases
+
+
+def real_program_templates() -> dict[str, Template]:
+    """Two real programs: an MLP, and a sampling head with every sampler
+    parameter on (their blobs are what byte_cases mutates)."""
+    import torch
+    from executorch.exir import to_edge_transform_and_lower
+
+    from ..llm.sampling import export_sampling_head, sampler_examples
+    from ..partitioner import MLXPartitioner
+
+    gen = torch.Generator().manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 16, generator=gen)
+
+    def lower_mlp():
+        ep = torch.export.export(mlp, (x,))
+        return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch().buffer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.proj = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40)
+
+        def forward(self, tokens):
+            return self.proj(self.emb(tokens))
+
+    tokens = torch.tensor([[1, 5, 7], [2, 3, 9]])
+    flags = dict(top_k=True, top_p=True, min_p=True, repetition_penalty=True, frequency_penalty=True,
+                 presence_penalty=True)
+    params = dict(history_size=4, logit_bias_size=2)
+
+    def lower_head():
+        return export_sampling_head(Model().eval(), (tokens,), per_row=True, **flags, **params).buffer
+
+    examples = sampler_examples(2, seeded=True, per_row=True, params=tuple(flags), **params)
+    templates = {}
+    for key, lower, inputs in (("mlp", lower_mlp, (x,)), ("sampling_head", lower_head, (tokens, *examples.values()))):
+        pte, blob = sketch.capture_blob(lower)
+        templates[key] = Template(pte, blob, inputs)
+    return templates
+
+
+# --------------------------------------------------------------- running --
+def run_cases(cases: list[Case], templates: dict[str, Template], timeout: float = 10.0) -> Report:
+    """Runs every case in worker processes; never raises for a case."""
+    report = Report()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "cases.pkl")
+        with open(path, "wb") as f:
+            pickle.dump((templates, cases), f)
+        pos = 0
+        while pos < len(cases):
+            pos = _run_worker(path, pos, cases, timeout, report, os.path.join(tmp, "stderr"))
+    return report
+
+
+def _record(report: Report, case: Case, outcome: str, reason: str = "") -> None:
+    report.outcomes[outcome] += 1
+    report.by_label[case.label] = (outcome, reason)
+    if outcome in (LOAD, EXECUTE):
+        if reason:
+            report.reasons[re.sub(r"-?\d+(\.\d+)?", "N", reason)[:110]] += 1
+        else:
+            report.unexplained.append(case.label)
+    elif outcome in (CRASHED, HUNG):
+        report.failures.append(f"{outcome}: {case.label} {reason}".rstrip())
+
+
+def _run_worker(path: str, start: int, cases: list[Case], timeout: float, report: Report, err_path: str) -> int:
+    """Runs cases from `start` in one worker; returns where the next worker starts."""
+    code = "from executorch_mlx.fuzzing.runner import worker_main; worker_main()"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, path, str(start)], stdout=subprocess.PIPE,
+                                stderr=err, text=True, bufsize=1)
+    current, started = None, 0.0
+    try:
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:  # the worker is gone
+                    proc.wait()
+                    if current is None:
+                        if proc.returncode != 0:
+                            raise RuntimeError(f"fuzz worker failed before its first case: {_tail(err_path)}")
+                        return len(cases)
+                    _record(report, cases[current], CRASHED, f"(exit {proc.returncode}) {_tail(err_path)}")
+                    return current + 1
+                tag, _, rest = line.rstrip("\n").partition(" ")
+                if tag == "B":
+                    current, started = int(rest), time.monotonic()
+                elif tag == "E":
+                    index, outcome, reason = rest.split("\t", 2)
+                    _record(report, cases[int(index)], outcome, reason)
+                    current = None
+            if current is not None and time.monotonic() - started > timeout:
+                proc.kill()
+                proc.wait()
+                _record(report, cases[current], HUNG, f"(over {timeout:.0f} s)")
+                return current + 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _tail(path: str) -> str:
+    with open(path, "rb") as f:
+        lines = f.read().decode(errors="replace").strip().splitlines()
+    return " | ".join(lines[-3:])[-400:]
+
+
+def worker_main() -> None:
+    """In a worker process: run cases from argv[2] on, reporting each on stdout."""
+    import executorch_mlx  # noqa: F401  (registers the backend)
+    from executorch.runtime import Runtime
+
+    from .._runtime_library import clear_last_error, last_error
+
+    with open(sys.argv[1], "rb") as f:
+        templates, cases = pickle.load(f)
+    runtime = Runtime.get()
+    for index in range(int(sys.argv[2]), len(cases)):
+        case = cases[index]
+        template = templates[case.template]
+        print(f"B {index}", flush=True)
+        clear_last_error()
+        outcome = RAN
+        try:
+            program = runtime.load_program(template.with_blob(case.blob))  # outlives its method
+            method = program.load_method("forward")
+        except RuntimeError:
+            outcome = LOAD
+        if outcome == RAN:
+            try:
+                method.execute(list(template.inputs))
+            except RuntimeError:
+                outcome = EXECUTE
+        reason = last_error().replace("\t", " ").replace("\n", " ") if outcome != RAN else ""
+        print(f"E {index}\t{outcome}\t{reason}", flush=True)
