@@ -139,7 +139,7 @@ CORRUPTIONS = {
 def test_corrupt_blob_is_refused_cleanly(monkeypatch, name):
     mutate, reason = CORRUPTIONS[name]
     pte = _pte_with_blob(monkeypatch, mutate)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="Failed to load method forward"):
         run(pte, list(ARGS))
     assert reason in last_error(), last_error()
 
@@ -219,54 +219,6 @@ def test_inputs_are_never_overwritten_by_buffer_reuse():
         torch.testing.assert_close(g, w)
 
 
-FUZZ_SCRIPT = """
-import random, sys, torch
-import executorch_mlx
-from executorch.runtime import Runtime
-base, blob = open(sys.argv[1], 'rb').read(), open(sys.argv[2], 'rb').read()
-rng = random.Random(int(sys.argv[3]))
-refused = ran = 0
-for n in range(int(sys.argv[4])):
-    data = bytearray(blob)
-    for _ in range(rng.randint(1, 4)):
-        data[rng.randrange(8, len(data))] = rng.randrange(256)
-    program = Runtime.get().load_program(base.replace(blob, bytes(data)))
-    try:
-        program.load_method('forward').execute([torch.randn(3, 6), torch.tensor([0, 2, 4])])
-        ran += 1
-    except RuntimeError:
-        refused += 1
-print('survived', refused, ran)
-"""
-
-
-def test_mutated_blobs_never_crash_the_process(tmp_path, monkeypatch):
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(6, 5)
-
-        def forward(self, x, ids):
-            y = torch.softmax(self.lin(x) * 2, -1)[:, 1:4].sum(-1)
-            return y + torch.nn.functional.embedding(ids, self.lin.weight).mean()
-
-    blobs = []
-    real = ir.serialize
-    monkeypatch.setattr(backend_module.ir, "serialize", lambda g: blobs.append(real(g)) or blobs[-1])
-    base = lower(M(), (torch.randn(3, 6), torch.tensor([0, 2, 4]))).to_executorch().buffer
-    (tmp_path / "base.pte").write_bytes(base)
-    (tmp_path / "blob").write_bytes(blobs[0])
-    (tmp_path / "fuzz.py").write_text(FUZZ_SCRIPT)
-    res = subprocess.run([sys.executable, str(tmp_path / "fuzz.py"), str(tmp_path / "base.pte"),
-                          str(tmp_path / "blob"), "1234", "300"], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    refused, ran = map(int, res.stdout.split("survived")[1].split())
-    assert refused + ran == 300
-    # most mutations break the blob and are refused; some hit bytes that do
-    # not matter (padding, weights) and run
-    assert refused > 150 and ran > 0, (refused, ran)
-
-
 def test_dynamic_batch_crosses_the_delegate_boundary():
     class Dyn(torch.nn.Module):
         def forward(self, x):
@@ -284,8 +236,9 @@ def test_dynamic_batch_crosses_the_delegate_boundary():
     for b in (1, 2, 7, 16):
         x = torch.randn(b, 8)
         torch.testing.assert_close(run(pte, [x])[0], Dyn()(x))
-    with pytest.raises(RuntimeError):
-        run(pte, [torch.randn(17, 8)])  # above the exported bound
+    # above the exported bound: ExecuTorch refuses it before the delegate runs
+    with pytest.raises(RuntimeError, match=r"set_inputs\(\) for method 'forward' failed"):
+        run(pte, [torch.randn(17, 8)])
 
 
 LOAD_MEMORY_SCRIPT = """

@@ -212,10 +212,13 @@ def worker_main() -> None:
     with open(sys.argv[1], "rb") as f:
         templates, cases = pickle.load(f)
     runtime = Runtime.get()
+    selftest = os.environ.get("EMLX_FUZZ_SELFTEST") == "1"  # tests/test_fuzz.py: cases named crash, hang
     for index in range(int(sys.argv[2]), len(cases)):
         case = cases[index]
         template = templates[case.template]
         print(f"B {index}", flush=True)
+        if selftest and case.label in ("crash", "hang"):
+            os.abort() if case.label == "crash" else time.sleep(3600)
         clear_last_error()
         outcome = RAN
         try:
