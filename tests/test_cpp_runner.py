@@ -83,6 +83,7 @@ def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, t
      "exceeds this program's history of 64 tokens"),
     (["--prompt-ids", "1", "--logit-bias", "3"], "--logit-bias: expected ID=VALUE"),
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--logit-bias", "100000=1"], "--logit-bias: token ids must be in [0, "),
+    (["--prompt-ids", "1", "--memory-budget-kib", "0"], "--memory-budget-kib must be in [1, 2^31)"),
 ])
 def test_cpp_runner_bad_arguments(programs, args, message):
     done = cpp(programs["sampled-int4"], *args)
@@ -102,3 +103,16 @@ def test_cpp_runner_refuses_a_missing_or_foreign_file(programs, tmp_path):
     bad.write_bytes(b"not a program" * 10)
     done = cpp(bad, "--prompt-ids", "1")
     assert done.returncode == 1 and "loading program" in done.stderr
+
+
+def test_cpp_runner_memory_budget_is_a_load_option_of_the_program(programs):
+    """--memory-budget-kib passes the backend's load-time option: a budget
+    below the program's KV cache refuses it at load, naming both sizes; a
+    large one runs it."""
+    args = ["--prompt-ids", "1,2", "--max-new-tokens", "2"]
+    done = cpp(programs["logits"], *args, "--memory-budget-kib", "1")
+    assert done.returncode == 1, done.stderr
+    assert "mutable buffers of" in done.stderr and "exceed the memory budget of 1024 bytes" in done.stderr
+    assert "loading method 'forward'" in done.stderr
+    assert cpp_ids(programs["logits"], [1, 2], 2) == cpp_ids(programs["logits"], [1, 2], 2, 0.0, 0,
+                                                             "--memory-budget-kib", str(1 << 20))

@@ -300,9 +300,9 @@ def test_greedy_head_is_plain_argmax_in_eager_too():
 
 # ------------------------------------------------- host-side bad input --
 def test_export_rejects_example_inputs_it_cannot_sample_from():
-    with pytest.raises(ValueError, match="batch size 0"):
+    with pytest.raises(ValueError, match=r"model_args\[0\] has batch size 0"):
         export_sampling_head(Logits(), (torch.zeros(0, 8),))
-    with pytest.raises(ValueError, match="model_args"):
+    with pytest.raises(ValueError, match="model_args must be a non-empty tuple"):
         export_sampling_head(Logits(), ())
 
 
@@ -333,11 +333,13 @@ def test_decoder_checks_tokens_steps_and_the_program():
     for bad in (torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, 3)):
         with pytest.raises(TypeError, match="tokens must be a torch.int64 tensor"):
             dec.step(bad, seed=1)
+    with pytest.raises(ValueError, match=r"tokens must be \[2, 3\], got \[3, 3\]"):
+        dec.step(torch.zeros(3, 3, dtype=torch.int64), seed=1)
     for steps in (0, -2):
         with pytest.raises(ValueError, match="steps must be a positive int"):
             dec.generate(torch.zeros(2, 3, dtype=torch.int64), steps, seed=1)
     mlp = lower(torch.nn.Linear(4, 2), (torch.randn(3, 4),)).to_executorch().buffer
-    with pytest.raises(ValueError, match="not a sampling head"):
+    with pytest.raises(ValueError, match="forward is not a sampling head: the program has no emlx_input_names"):
         SampledDecoder(mlp)
 
 

@@ -87,7 +87,7 @@ def memory_budget() -> int:
 
 def set_memory_budget(nbytes: int | None) -> None:
     """Sets the memory budget of programs loaded from now on (None: back to
-    the default). C++ callers: the backend option "memory_budget_mib"."""
+    the default). C++ callers: the backend option "memory_budget_kib"."""
     if nbytes is None:
         nbytes = 0
     elif isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:

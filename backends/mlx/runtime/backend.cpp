@@ -26,10 +26,11 @@ using et::Error;
 // The id programs are lowered for; must equal the Python BackendDetails
 // class name (executorch_mlx.backend.MLXGraphBackend).
 constexpr const char* kBackendId = "MLXGraphBackend";
-// Backend option (int, MiB): the memory budget (memory_budget.h), process-wide
-// through executorch::runtime::set_option, or per program as a load-time
-// runtime spec. 0 restores the default.
-constexpr const char* kMemoryBudgetOption = "memory_budget_mib";
+// Backend option (int, KiB): the memory budget (memory_budget.h), process-wide
+// through executorch::runtime::set_option (0 restores the default), or per
+// program as a load-time runtime spec (Program::load_method's
+// LoadBackendOptionsMap).
+constexpr const char* kMemoryBudgetOption = "memory_budget_kib";
 
 namespace {
 
@@ -147,7 +148,7 @@ class MLXGraphBackend final : public et::BackendInterface {
       size_t budget = 0;
       auto spec = context.get_runtime_spec<int>(kMemoryBudgetOption);
       if (spec.ok() && *spec < 0) throw std::invalid_argument(std::string(kMemoryBudgetOption) + " is negative");
-      budget = spec.ok() && *spec > 0 ? static_cast<size_t>(*spec) << 20 : memory_budget();
+      budget = spec.ok() && *spec > 0 ? static_cast<size_t>(*spec) << 10 : memory_budget();
       handle->program = std::make_unique<Program>(handle->blob.data(), handle->blob.size(),
                                                   context.get_named_data_map(), budget);
     } catch (const std::exception& e) {
@@ -185,9 +186,9 @@ class MLXGraphBackend final : public et::BackendInterface {
   Error set_option(et::BackendOptionContext&, const et::Span<et::BackendOption>& options) override {
     for (auto& opt : options) {
       if (std::strcmp(opt.key, kMemoryBudgetOption) != 0) continue;
-      auto* mib = std::get_if<int>(&opt.value);
-      if (!mib || *mib < 0) return fail(Error::InvalidArgument, std::string(kMemoryBudgetOption) + ": expected an int >= 0");
-      set_memory_budget(static_cast<size_t>(*mib) << 20);
+      auto* kib = std::get_if<int>(&opt.value);
+      if (!kib || *kib < 0) return fail(Error::InvalidArgument, std::string(kMemoryBudgetOption) + ": expected an int >= 0");
+      set_memory_budget(static_cast<size_t>(*kib) << 10);
     }
     return Error::Ok;
   }
@@ -196,7 +197,7 @@ class MLXGraphBackend final : public et::BackendInterface {
     for (auto& opt : options) {
       if (std::strcmp(opt.key, kMemoryBudgetOption) != 0) continue;
       try {
-        opt.value = static_cast<int>(std::min<size_t>(memory_budget() >> 20, INT32_MAX));
+        opt.value = static_cast<int>(std::min<size_t>(memory_budget() >> 10, INT32_MAX));
       } catch (const std::exception& e) {
         return fail(Error::InvalidArgument, e.what());
       }

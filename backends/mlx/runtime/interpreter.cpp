@@ -170,7 +170,7 @@ void Interpreter::set(uint32_t slot, mx::array a) {
       throw std::invalid_argument(
           "values alive at once reach " + format_bytes(liveness_.state_bytes + live_bytes_) + " (this output: " +
           format_bytes(a.nbytes()) + "), over the memory budget of " + format_bytes(liveness_.budget) +
-          " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_mib)");
+          " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_kib)");
     }
   }
   values_[slot] = std::move(a);
@@ -365,7 +365,7 @@ void Program::plan_liveness() {
   }
   if (liveness_.state_bytes > liveness_.budget) {
     throw ProgramError("mutable buffers of " + format_bytes(liveness_.state_bytes) + " exceed the memory budget of " +
-                       format_bytes(liveness_.budget) + " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_mib)");
+                       format_bytes(liveness_.budget) + " (set EMLX_MEMORY_BUDGET or the backend option memory_budget_kib)");
   }
 }
 

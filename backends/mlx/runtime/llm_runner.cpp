@@ -5,6 +5,7 @@
 //               [--temperature T] [--seed S] [--top-k K] [--top-p P] [--min-p M]
 //               [--repetition-penalty R] [--repetition-context-size N]
 //               [--frequency-penalty F] [--presence-penalty Q] [--logit-bias ID=VALUE]...
+//               [--memory-budget-kib N]
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
 // tokens per second. It is the example a C++ app copies: load the program
@@ -15,6 +16,8 @@
 #include <executorch/extension/data_loader/mmap_data_loader.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
 #include <executorch/extension/tensor/tensor_ptr.h>
+#include <executorch/runtime/backend/backend_options_map.h>
+#include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/executor/memory_manager.h>
 #include <executorch/runtime/executor/method.h>
 #include <executorch/runtime/executor/program.h>
@@ -35,6 +38,7 @@
 #include <vector>
 
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
+extern "C" const char* emlx_backend_id();
 
 namespace {
 
@@ -63,7 +67,7 @@ struct LoadedMethod {
   std::unique_ptr<et::MemoryManager> memory;
   std::unique_ptr<et::Method> method;
 
-  LoadedMethod(et::Program& program, const char* name) {
+  LoadedMethod(et::Program& program, const char* name, const et::LoadBackendOptionsMap* options = nullptr) {
     auto meta = program.method_meta(name);
     check(meta.error(), std::string("reading method '") + name + "'");
     for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
@@ -72,7 +76,7 @@ struct LoadedMethod {
     }
     planned_allocator = std::make_unique<et::HierarchicalAllocator>(et::Span(spans.data(), spans.size()));
     memory = std::make_unique<et::MemoryManager>(&method_allocator, planned_allocator.get(), &temp_allocator);
-    auto m = program.load_method(name, memory.get());
+    auto m = program.load_method(name, memory.get(), nullptr, nullptr, options);
     check(m.error(), std::string("loading method '") + name + "'");
     method = std::make_unique<et::Method>(std::move(m.get()));
   }
@@ -129,6 +133,7 @@ struct Options {
   float top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, frequency_penalty = 0.0f, presence_penalty = 0.0f;
   int64_t repetition_context_size = 20;
   std::vector<std::pair<int64_t, float>> logit_bias;
+  int64_t memory_budget_kib = 0;  // 0: the plugin's default (EMLX_MEMORY_BUDGET or a quarter of memory)
 
   bool penalized() const { return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
 };
@@ -198,6 +203,11 @@ Options parse_args(int argc, char** argv) {
       const float v = parse_float(a, t.substr(eq + 1));
       if (std::isnan(v)) throw UsageError("--logit-bias: the value must not be NaN");
       o.logit_bias.emplace_back(parse_int(a, t.substr(0, eq)), v);
+    } else if (a == "--memory-budget-kib") {
+      o.memory_budget_kib = parse_int(a, value());
+      if (o.memory_budget_kib < 1 || o.memory_budget_kib > INT32_MAX) {
+        throw UsageError("--memory-budget-kib must be in [1, 2^31)");
+      }
     } else if (a == "--seed") {
       // any 64-bit seed, signed or not (as the Python runner: 2**63 and up keep their bits)
       const std::string t = value();
@@ -364,7 +374,14 @@ int run(const Options& o) {
     throw UsageError("this program returns logits (exported with --no-sampling): only greedy decoding");
   }
 
-  LoadedMethod forward(program.get(), "forward");
+  // The memory budget of this program alone: a load-time option of our backend.
+  et::BackendOptions<1> budget;
+  et::LoadBackendOptionsMap options;
+  if (o.memory_budget_kib) {
+    check(budget.set_option("memory_budget_kib", static_cast<int>(o.memory_budget_kib)), "--memory-budget-kib");
+    check(options.set_options(emlx_backend_id(), budget.view()), "--memory-budget-kib");
+  }
+  LoadedMethod forward(program.get(), "forward", o.memory_budget_kib ? &options : nullptr);
   Generator gen(forward, md, o);
   auto t0 = std::chrono::steady_clock::now();
   int64_t token = 0;
@@ -402,7 +419,7 @@ int main(int argc, char** argv) {
                  "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--temperature T] "
                  "[--seed S]\n       [--top-k K] [--top-p P] [--min-p M] [--repetition-penalty R] "
                  "[--repetition-context-size N]\n       [--frequency-penalty F] [--presence-penalty Q] "
-                 "[--logit-bias ID=VALUE]...\n");
+                 "[--logit-bias ID=VALUE]...\n       [--memory-budget-kib N]\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
