@@ -141,17 +141,33 @@ def test_scatter_updates_must_be_one_wide_along_the_written_axis():
         s.finish(out, 3))
 
 
-@pytest.mark.parametrize("empty", ["scatter updates", "random rows"])
-def test_empty_values_run_where_mlx_would_divide_by_zero(empty):
+def _empty_scatter_updates():
     s = Sketch()
-    if empty == "scatter updates":
-        idx = s.op(ir.ArangeNode, start=0.0, stop=0.0, step=1.0, dtype=I64)
-        out = s.op(ir.ScatterNode, a=s.x, indices=[idx], updates=s.full([0, 2, 1, 4], 1.0), axes=[1])
-        want = sketch.INPUTS[0].sum()
-    else:
-        bits = s.op(ir.RandomBitsNode, shape=sizes(0, 2), seed=s.lit(1, I64), position=s.lit(0, I64))
-        out, want = bits, torch.tensor(0.0)
-    (got,) = run(sketch.wrap(s.finish(out, 3 if empty == "scatter updates" else 2)), list(sketch.INPUTS))
+    idx = s.op(ir.ArangeNode, start=0.0, stop=0.0, step=1.0, dtype=I64)
+    return s.finish(s.op(ir.ScatterNode, a=s.x, indices=[idx], updates=s.full([0, 2, 1, 4], 1.0), axes=[1]), 3)
+
+
+def _empty_random_rows():
+    s = Sketch()
+    return s.finish(s.op(ir.RandomBitsNode, shape=sizes(0, 2), seed=s.lit(1, I64), position=s.lit(0, I64)), 2)
+
+
+def _empty_quantized_rows():
+    q = graphs.quantized_linear()
+    q.nodes[0].op.shape[0] = ir.IntOrSlot(value=0, slot=-1)  # x: [0, 64]
+    return q
+
+
+# Empty values MLX would divide by zero on (SIGFPE), and what each must give.
+EMPTY = {"empty scatter updates": (_empty_scatter_updates, sketch.INPUTS[0].sum()),
+         "empty random rows": (_empty_random_rows, torch.tensor(0.0)),
+         "empty quantized rows": (_empty_quantized_rows, torch.tensor(0.0))}
+
+
+@pytest.mark.parametrize("name", list(EMPTY))
+def test_empty_values_run_where_mlx_would_divide_by_zero(name):
+    build, want = EMPTY[name]
+    (got,) = run(sketch.wrap(build()), list(sketch.INPUTS))
     torch.testing.assert_close(got, want)
 
 
@@ -159,14 +175,21 @@ def test_empty_values_run_where_mlx_would_divide_by_zero(empty):
 STRUCTURED = 4 * len(graphs.GRAPHS)
 
 
-@pytest.fixture(scope="module")
-def sketch_report():
-    """One worker run (its start-up is most of the time): the seed graph of
-    every node type, mutations of them, and the hostile blobs."""
+@pytest.fixture(scope="module", params=["native", "mlx-ops"])
+def sketch_report(request):
+    """One worker run per device path (the native CPU kernels, and the MLX
+    ops that GPUs run): the seed graph of every node type, mutations of
+    them, the empty values and the hostile blobs."""
     seeds, templates = runner.seed_cases()
     mutated, _ = runner.structured_cases(STRUCTURED, seed=7, max_changes=2)
-    named = [runner.Case("sketch", sketch.pad(ir.serialize(build())), name) for name, build in hostile.REFUSED.items()]
-    return runner.run_cases(seeds + mutated + named, templates)
+    named = [runner.Case("sketch", sketch.pad(ir.serialize(build())), name)
+             for name, build in [*hostile.REFUSED.items(), *((k, v[0]) for k, v in EMPTY.items())]]
+    env = {"EMLX_DISABLE_CPU_KERNELS": "1"} if request.param == "mlx-ops" else {}
+    return runner.run_cases(seeds + mutated + named, templates, env=env)
+
+
+def test_empty_values_run_on_both_device_paths(sketch_report):
+    assert {name: sketch_report.by_label[name][0] for name in EMPTY} == dict.fromkeys(EMPTY, runner.RAN)
 
 
 @pytest.mark.parametrize("name", list(hostile.REFUSED))
@@ -299,7 +322,7 @@ def _assert_survived(report: runner.Report, count: int) -> None:
 
 
 def test_structured_mutations_of_every_node_type_never_crash(sketch_report):
-    mutated = [label for label in sketch_report.by_label if ": " in label]
+    mutated = [label for label in sketch_report.by_label if ": " in label and not label.startswith("empty")]
     assert len(mutated) == STRUCTURED and {label.split(":")[0] for label in mutated} == set(graphs.GRAPHS)
     _assert_survived(sketch_report, len(sketch_report.by_label))
 

@@ -132,8 +132,10 @@ def real_program_templates() -> dict[str, Template]:
 
 
 # --------------------------------------------------------------- running --
-def run_cases(cases: list[Case], templates: dict[str, Template], timeout: float = 10.0) -> Report:
-    """Runs every case in worker processes; never raises for a case."""
+def run_cases(cases: list[Case], templates: dict[str, Template], timeout: float = 10.0,
+              env: dict[str, str] | None = None) -> Report:
+    """Runs every case in worker processes (with `env` added to their
+    environment); never raises for a case."""
     report = Report()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "cases.pkl")
@@ -141,7 +143,7 @@ def run_cases(cases: list[Case], templates: dict[str, Template], timeout: float 
             pickle.dump((templates, cases), f)
         pos = 0
         while pos < len(cases):
-            pos = _run_worker(path, pos, cases, timeout, report, os.path.join(tmp, "stderr"))
+            pos = _run_worker(path, pos, cases, timeout, report, os.path.join(tmp, "stderr"), env)
     return report
 
 
@@ -157,12 +159,13 @@ def _record(report: Report, case: Case, outcome: str, reason: str = "") -> None:
         report.failures.append(f"{outcome}: {case.label} {reason}".rstrip())
 
 
-def _run_worker(path: str, start: int, cases: list[Case], timeout: float, report: Report, err_path: str) -> int:
+def _run_worker(path: str, start: int, cases: list[Case], timeout: float, report: Report, err_path: str,
+                env: dict[str, str] | None) -> int:
     """Runs cases from `start` in one worker; returns where the next worker starts."""
     code = "from executorch_mlx.fuzzing.runner import worker_main; worker_main()"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-c", code, path, str(start)], stdout=subprocess.PIPE,
-                                stderr=err, text=True, bufsize=1)
+                                stderr=err, text=True, bufsize=1, env={**os.environ, **(env or {})})
     current, started = None, 0.0
     try:
         while True:

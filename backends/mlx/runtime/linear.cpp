@@ -367,6 +367,11 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("QuantizedLinearNode: bias must be [N]");
   }
+  if (x.size() == 0) {  // no rows (MLX's quantized_matmul divides by their count)
+    mx::Shape out = x.shape();
+    out.back() = w.shape(0);
+    return mx::zeros(out, x.dtype());
+  }
   const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
                       (!bias || bias->dtype() == x.dtype());
   if (!kernel) return quantized_linear_reference(x, w, scales, biases, bias, group_size, bits);
