@@ -482,16 +482,16 @@ class CppGen:
         lines = []
         for f in node.fields:
             a, acc, where = f.attributes, f"n->{f.name}()", f'"{node.name}.{f.name}"'
-            vector = f.type.base == "Vector"
-            if "axis" in a:
-                fn = "check_axes" if vector else "check_axis"
-                lines.append(f"{fn}({acc}, {self.rank(node, f, a['axis'])}, {where});")
-            if "new_axis" in a:
-                lines.append(f"check_axes({acc}, {self.rank(node, f, a['new_axis'])} + static_cast<int>({acc}->size()), {where});")
-            if "permutation" in a:
-                lines.append(f"check_permutation({acc}, {self.rank(node, f, a['permutation'])}, {where});")
-            if "per_axis" in a:
-                lines.append(f"check_per_axis({acc}->size(), {self.rank(node, f, a['per_axis'])}, {where});")
+            # attributes that name the field whose rank they are checked against
+            by_rank = {
+                "axis": f"{'check_axes' if f.type.base == 'Vector' else 'check_axis'}({acc}, RANK, {where});",
+                "new_axis": f"check_axes({acc}, RANK + static_cast<int>({acc}->size()), {where});",
+                "permutation": f"check_permutation({acc}, RANK, {where});",
+                "per_axis": f"check_per_axis({acc}->size(), RANK, {where});",
+            }
+            for attr, call in by_rank.items():
+                if attr in a:
+                    lines.append(call.replace("RANK", self.rank(node, f, a[attr])))
             if "stride" in a:
                 lines.append(f"check_strides({acc}, {where});")
             if "numel" in a:
