@@ -21,6 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..serialization import ir
 from . import graphs, mutate, sketch
 from .sketch import Template
@@ -90,30 +92,32 @@ def byte_cases(templates: dict[str, Template], count: int, seed: int = 0) -> lis
     return cases
 
 
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.proj = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40)
+
+    def forward(self, tokens):
+        return self.proj(self.emb(tokens))
+
+
 def real_program_templates() -> dict[str, Template]:
     """Two real programs: an MLP, and a sampling head with every sampler
     parameter on (their blobs are what byte_cases mutates)."""
-    import torch
     from executorch.exir import to_edge_transform_and_lower
 
     from ..llm.sampling import export_sampling_head, sampler_examples
     from ..partitioner import MLXPartitioner
 
-    gen = torch.Generator().manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
-    x = torch.randn(2, 16, generator=gen)
+    with torch.random.fork_rng():  # the same weights, so the same blobs (constant names hash them), every run
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+        head_model = _TinyLM().eval()
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
 
     def lower_mlp():
         ep = torch.export.export(mlp, (x,))
         return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch().buffer
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.proj = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40)
-
-        def forward(self, tokens):
-            return self.proj(self.emb(tokens))
 
     tokens = torch.tensor([[1, 5, 7], [2, 3, 9]])
     flags = dict(top_k=True, top_p=True, min_p=True, repetition_penalty=True, frequency_penalty=True,
@@ -121,7 +125,7 @@ def real_program_templates() -> dict[str, Template]:
     params = dict(history_size=4, logit_bias_size=2)
 
     def lower_head():
-        return export_sampling_head(Model().eval(), (tokens,), per_row=True, **flags, **params).buffer
+        return export_sampling_head(head_model, (tokens,), per_row=True, **flags, **params).buffer
 
     examples = sampler_examples(2, seeded=True, per_row=True, params=tuple(flags), **params)
     templates = {}
