@@ -63,6 +63,8 @@ def last_error() -> str:
 
 
 def clear_last_error() -> None:
+    """Forgets the last failure on this thread (a caller that runs many
+    programs can then tell whose error last_error() reports)."""
     load().emlx_clear_last_error()
 
 

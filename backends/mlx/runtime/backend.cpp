@@ -145,10 +145,9 @@ class MLXGraphBackend final : public et::BackendInterface {
                                        et::ArrayRef<et::CompileSpec>) const override {
     auto handle = std::make_unique<Handle>(std::move(*processed));
     try {
-      size_t budget = 0;
       auto spec = context.get_runtime_spec<int>(kMemoryBudgetOption);
       if (spec.ok() && *spec < 0) throw std::invalid_argument(std::string(kMemoryBudgetOption) + " is negative");
-      budget = spec.ok() && *spec > 0 ? static_cast<size_t>(*spec) << 10 : memory_budget();
+      const size_t budget = spec.ok() && *spec > 0 ? static_cast<size_t>(*spec) << 10 : memory_budget();
       handle->program = std::make_unique<Program>(handle->blob.data(), handle->blob.size(),
                                                   context.get_named_data_map(), budget);
     } catch (const std::exception& e) {

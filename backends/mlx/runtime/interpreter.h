@@ -65,8 +65,8 @@ class Interpreter {
   // The size of dynamic dimension `i` in this execution.
   int64_t symbol(int64_t i) const;
 
-  // Runs node `i` (of `name`): what it writes counts against the memory
-  // budget until its last reader has run. Errors name the node.
+  // Runs node `i`: what it writes counts against the memory budget until
+  // its last reader has run. Errors name the node.
   void run_node(uint32_t i, const ir::Node* node);
 
  private:

@@ -4902,7 +4902,7 @@ def BitwiseXorNodeEnd(builder):
 
 
 
-# Inclusive (or exclusive) cumulative sum along `axis` (non-negative).
+# Inclusive (or exclusive) cumulative sum along `axis`.
 class CumsumNode(object):
     __slots__ = ['_tab']
 

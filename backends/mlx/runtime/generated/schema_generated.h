@@ -5782,7 +5782,7 @@ struct BitwiseXorNode::Traits {
   static auto constexpr Create = CreateBitwiseXorNode;
 };
 
-/// Inclusive (or exclusive) cumulative sum along `axis` (non-negative).
+/// Inclusive (or exclusive) cumulative sum along `axis`.
 struct CumsumNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef CumsumNodeBuilder Builder;
   struct Traits;
