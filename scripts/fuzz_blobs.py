@@ -3,7 +3,7 @@
 may crash or hang without ending the run, and prints what happened.
 
     .venv/bin/python scripts/fuzz_blobs.py [--structured 10000] [--bytes 10000] [--seed 0]
-        [--max-changes 2] [--timeout 10] [--reasons 25]
+        [--max-changes 2] [--timeout 10] [--memory-budget 4G] [--reasons 25]
 
 --structured: field-aware mutations of a seed graph of every node type of the
 schema (executorch_mlx.fuzzing.graphs): 1 to --max-changes fields each, set to
@@ -28,6 +28,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-changes", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--memory-budget", default="4G",
+                    help="EMLX_MEMORY_BUDGET of the workers (fixed, so runs compare across machines)")
     ap.add_argument("--reasons", type=int, default=25, help="how many of the commonest refusal reasons to print")
     args = ap.parse_args()
 
@@ -43,7 +45,7 @@ def main() -> int:
     bad = 0
     for name, cases, templates in runs:
         start = time.perf_counter()
-        report = runner.run_cases(cases, templates, timeout=args.timeout)
+        report = runner.run_cases(cases, templates, timeout=args.timeout, env={"EMLX_MEMORY_BUDGET": args.memory_budget})
         print(f"{name}: {report.summary()} ({time.perf_counter() - start:.0f} s)")
         for reason, count in report.reasons.most_common(args.reasons):
             print(f"  {count:6d}  {reason}")

@@ -26,7 +26,7 @@ def _quiet(*names):
 
 with _quiet("torchao", "torch.utils._pytree"):
     from ._runtime_library import load as _load_runtime
-    from ._runtime_library import memory_budget, reset_state, runner_binary, set_memory_budget
+    from ._runtime_library import last_error, memory_budget, reset_state, runner_binary, set_memory_budget
     from .backend import MLXGraphBackend
     from .custom_kernel_ops import quantized as _quantized_ops  # registers torch.ops.mlx.quantized_*
     from .custom_kernel_ops import sample as _sample_op  # registers torch.ops.mlx.sample
@@ -36,5 +36,5 @@ with _quiet("torchao", "torch.utils._pytree"):
 
 BACKEND_ID = MLXGraphBackend.__name__
 
-__all__ = ["BACKEND_ID", "MLXGraphBackend", "MLXPartitioner", "memory_budget", "reset_state", "runner_binary",
-           "set_memory_budget"]
+__all__ = ["BACKEND_ID", "MLXGraphBackend", "MLXPartitioner", "last_error", "memory_budget", "reset_state",
+           "runner_binary", "set_memory_budget"]
