@@ -8,7 +8,7 @@ load and run quickly.
 from __future__ import annotations
 
 from ..serialization import ir
-from .sketch import F32, I64, Sketch, sizes
+from .sketch import I64, Sketch, sizes
 
 
 def zero_stride() -> ir.Graph:
