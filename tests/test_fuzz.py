@@ -12,7 +12,7 @@ import torch
 from harness import run
 
 import executorch_mlx
-from executorch_mlx._runtime_library import last_error
+from executorch_mlx._runtime_library import clear_last_error, last_error
 from executorch_mlx.fuzzing import graphs, hostile, mutate, runner, sketch
 from executorch_mlx.fuzzing.sketch import F32, I64, Sketch, sizes
 from executorch_mlx.serialization import ir
@@ -24,6 +24,7 @@ def _refusal(graph: ir.Graph) -> str:
 
 
 def _refusal_of(pte: bytes) -> str:
+    clear_last_error()  # so the reason read below is this run's
     with pytest.raises(RuntimeError, match=r"Failed to load method forward|method->execute\(\) failed"):
         run(pte, list(sketch.INPUTS))
     return last_error()
@@ -299,6 +300,7 @@ def test_budget_at_execute_for_dynamic_shapes_keeps_the_state():
     finally:
         executorch_mlx.set_memory_budget(None)
     assert float(method.execute([x[:1]])[0]) == 1 + 1
+    clear_last_error()
     with pytest.raises(RuntimeError, match=r"method->execute\(\) failed"):
         method.execute([torch.ones(4, 2**20)])  # 2 GiB
     assert "values alive at once reach 2.0 GiB" in last_error() and "over the memory budget of 1.0 GiB" in last_error()
