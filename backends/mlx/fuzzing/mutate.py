@@ -149,10 +149,12 @@ def sample(graph: ir.Graph, rng: random.Random, count: int, max_changes: int = 1
     pool = mutations(graph)
     groups = [[m for m in pool if m.path[0] == "nodes"], [m for m in pool if m.path[0] != "nodes"]]
     orders = [rng.sample(g, len(g)) for g in groups]
+    drawn = [0, 0]  # from each group so far
     picks = []
     for i in range(count):
-        order = orders[0] if i % 4 != 3 or not orders[1] else orders[1]
-        first = order[(i - i // 4 if order is orders[0] else i // 4) % len(order)]
+        g = 1 if i % 4 == 3 and orders[1] else 0
+        first = orders[g][drawn[g] % len(orders[g])]
+        drawn[g] += 1
         extra = [rng.choice(pool) for _ in range(rng.randint(0, max_changes - 1))]
         picks.append([first, *extra])
     return picks

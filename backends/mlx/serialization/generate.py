@@ -448,6 +448,8 @@ class CppGen:
 
     def arg(self, f: FField, node: str) -> str:
         t, acc = f.type, f"{node}->{f.name}()"
+        if "numel" in f.attributes:
+            return f.name  # resolved and checked by checks()
         if t.base == "Obj" and self.s.objects[t.index].name == "Tid":
             return f"st.get({acc})" if f.required else f"st.get_optional({acc})"
         if t.base == "Vector" and t.element == "Obj":
@@ -494,8 +496,9 @@ class CppGen:
                     lines.append(call.replace("RANK", self.rank(node, f, a[attr])))
             if "stride" in a:
                 lines.append(f"check_strides({acc}, {where});")
-            if "numel" in a:
-                lines.append(f"check_numel(st.resolve_shape({acc}), st.get(n->{a['numel']}()), {where});")
+            if "numel" in a:  # the shape is resolved once, here; the call takes it (see arg)
+                lines.append(f"const auto {f.name} = st.resolve_shape({acc});")
+                lines.append(f"check_numel({f.name}, st.get(n->{a['numel']}()), {where});")
             if "one_of" in a:
                 allowed = ", ".join(str(int(v)) for v in a["one_of"].split())
                 lines.append(f"check_one_of({acc}, {{{allowed}}}, {where});")
