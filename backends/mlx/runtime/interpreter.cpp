@@ -36,6 +36,15 @@ std::mutex& mlx_mutex() {
 
 std::string slot_str(int64_t s) { return "value slot " + std::to_string(s); }
 
+// MLX streams belong to threads: an array can only be evaluated in the thread
+// whose stream it was made on ("There is no Stream(cpu, 0) in current
+// thread"). So every array a Program keeps between calls is evaluated (it then
+// has no stream), and each calling thread builds on a stream of its own.
+void use_thread_stream() {
+  const auto device = mx::default_device();
+  if (!mx::peek_default_stream(device)) mx::set_default_stream(mx::new_stream(device));
+}
+
 // Live programs with mutable state, for reset_all_state().
 std::mutex& registry_mutex() {
   static std::mutex m;
@@ -202,6 +211,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
   liveness_.budget = memory_budget;
   plan_liveness();
   try {
+    use_thread_stream();
     for (auto* lit : *graph_->literals()) literals_.emplace_back(lit->slot(), scalar_literal(lit));
     load_constants(named_data);
     // Build the graph once on zero inputs (nothing is evaluated) so that
@@ -218,6 +228,12 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
       probe.push_back(mx::zeros(shape, to_mlx_dtype(io->dtype())));
     }
     std::lock_guard<std::mutex> lock(mlx_mutex());
+    // Kept between calls, which may come from other threads: evaluated now.
+    // (Zero initial values are not: evaluated zeros take the cache's size;
+    // initial_value() makes them afresh in the calling thread.)
+    std::vector<mx::array> kept;
+    for (auto& [slot, arr] : literals_) kept.push_back(arr);
+    mx::eval(kept);
     Interpreter st(graph_->num_values(), symbols, liveness_);
     for (size_t i = 0; i < buffer_initial_.size(); ++i) {
       st.set(graph_->mutable_buffers()->Get(i)->slot(), buffer_initial_[i]);
@@ -417,17 +433,24 @@ void Program::load_constants(const NamedDataMap* named_data) {
   }
 }
 
+mx::array Program::initial_value(size_t i) const {
+  const auto& init = buffer_initial_[i];
+  if (graph_->mutable_buffers()->Get(i)->zero_initial()) return mx::zeros(init.shape(), init.dtype());
+  return mx::copy(init);
+}
+
 std::vector<mx::array> Program::initial_state() const {
   // Copies that own their memory: buffers are updated in place (donated)
   // during evaluation, and the initial values must survive that.
   std::vector<mx::array> state;
-  for (const auto& init : buffer_initial_) state.push_back(mx::copy(init));
+  for (size_t i = 0; i < buffer_initial_.size(); ++i) state.push_back(initial_value(i));
   mx::eval(state);
   return state;
 }
 
 void Program::reset_state() {
   std::lock_guard<std::mutex> lock(mlx_mutex());
+  use_thread_stream();
   state_ = initial_state();
 }
 
@@ -447,6 +470,7 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const
 
 std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const std::vector<int64_t>& symbols) {
   std::lock_guard<std::mutex> lock(mlx_mutex());
+  use_thread_stream();
   auto* buffers = graph_->mutable_buffers();
   std::vector<mx::array> outs, updates;
   {
@@ -471,8 +495,9 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
       // Nothing ran: give the state back untouched.
       for (uint32_t i = 0; i < state_.size(); ++i) {
         auto back = st.take(buffers->Get(i)->slot());
-        state_[i] = back ? *back : mx::copy(buffer_initial_[i]);
+        state_[i] = back ? *back : initial_value(i);
       }
+      mx::eval(state_);  // what is kept between calls is evaluated
       throw;
     }
   }
@@ -484,9 +509,16 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   all.insert(all.end(), updates.begin(), updates.end());
   try {
     mx::eval(all);
-  } catch (...) {
-    state_ = initial_state();  // the old state may be partly overwritten
-    throw std::runtime_error("evaluation failed; the program's state (KV cache) was reset");
+  } catch (const std::exception& e) {
+    // The old state may be partly overwritten. The reason is kept even when
+    // the reset fails as well.
+    std::string reason = std::string("evaluation failed: ") + e.what();
+    try {
+      state_ = initial_state();
+    } catch (const std::exception& again) {
+      throw std::runtime_error(reason + "; resetting the program's state (KV cache) failed too: " + again.what());
+    }
+    throw std::runtime_error(reason + "; the program's state (KV cache) was reset");
   }
   for (uint32_t i = 0; i < state_.size(); ++i) state_[i] = std::move(updates[i]);
   return outs;

@@ -109,6 +109,9 @@ class Program {
   void plan_liveness();
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
   void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
+  // A fresh, unevaluated initial value of mutable buffer `i`, made on the
+  // calling thread's stream.
+  mlx::core::array initial_value(size_t i) const;
   // Fresh (writable, evaluated) initial values of the mutable buffers.
   std::vector<mlx::core::array> initial_state() const;
 
@@ -116,7 +119,8 @@ class Program {
   Liveness liveness_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
-  // Initial values of the mutable buffers (zero-copy constants, or zeros)
+  // Initial values of the mutable buffers (loaded constants, evaluated; or
+  // zeros, never evaluated: see initial_value)
   // and their current values, owned here between calls.
   std::vector<mlx::core::array> buffer_initial_;
   std::vector<mlx::core::array> state_;
