@@ -24,6 +24,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -31,10 +32,12 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
@@ -140,8 +143,11 @@ struct Options {
 
 float parse_float(const std::string& flag, const std::string& text) {
   char* end = nullptr;
+  errno = 0;
   const float v = std::strtof(text.c_str(), &end);
   if (text.empty() || *end != '\0') throw UsageError(flag + ": expected a number, got '" + text + "'");
+  // "1e40" is not infinity: say so rather than use inf (write inf for that)
+  if (errno == ERANGE && std::isinf(v)) throw UsageError(flag + ": " + text + " does not fit in float32");
   return v;
 }
 
@@ -160,8 +166,15 @@ int64_t parse_int(const std::string& flag, const std::string& text) {
 Options parse_args(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
+    std::string a = argv[i];
+    // --flag=VALUE as well as --flag VALUE (as Python's argparse)
+    std::optional<std::string> inline_value;
+    if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      inline_value = a.substr(eq + 1);
+      a.resize(eq);
+    }
     auto value = [&]() -> std::string {
+      if (inline_value) return *std::exchange(inline_value, std::nullopt);
       if (i + 1 >= argc) throw UsageError(a + " needs a value");
       return argv[++i];
     };
@@ -319,13 +332,15 @@ class Generator {
     int64_t token;
     if (md_.samples) {
       token = out.const_data_ptr<int64_t>()[0];
-    } else {  // logits [1, 1, V] (float32): greedy, lowest index on ties
+    } else {  // logits [1, 1, V] (float32): greedy as the sampler (lowest index on ties,
+              // NaN never chosen, -1 when every logit is NaN or -inf)
       const float* logits = out.const_data_ptr<float>();
       const int64_t V = out.size(out.dim() - 1);
       const float* row = logits + (out.numel() - V);
-      token = 0;
-      for (int64_t v = 1; v < V; ++v) {
-        if (row[v] > row[token]) token = v;
+      token = -1;
+      float best = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        if (row[v] > best) best = row[v], token = v;
       }
     }
     if (token < 0 || token >= md_.vocab_size) {
@@ -361,7 +376,8 @@ int run(const Options& o) {
     throw UsageError("the prompt has " + std::to_string(prompt_len) + " tokens; this program's max context is " +
                      std::to_string(md.max_context));
   }
-  if (prompt_len + o.max_new_tokens > md.max_context) {
+  // Subtracted, not added: a huge --max-new-tokens would overflow the sum.
+  if (o.max_new_tokens > md.max_context - prompt_len) {
     throw UsageError("prompt + --max-new-tokens exceeds the max context of " + std::to_string(md.max_context));
   }
   for (auto id : o.prompt) {
