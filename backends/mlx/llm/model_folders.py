@@ -25,18 +25,27 @@ engineers measured tokens per second, again and again, until the numbers held.
 BOS, EOS = "<s>", "</s>"
 
 
-def train_tokenizer(vocab_size: int = 384):
+# Multi-byte characters for the all-bytes tokenizer's merges.
+WIDE_TEXT = "naïve café — “quoted” 日本語の文章 ⚡ emoji 🙂 façade über 東京 — ½ €5 "
+
+
+def train_tokenizer(vocab_size: int = 384, all_bytes: bool = False):
     """A byte-level BPE trained on TEXT in well under a second. Characters
-    absent from TEXT have no token: prompts should use TEXT's characters."""
+    absent from TEXT have no token: prompts should use TEXT's characters.
+    With `all_bytes`, every byte has a token too (and multi-byte characters
+    are merged): sampled text then holds split and broken UTF-8, as a real
+    byte-level tokenizer's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    # The alphabet is TEXT's characters only (no raw bytes), so that what a
-    # random-weight model generates decodes to printable text.
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False)
-    tok.train_from_iterator([TEXT] * 4, trainer)
+    # By default the alphabet is TEXT's characters only (no raw bytes), so
+    # that what a random-weight model generates decodes to printable text.
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
+                                  initial_alphabet=alphabet)
+    tok.train_from_iterator([TEXT + (WIDE_TEXT * 4 if all_bytes else "")] * 4, trainer)
     return tok
 
 
@@ -68,12 +77,14 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
 
 
 def write_model_folder(path: str | Path, family: str = "llama", *, layers: int = 2, hidden: int = 64,
-                       heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0) -> Path:
-    """Writes a random-weight `family` model and a trained tokenizer to `path`."""
+                       heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
+                       all_bytes: bool = False) -> Path:
+    """Writes a random-weight `family` model and a trained tokenizer to `path`
+    (`all_bytes`: see train_tokenizer)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
-    tok = train_tokenizer()
+    tok = train_tokenizer(all_bytes=all_bytes)
     cfg = _config(family, tok.get_vocab_size(), layers, hidden, heads, kv_heads, intermediate)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()

@@ -7,10 +7,16 @@
 The prompt prefills in one call (in chunks of the program's maximum length
 above it); each decode step is one call that returns the next token id,
 sampled on the device. Inputs are found by name from the program's metadata.
+
+Threads: a runner may be loaded in one thread and used from any other. One
+runner shared by several threads serializes their calls (a lock around
+`generate` and `reset`: the program has one KV cache, so two generations
+cannot interleave); for parallel generations, use one runner per thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,20 +81,43 @@ class LLMRunner:
         self.input_shapes = {name: tuple(forward.input_tensor_meta(i).sizes())
                              for i, name in enumerate(self.input_names)}
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        # One generation at a time: the steps of two would interleave in the
+        # one KV cache and give wrong tokens (see the module's docstring).
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         """Empties the KV cache (of every program loaded in this process)."""
         import executorch_mlx
 
-        executorch_mlx.reset_state()
+        with self._lock:
+            executorch_mlx.reset_state()
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor]) -> tuple[int, float | None]:
+        from executorch_mlx._runtime_library import clear_last_error, last_error
+
         values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
-        outputs = self.method.execute(values + sampling)
+        clear_last_error()
+        try:
+            outputs = self.method.execute(values + sampling)
+        except RuntimeError as e:
+            # ExecuTorch reports an error code; the reason is our runtime's
+            # (kept per thread, so read in this one)
+            raise RuntimeError(f"the program failed: {last_error() or e}") from e
         out = outputs[0]
-        token = int(out.reshape(-1)[0]) if self.samples else int(torch.argmax(out.reshape(-1, out.shape[-1])[-1]))
+        if self.samples:
+            token = int(out.reshape(-1)[0])
+        else:  # greedy as the sampler: NaN never chosen, -1 when nothing can be
+            row = out.reshape(-1, out.shape[-1])[-1].float()
+            row = torch.where(torch.isnan(row), float("-inf"), row)
+            token = int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1
         if not 0 <= token < self.vocab_size:
             raise RuntimeError(f"the model produced no valid token (id {token}): its logits are all NaN or -inf")
+        if self.tokenizer is not None and token >= self.tokenizer.get_vocab_size():
+            # (a model's vocabulary may be padded beyond its tokenizer's, as
+            # Qwen2.5's and Phi-3's are: refused when such an id comes, not at load)
+            raise RuntimeError(f"the model generated token id {token}, which its tokenizer does not have "
+                               f"({self.tokenizer.get_vocab_size()} tokens; the model has {self.vocab_size}): "
+                               f"is this the model's tokenizer?")
         return token, float(outputs[1].reshape(-1)[0]) if self.logprobs else None
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
@@ -104,7 +133,18 @@ class LLMRunner:
         and penalties are SAMPLING.md's, with mlx-lm's names and defaults
         (off); the penalties count the last `repetition_context_size` tokens
         of prompt and output. `logit_bias` maps token ids to values added to
-        their logits (-inf bans a token)."""
+        their logits (-inf bans a token). Calls from several threads run one
+        at a time."""
+        with self._lock:
+            return self._generate(prompt, max_new_tokens, temperature, seed, on_text, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, repetition_penalty=repetition_penalty,
+                                  repetition_context_size=repetition_context_size,
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                  logit_bias=logit_bias)
+
+    def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, *, top_k, top_p, min_p,
+                  repetition_penalty, repetition_context_size, frequency_penalty, presence_penalty,
+                  logit_bias) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -138,7 +178,7 @@ class LLMRunner:
                              f"of {history_size} tokens (export with a larger history_size)")
         if logit_bias:
             slots = self.input_shapes.get("logit_bias_ids", (1, 0))[1]
-            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots)
+            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots, self.vocab_size)
         if not self.samples and (temperature > 0 or params):
             raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
         if self.samples:
@@ -177,18 +217,25 @@ class LLMRunner:
                 stop = "eos"
             printed = self._stream(out, printed, on_text)
         text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
+        self._stream(out, printed, on_text, final=True)
         return GenerationResult(token_ids=out, text=text, prefill_tokens_per_s=len(ids) / prefill_s,
                                 decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
                                 stop_reason=stop, step_seconds=steps,
                                 logprobs=logprobs if self.logprobs else None)
 
-    def _stream(self, ids: list[int], printed: str, on_text) -> str:
-        """Emits the new suffix of the decoded text (pieces of a multi-byte
-        character wait until it is complete)."""
+    def _stream(self, ids: list[int], printed: str, on_text, final: bool = False) -> str:
+        """Emits the new suffix of the decoded text. Pieces of a multi-byte
+        character wait until it is complete; the `final` call emits whatever
+        is left (an unfinished character's U+FFFD included), so the streamed
+        pieces join to the result's text."""
         if on_text is None or self.tokenizer is None:
             return printed
         text = self.tokenizer.decode(ids)
-        if text.endswith("\ufffd") or not text.startswith(printed):
+        if not text.startswith(printed):
+            # a decoder that rewrote text already emitted (none of the byte-level
+            # ones do): what was streamed cannot be taken back
+            return printed
+        if text.endswith("\ufffd") and not final:
             return printed
         if len(text) > len(printed):
             on_text(text[len(printed):])

@@ -200,8 +200,13 @@ def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None, *, vo
     return out
 
 
-def logit_bias_tensors(bias: dict[int, float], slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """{token id: value} as ([1, slots] ids, [1, slots] values), -1 padded."""
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def logit_bias_tensors(bias: dict[int, float], slots: int,
+                       vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """{token id: value} as ([1, slots] ids, [1, slots] values), -1 padded.
+    Ids must be in [0, vocab): -1 would be taken for padding and ignored."""
     if not isinstance(bias, dict) or not all(isinstance(k, int) and not isinstance(k, bool) for k in bias):
         raise TypeError(f"logit_bias must be a dict {{token id: value}}, got {bias!r}")
     if len(bias) > slots:
@@ -209,8 +214,12 @@ def logit_bias_tensors(bias: dict[int, float], slots: int) -> tuple[torch.Tensor
     ids = torch.full((1, slots), -1, dtype=torch.int64)
     values = torch.zeros(1, slots)
     for j, (k, v) in enumerate(bias.items()):
+        if not (0 <= k < (vocab if vocab is not None else 2**63)):
+            raise ValueError(f"logit_bias: token id {k} is outside [0, {vocab if vocab is not None else 2**63})")
         if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
             raise ValueError(f"logit_bias[{k}] must be a number (-inf bans the token), got {v!r}")
+        if not math.isinf(v) and abs(v) > FLOAT32_MAX:
+            raise ValueError(f"logit_bias[{k}] = {v!r} does not fit in float32 (use inf or -inf)")
         ids[0, j], values[0, j] = k, float(v)
     return ids, values
 
