@@ -272,3 +272,106 @@ def test_attention_we_do_not_lower_decomposes_and_runs():
     assert "ScaledDotProductAttentionNode" not in node_types(edge)
     got = run(edge.to_executorch().buffer, [q, k, v])[0]
     torch.testing.assert_close(got, fn(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+# The CPU attention kernel: query blocks (64 rows), masks of every kind,
+# key columns skipped where no query of a block attends, strided queries.
+def _cache_mask(L, S):
+    """What a decoder's mask over a static cache looks like: queries at the
+    last L of the first S - 3 positions, the last 3 slots not written yet."""
+    pos = torch.arange(S - 3 - L, S - 3)
+    return torch.arange(S)[None, None, None, :] <= pos[None, None, :, None]
+
+
+@pytest.mark.parametrize("L,S", [(1, 9), (5, 40), (130, 200)])
+@pytest.mark.parametrize("mask_kind", ["none", "cache", "additive", "random"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_attention_kernel(L, S, mask_kind, kv_heads):
+    q, k, v = rand((1, L, 4, 16)), rand((1, kv_heads, S, 16)), rand((1, kv_heads, S, 8))
+    mask = {"none": None, "cache": _cache_mask(L, S), "random": torch.rand(1, 4, L, S) < 0.5,
+            "additive": torch.where(_cache_mask(L, S), torch.rand(1, 1, L, S), -torch.inf)}[mask_kind]
+    if mask is not None and mask.dtype == torch.bool:
+        mask[..., 0] = True  # every query sees something
+
+    def fn(q, k, v, *m):
+        # q arrives [B, L, H, D] and is transposed, as in a decoder: a strided operand
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=m[0] if m else None,
+                                              enable_gqa=kv_heads != 4)
+
+    args = (q, k, v) + (() if mask is None else (mask,))
+    edge = lower(Fn(fn), args)
+    assert "ScaledDotProductAttentionNode" in node_types(edge)
+    got = run(edge.to_executorch().buffer, list(args))[0]
+    torch.testing.assert_close(got, fn(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_kernel_row_that_attends_nothing_is_zero_like_torch():
+    q, k, v = rand((1, 2, 3, 8)), rand((1, 2, 6, 8)), rand((1, 2, 6, 8))
+    mask = torch.ones(1, 1, 3, 6, dtype=torch.bool)
+    mask[..., 1, :] = False
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    got = run(lower(Fn(fn), (q, k, v, mask)).to_executorch().buffer, [q, k, v, mask])[0]
+    want = fn(q, k, v, mask)
+    assert torch.equal(want[:, :, 1], torch.zeros_like(want[:, :, 1]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+class StaticCacheAttention(torch.nn.Module):
+    """A decoder layer's attention over a static cache, as transformers writes
+    it: index_copy_ of the new keys/values at their positions, repeat_kv, a
+    mask hiding the slots after each query's position. The cache starts full
+    of garbage: only the mask keeps the unwritten slots out."""
+
+    def __init__(self, slots: int, kv_heads: int = 2, heads: int = 4, dim: int = 8):
+        super().__init__()
+        self.register_buffer("keys", torch.randn(1, kv_heads, slots, dim) * 50)
+        self.register_buffer("values", torch.randn(1, kv_heads, slots, dim) * 50)
+        self.groups, self.slots = heads // kv_heads, slots
+
+    def forward(self, q, k_new, v_new, cache_position):
+        self.keys.index_copy_(2, cache_position, k_new)
+        self.values.index_copy_(2, cache_position, v_new)
+        b, h, s, d = self.keys.shape
+        k = self.keys[:, :, None].expand(b, h, self.groups, s, d).reshape(b, h * self.groups, s, d)
+        v = self.values[:, :, None].expand(b, h, self.groups, s, d).reshape(b, h * self.groups, s, d)
+        mask = torch.arange(self.slots)[None, :] <= cache_position[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+
+
+def test_written_attention_attends_the_written_prefix_only():
+    """llm/attention.py's rewrite: the same outputs as attention over the whole
+    cache, at every position (prefill chunks and decode steps, up to the last
+    slot), with the attended keys sliced to the last written slot."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    from executorch_mlx.llm.attention import attend_written_prefix
+
+    slots = 24
+    eager = StaticCacheAttention(slots)
+    ours = StaticCacheAttention(slots)
+    ours.load_state_dict(eager.state_dict())
+    seq = torch.export.Dim("seq", min=1, max=slots - 1)
+    example = (rand((1, 4, 2, 8)), rand((1, 2, 2, 8)), rand((1, 2, 2, 8)), torch.arange(2))
+    ep = torch.export.export(ours, example, dynamic_shapes=({2: seq}, {2: seq}, {2: seq}, {0: seq}))
+    assert attend_written_prefix(ep, slots) == 1
+    assert "mlx.written_attention" in str(ep.graph)
+    edge = to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
+    assert undelegated_ops(edge) == []
+    assert {"DynSliceNode", "ScaledDotProductAttentionNode"} <= node_types(edge)
+    program = Runtime.get().load_program(edge.to_executorch().buffer)
+    method = program.load_method("forward")
+    start = 0
+    for length in (5, 1, 1, 7, 1, slots - 15):  # ends on the last slot
+        args = (rand((1, 4, length, 8)), rand((1, 2, length, 8)), rand((1, 2, length, 8)),
+                torch.arange(start, start + length))
+        torch.testing.assert_close(method.execute(list(args))[0], eager(*args), atol=1e-5, rtol=1e-5)
+        start += length
+    assert start == slots
+
+
+def test_written_attention_reference_equals_whole_cache_attention():
+    q, k, v = rand((1, 4, 3, 8)), rand((1, 4, 10, 8)), rand((1, 4, 10, 8))
+    written = torch.tensor([4, 5, 6])
+    mask = torch.arange(10)[None, :] <= written[:, None]
+    got = torch.ops.mlx.written_attention(q, k, v, mask[None, None], written, 0.3)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=0.3))

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..custom_kernel_ops.quantized import GROUP_SIZES
+from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from .sampling import ROW_PARAMS, SAMPLER_INPUTS, sampler_examples
 
@@ -185,6 +186,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     stage("exporting (torch.export, strict)")
     with torch.no_grad():
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
+    attend_written_prefix(ep, max_context)
     stage("lowering to MLX")
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,

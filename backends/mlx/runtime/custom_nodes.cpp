@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "attention.h"
 #include "dtype.h"
 #include "interpreter.h"
 #include "linear.h"
@@ -209,8 +210,7 @@ void exec_ScaledDotProductAttentionNode(Interpreter& st, const ir::ScaledDotProd
   }
   auto mask = st.get_optional(n->mask());
   if (mask && n->causal()) throw std::invalid_argument("ScaledDotProductAttentionNode: mask and causal together");
-  st.set(n->out(), mx::fast::scaled_dot_product_attention(q, k, v, n->scale(), n->causal() ? "causal" : "",
-                                                            mask ? std::optional<mx::array>(*mask) : std::nullopt));
+  st.set(n->out(), attention(q, k, v, n->scale(), n->causal(), mask ? std::optional<mx::array>(*mask) : std::nullopt));
 }
 
 void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {

@@ -7,10 +7,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
 #include "thread_pool.h"
+
+extern "C" {
+#include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
+}
 
 namespace emlx {
 
@@ -212,6 +217,41 @@ __attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, si
 constexpr auto linear_block_avx2 = linear_block_generic;
 #endif
 
+// From this many rows of x on (prefill), a blocked GEMM beats one pass of
+// dot products per row: each weight is then reused from registers and cache.
+constexpr size_t kGemmRows = 4;
+
+// out = x w^T (+ bias) with OpenBLAS's sgemm, one tile of weight rows per
+// task of our pool (OpenBLAS itself single-threaded: its own threads spin
+// against ours and collapse when another process wants a core). Weights not
+// stored as float32 are decoded a tile at a time, multiplied while in cache.
+void gemm(const Operands& o) {
+  static std::once_flag single_threaded;
+  std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+  const size_t M = o.M, N = o.N, K = o.K;
+  // One tile per thread for float32 weights (each sgemm call packs x again);
+  // decoded weights in tiles of up to 256 rows, reused while in cache.
+  size_t tile = (N + pool_size() - 1) / pool_size();
+  if (o.format != Format::F32) tile = std::min<size_t>(tile, 256);
+  const int tiles = static_cast<int>((N + tile - 1) / tile);
+  parallel_for(tiles, [&](int t) {
+    const size_t n0 = t * tile, rows = std::min(tile, N - n0);
+    const float* w = static_cast<const float*>(o.w) + n0 * K;
+    if (o.format != Format::F32) {
+      thread_local std::vector<float> scratch;
+      if (scratch.size() < rows * K) scratch.resize(rows * K);
+      for (size_t r = 0; r < rows; ++r) decode_row(o, n0 + r, scratch.data() + r * K);
+      w = scratch.data();
+    }
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
+    if (o.bias) {
+      for (size_t m = 0; m < M; ++m) {
+        for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += param(o.bias, n, o.params_bf16);
+      }
+    }
+  });
+}
+
 std::vector<float> bf16_array_to_f32(const mx::array& a) {
   std::vector<float> v(a.size());
   const uint16_t* h = reinterpret_cast<const uint16_t*>(a.data<mx::bfloat16_t>());
@@ -256,17 +296,21 @@ class Linear : public mx::UnaryPrimitive {
         for (size_t k = 0; k < K; ++k) xsum[k / group] += o.x[k];
         o.xsum = xsum.data();
       }
-      // Blocks of about 64 KiB of float32 weights: enough to spread over the
-      // pool, small enough to stay in cache while every row of x passes.
-      const size_t rows = std::max<size_t>(4, (16384 / std::max<size_t>(K, 1)) / 4 * 4);
-      const int blocks = static_cast<int>((N + rows - 1) / rows);
-      const bool avx2 = has_avx2();
-      parallel_for(blocks, [&](int b) {
-        thread_local std::vector<float> scratch;
-        if (format != Format::F32 && scratch.size() < 4 * K) scratch.resize(4 * K);
-        const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
-        (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
-      });
+      if (M >= kGemmRows) {
+        gemm(o);
+      } else {
+        // Blocks of about 64 KiB of float32 weights: enough to spread over the
+        // pool, small enough to stay in cache while every row of x passes.
+        const size_t rows = std::max<size_t>(4, (16384 / std::max<size_t>(K, 1)) / 4 * 4);
+        const int blocks = static_cast<int>((N + rows - 1) / rows);
+        const bool avx2 = has_avx2();
+        parallel_for(blocks, [&](int b) {
+          thread_local std::vector<float> scratch;
+          if (format != Format::F32 && scratch.size() < 4 * K) scratch.resize(4 * K);
+          const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
+          (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
+        });
+      }
       if (o.params_bf16) {
         // float32 -> bfloat16, rounding to nearest even (as MLX does)
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());

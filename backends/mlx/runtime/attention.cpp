@@ -1,0 +1,198 @@
+#include "attention.h"
+
+#include <mlx/allocator.h>
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/primitives.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "thread_pool.h"
+
+extern "C" {
+#include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
+}
+
+namespace emlx {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// Queries per task: enough rows for a GEMM, few enough for every core to get work.
+constexpr int kQueryBlock = 64;
+
+enum class MaskKind : int { None, Bool, Additive };
+
+// Rows of a [.., rows, cols] float32 operand for one (batch, head): a pointer
+// and a row stride. Rows whose elements are not adjacent are copied into
+// `scratch` (a layout MLX views can have; slices of the cache do not).
+const float* rows_of(const mx::array& a, int64_t b, int64_t h, std::vector<float>& scratch, int64_t& ld) {
+  const auto& st = a.strides();
+  const float* p = a.data<float>() + b * st[0] + h * st[1];
+  const int64_t rows = a.shape(2), cols = a.shape(3);
+  if (st[3] == 1) {
+    ld = st[2];
+    return p;
+  }
+  scratch.resize(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) scratch[r * cols + c] = p[r * st[2] + c * st[3]];
+  }
+  ld = cols;
+  return scratch.data();
+}
+
+struct Task {
+  const mx::array *q, *k, *v, *mask;
+  MaskKind kind;
+  float scale;
+  float* out;  // [B, H, L, Dv], contiguous
+};
+
+// Whether query row i may attend key column j (the mask's [b, h] plane given).
+inline bool attends(const Task& t, const uint8_t* bool_plane, const float* add_plane, int64_t i, int64_t j) {
+  const auto& st = t.mask->strides();
+  if (t.kind == MaskKind::Bool) return bool_plane[i * st[2] + j * st[3]] != 0;
+  return add_plane[i * st[2] + j * st[3]] != -std::numeric_limits<float>::infinity();
+}
+
+void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+  const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
+  const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int64_t Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+  const int64_t g = h / (H / Hkv), rows = i1 - i0;
+  thread_local std::vector<float> qs, ks, vs, scores;
+  int64_t ldq, ldk, ldv;
+  const float* qp = rows_of(q, b, h, qs, ldq) + i0 * ldq;
+  const float* kp = rows_of(k, b, g, ks, ldk);
+  const float* vp = rows_of(v, b, g, vs, ldv);
+  float* out = t.out + ((b * H + h) * L + i0) * Dv;
+
+  const uint8_t* bool_plane = nullptr;
+  const float* add_plane = nullptr;
+  if (t.kind != MaskKind::None) {
+    const auto& st = t.mask->strides();
+    const int64_t offset = b * st[0] + h * st[1];
+    if (t.kind == MaskKind::Bool) bool_plane = t.mask->data<uint8_t>() + offset;
+    else add_plane = t.mask->data<float>() + offset;
+  }
+  // The key columns any query of the block attends: [j0, j1). A causal
+  // mask leaves the later columns of early blocks out entirely.
+  int64_t j0 = 0, j1 = S;
+  if (t.kind != MaskKind::None) {
+    j0 = S, j1 = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t first = 0, last = S;
+      while (first < S && !attends(t, bool_plane, add_plane, i, first)) ++first;
+      while (last > first && !attends(t, bool_plane, add_plane, i, last - 1)) --last;
+      if (first < last) j0 = std::min(j0, first), j1 = std::max(j1, last);
+    }
+  }
+  if (j1 <= j0) {  // a query that attends nothing gets zeros, as in torch
+    std::fill(out, out + rows * Dv, 0.0f);
+    return;
+  }
+  const int64_t cols = j1 - j0;
+  scores.resize(rows * cols);
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + j0 * ldk, ldk,
+                    0.0f, scores.data(), cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * cols;
+    if (t.kind != MaskKind::None) {
+      const auto& st = t.mask->strides();
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t at = (i0 + r) * st[2] + (j0 + c) * st[3];
+        if (t.kind == MaskKind::Bool) {
+          if (!bool_plane[at]) s[c] = -std::numeric_limits<float>::infinity();
+        } else {
+          s[c] += add_plane[at];
+        }
+      }
+    }
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < cols; ++c) top = std::max(top, s[c]);
+    if (top == -std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + cols, 0.0f);
+      continue;
+    }
+    float sum = 0;
+    for (int64_t c = 0; c < cols; ++c) sum += (s[c] = std::exp(s[c] - top));
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < cols; ++c) s[c] *= inv;
+  }
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), cols,
+                    vp + j0 * ldv, ldv, 0.0f, out, Dv);
+}
+
+class Attention : public mx::UnaryPrimitive {
+ public:
+  Attention(mx::Stream s, float scale, MaskKind kind) : mx::UnaryPrimitive(s), scale_(scale), kind_(kind) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) enc.set_input_array(in);
+    enc.set_output_array(out);
+    // The task owns references: MLX may drop its own before the task runs.
+    enc.dispatch([inputs, out, scale = scale_, kind = kind_]() mutable {
+      static std::once_flag single_threaded;  // our pool spreads the work
+      std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+      const Task t{&inputs[0], &inputs[1], &inputs[2], kind == MaskKind::None ? nullptr : &inputs[3], kind, scale,
+                   out.data<float>()};
+      const int64_t B = inputs[0].shape(0), H = inputs[0].shape(1), L = inputs[0].shape(2);
+      const int64_t blocks = (L + kQueryBlock - 1) / kQueryBlock;
+      parallel_for(static_cast<int>(B * H * blocks), [&](int task) {
+        const int64_t block = task % blocks, bh = task / blocks;
+        const int64_t i0 = block * kQueryBlock;
+        attend_block(t, bh / H, bh % H, i0, std::min(L, i0 + kQueryBlock));
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("emlx Attention: no GPU kernel (the graph uses MLX's attention there)");
+  }
+
+  const char* name() const override { return "EmlxAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && kind_ == o.kind_;
+  }
+
+ private:
+  float scale_;
+  MaskKind kind_;
+};
+
+}  // namespace
+
+mx::array attention_reference(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                              const std::optional<mx::array>& mask) {
+  return mx::fast::scaled_dot_product_attention(q, k, v, scale, causal ? "causal" : "", mask);
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                    const std::optional<mx::array>& mask) {
+  const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
+  const bool mask_ok = !mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32;
+  if (!cpu_kernels_enabled() || causal || !f32 || !mask_ok || q.size() == 0 || k.shape(2) == 0) {
+    return attention_reference(q, k, v, scale, causal, mask);
+  }
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), S = k.shape(2);
+  std::vector<mx::array> in = {q, k, v};
+  MaskKind kind = MaskKind::None;
+  if (mask) {
+    in.push_back(mx::broadcast_to(*mask, {B, H, L, S}));  // a view: broadcast axes have stride 0
+    kind = mask->dtype() == mx::bool_ ? MaskKind::Bool : MaskKind::Additive;
+  }
+  auto prim = std::make_shared<Attention>(mx::default_stream(mx::Device::cpu), scale, kind);
+  return mx::array({B, H, L, static_cast<int>(v.shape(3))}, mx::float32, prim, in);
+}
+
+}  // namespace emlx
