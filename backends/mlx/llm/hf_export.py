@@ -125,7 +125,8 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
                sampling: bool = True, quantize: str | None = None, group_size: int = 64,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
-               logprobs: bool = False, progress: Callable[[str], None] | None = print) -> Path:
+               logprobs: bool = False, progress: Callable[[str], None] | None = print,
+               allow_longer_context: bool = False) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -136,17 +137,29 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
-    chosen token's log-probability as a second output."""
+    chosen token's log-probability as a second output. `max_context` above
+    the model's max_position_embeddings needs `allow_longer_context`.
+
+    Checked before any work (llm/export_checks.py): the output path (not a
+    folder, a writable folder, not one of the model folder's files) and the
+    config; the weights load from safetensors only, all of them used, none
+    missing. The file is written atomically: a failed export leaves an
+    existing `output_path` unchanged, and a process that has it loaded keeps
+    running on the old program."""
     from executorch.exir import to_edge_transform_and_lower
-    from transformers import AutoModelForCausalLM
 
     from ..partitioner import MLXPartitioner
+    from .export_checks import (check_config, check_context, check_output_path, load_weights, read_config_json,
+                                write_atomically)
 
+    read_config_json(model_dir)
     config = read_config(model_dir)
+    check_config(config, model_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not 2 <= max_context <= 1 << 20:
         raise ValueError(f"max_context must be in [2, 2**20], got {max_context}")
+    check_context(config, model_dir, max_context, allow_longer_context, DTYPES[dtype].itemsize)
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     if quantize is None and quantize_embedding:
@@ -156,6 +169,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                          f"{logit_bias_size}")
     if quantize is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
+    output_path = check_output_path(model_dir, output_path)
     quantization = "none" if quantize is None else (
         f"{quantize} group {group_size}" + (" +embedding" if quantize_embedding else ""))
     say = progress or (lambda _: None)
@@ -165,7 +179,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         say(f"[{time.perf_counter() - started:6.1f} s] {text}")
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    model = load_weights(model_dir, DTYPES[dtype])
     if quantize is not None:
         layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
                                 embedding=quantize_embedding)
@@ -192,8 +206,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                  quantization, logprobs and sampling))
     program = edge.to_executorch()
-    output_path = Path(output_path)
     stage(f"writing {output_path}")
-    output_path.write_bytes(program.buffer)
+    write_atomically(output_path, program.buffer)
     stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
     return output_path
