@@ -102,7 +102,7 @@ def test_cpp_runner_refuses_a_missing_or_foreign_file(programs, tmp_path):
     bad = tmp_path / "bad.pte"
     bad.write_bytes(b"not a program" * 10)
     done = cpp(bad, "--prompt-ids", "1")
-    assert done.returncode == 1 and "loading program" in done.stderr
+    assert done.returncode == 1 and "bad.pte is not an ExecuTorch program" in done.stderr
 
 
 def test_cpp_runner_memory_budget_is_a_load_option_of_the_program(programs):

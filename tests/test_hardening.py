@@ -5,10 +5,13 @@ error naming the cause, with files left intact."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,8 +158,8 @@ def test_nan_logits_program_is_an_error_in_python(nan_logits_pte):
 
 def test_nan_logits_program_is_an_error_in_cpp(nan_logits_pte):
     _, pte = nan_logits_pte
-    done = subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6", "--max-new-tokens", "4"],
-                          capture_output=True, text=True)
+    done = subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6",
+                           "--max-new-tokens", "4"], capture_output=True, text=True)
     assert done.returncode == 1
     assert "no valid token (id -1): its logits are all NaN or -inf" in done.stderr
 
@@ -203,3 +206,289 @@ def test_tokenizer_smaller_than_the_model_is_an_error(llm, tmp_path):
     with pytest.raises(RuntimeError, match=r"generated token id 350, which its tokenizer does not have "
                                            r"\(300 tokens; the model has 384\)"):
         runner.generate(PROMPT, max_new_tokens=4, logit_bias={350: float("inf")})
+
+
+# ------------------------------------------------------------------- export --
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "executorch_mlx.cli", *args], capture_output=True, text=True)
+
+
+def _one_line_error(done: subprocess.CompletedProcess, command: str, fragment: str) -> None:
+    """Exit code 2, no traceback, and the last line of stderr names the cause."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"executorch-mlx {command}: error: ") and fragment in last, done.stderr
+
+
+def test_export_onto_the_models_own_weights_is_refused(llm, tmp_path):
+    folder = shutil.copytree(llm[0], tmp_path / "model")
+    weights = (folder / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"is model.safetensors of the model folder .* would overwrite its input"):
+        export_llm(folder, folder / "model.safetensors", max_context=16, progress=None)
+    for name in ("config.json", "tokenizer.json"):
+        with pytest.raises(ValueError, match=rf"is {name} of the model folder"):
+            export_llm(folder, folder / name, max_context=16, progress=None)
+    _one_line_error(_cli("export", str(folder), "-o", str(folder / "model.safetensors")), "export",
+                    "would overwrite its input")
+    assert (folder / "model.safetensors").read_bytes() == weights
+
+
+def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path):
+    folder = llm[0]
+    with pytest.raises(IsADirectoryError, match=r"output .* is a folder"):
+        export_llm(folder, tmp_path, max_context=16, progress=None)
+    with pytest.raises(FileNotFoundError, match=r"the output's folder .*nowhere does not exist"):
+        export_llm(folder, tmp_path / "nowhere" / "m.pte", max_context=16, progress=None)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"the output's folder .*file does not exist \(or is not a folder\)"):
+        export_llm(folder, tmp_path / "file" / "m.pte", max_context=16, progress=None)
+    _one_line_error(_cli("export", str(folder), "-o", str(tmp_path)), "export", "is a folder")
+
+
+def test_export_to_an_unwritable_folder_is_refused_before_any_work(llm, tmp_path, monkeypatch):
+    from executorch_mlx.llm import export_checks
+
+    loaded = []
+    monkeypatch.setattr(export_checks, "load_weights", lambda *a: loaded.append(a))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if (locked / "probe").touch() is None:  # root writes anyway: a read-only mount instead
+            (locked / "probe").unlink()
+            locked = Path("/sys")
+            if not locked.is_dir() or os.access(locked, os.W_OK) and _writable(locked):
+                pytest.skip("no unwritable folder here (root, and /sys is writable)")
+    except PermissionError:
+        pass
+    with pytest.raises(PermissionError, match=rf"cannot write in the output's folder {locked}"):
+        export_llm(llm[0], locked / "m.pte", max_context=16, progress=None)
+    assert not loaded, "refused before loading the model"
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        (folder / ".emlx_probe").touch()
+    except OSError:
+        return False
+    (folder / ".emlx_probe").unlink()
+    return True
+
+
+def test_failed_export_leaves_the_old_file_and_reexport_under_a_loaded_program(llm, tmp_path, monkeypatch):
+    """Out of space mid-write: the old .pte byte-identical, no partial file.
+    A successful re-export replaces the file under a runner that has it
+    loaded, which keeps working (it used to be truncated in place: SIGSEGV)."""
+    from executorch_mlx.llm import export_checks
+
+    folder, pte, _ = llm
+    target = tmp_path / "model.pte"
+    shutil.copy(pte, target)
+    old = target.read_bytes()
+    runner = LLMRunner(target, folder)
+    want = runner.generate(PROMPT, max_new_tokens=8).token_ids
+
+    real_write = os.write
+
+    def disk_full(fd, data):
+        real_write(fd, bytes(data[:4096]))  # some bytes land, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_checks, "_write", disk_full)
+    with pytest.raises(OSError, match=r"writing .*model.pte failed \(No space left on device\); the file is unchanged"):
+        export_llm(folder, target, max_context=MAX_CONTEXT, logit_bias_size=4, progress=None)
+    assert target.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"], "no partial or temporary file"
+    monkeypatch.undo()
+
+    target.chmod(0o640)
+    export_llm(folder, target, max_context=MAX_CONTEXT, logit_bias_size=4, progress=None)
+    assert target.read_bytes() != old and (target.stat().st_mode & 0o777) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
+    assert runner.generate(PROMPT, max_new_tokens=8).token_ids == want, "the loaded program still runs"
+    assert LLMRunner(target, folder).generate(PROMPT, max_new_tokens=8).token_ids == want
+
+
+# ------------------------------------------------------------------ weights --
+@pytest.fixture
+def folder_copy(llm, tmp_path):
+    return shutil.copytree(llm[0], tmp_path / "model")
+
+
+def _edit_weights(folder, edit):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_missing_tensor_is_refused_naming_it(folder_copy, tmp_path):
+    _edit_weights(folder_copy, lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.0\.mlp\.up_proj\.weight"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+    assert not (tmp_path / "m.pte").exists()
+
+
+def test_an_unexpected_tensor_is_refused_naming_it(folder_copy, tmp_path):
+    _edit_weights(folder_copy, lambda w: w.update({"model.extra.weight": torch.ones(3)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\): model\.extra\.weight"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+
+
+def test_a_mis_shaped_tensor_is_refused_naming_it(folder_copy, tmp_path):
+    _edit_weights(folder_copy, lambda w: w.update({"model.norm.weight": torch.ones(7)}))
+    with pytest.raises(ValueError,
+                       match=r"mismatched tensor\(s\): model\.norm\.weight \[7\] \(the model's is \[32\]\)"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+
+
+def test_weights_load_from_safetensors_only(folder_copy, tmp_path, monkeypatch):
+    """pytorch_model.bin (pickle) beside a safetensors file of another name
+    is never loaded."""
+    from safetensors.torch import load_file
+
+    torch.save(load_file(folder_copy / "model.safetensors"), folder_copy / "pytorch_model.bin")
+    (folder_copy / "model.safetensors").rename(folder_copy / "adapter.safetensors")
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    with pytest.raises(ValueError, match=r"cannot load the weights of .*model"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+    assert not loads, "torch.load was called"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage):
+    path = folder_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x07" * 100)
+    with pytest.raises(ValueError, match=r"cannot load the weights of"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+    _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte")), "export",
+                    "cannot load the weights of")
+
+
+# ------------------------------------------------------------------- config --
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(num_attention_heads=3, num_key_value_heads=3, head_dim=None),
+     r"hidden_size 32 is not divisible by num_attention_heads 3"),
+    # with head_dim given, transformers' own validation of the config
+    (dict(num_attention_heads=3, num_key_value_heads=3),
+     r"config\.json is inconsistent: .*hidden size \(32\) is not a multiple of the number of attention heads \(3\)"),
+    (dict(num_key_value_heads=3), r"num_attention_heads 2 is not divisible by num_key_value_heads 3"),
+    (dict(pad_token_id=384), r"pad_token_id 384 is not a token id in \[0, 384\)"),
+    (dict(vocab_size=0), r"vocab_size must be a positive integer, got 0"),
+])
+def test_inconsistent_config_is_an_error_naming_the_field(folder_copy, tmp_path, changes, match):
+    _edit_config(folder_copy, **changes)
+    with pytest.raises(ValueError, match=match):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+
+
+def test_config_that_is_not_json_names_the_file(folder_copy, tmp_path):
+    (folder_copy / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+
+
+def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_path):
+    from executorch_mlx.llm.export_checks import check_context
+    from executorch_mlx.llm.hf_export import read_config
+
+    _edit_config(folder_copy, max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"max_context 64 exceeds the model's max_position_embeddings 32 .*"
+                                         r"allow_longer_context=True \(--allow-longer-context\)"):
+        export_llm(folder_copy, tmp_path / "m.pte", max_context=64, progress=None)
+    _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte"), "--max-context", "64"),
+                    "export", "exceeds the model's max_position_embeddings 32")
+    check_context(read_config(folder_copy), folder_copy, 64, True, 4)  # allowed: no error
+
+
+def test_kv_cache_over_the_memory_budget_is_refused_at_export(llm, tmp_path):
+    # 1 layer, 1 KV head of 16, keys and values, float32: 128 bytes a position
+    executorch_mlx.set_memory_budget(64 << 10)
+    try:
+        with pytest.raises(ValueError, match=r"KV cache at max_context 1024 takes 128\.0 KiB \(131072 bytes\), "
+                                             r"over this machine's memory budget of 64\.0 KiB \(65536 bytes\)"):
+            export_llm(llm[0], tmp_path / "m.pte", max_context=1024, progress=None)
+    finally:
+        executorch_mlx.set_memory_budget(None)
+
+
+# ------------------------------------------------------- files given to run --
+@pytest.fixture(scope="module")
+def bad_files(llm, tmp_path_factory):
+    """Files a careless user or an attacker hands the runners."""
+    from executorch_mlx.llm.sampling import export_greedy_head
+
+    _, pte, _ = llm
+    root = tmp_path_factory.mktemp("bad")
+    data = pte.read_bytes()
+    files = {"zero": b"", "random": bytes(torch.randint(0, 256, (300,), dtype=torch.uint8).tolist()),
+             "identifier": b"\x10\0\0\0\xff\xfe\xfd\xfc" + bytes(200),
+             "byte58": data[:58] + bytes([data[58] ^ 0xFF]) + data[59:],
+             "truncated": data[:len(data) // 3]}
+
+    class Logits(torch.nn.Module):
+        def forward(self, x):
+            return x.float().unsqueeze(-1).repeat(1, 1, 8)
+
+    files["sampling-head"] = export_greedy_head(Logits(), (torch.ones(1, 3, dtype=torch.int64),)).buffer
+    paths = {}
+    for name, content in files.items():
+        paths[name] = root / f"{name}.pte"
+        paths[name].write_bytes(content)
+    return paths
+
+
+GENERATE_ERRORS = {
+    "zero": "is not an ExecuTorch program",
+    "random": "is not an ExecuTorch program",
+    "identifier": "is not an ExecuTorch program",
+    "byte58": "cannot load",
+    "truncated": "cannot load",
+    "sampling-head": "this .pte's 'get_max_context_len' metadata is missing",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATE_ERRORS))
+def test_generate_refuses_bad_files_with_one_line(llm, bad_files, name):
+    folder = llm[0]
+    _one_line_error(_cli("generate", str(bad_files[name]), "--tokenizer", str(folder), "--prompt", "hi"),
+                    "generate", GENERATE_ERRORS[name])
+
+
+@pytest.mark.parametrize("name", ["zero", "random", "identifier", "byte58", "truncated"])
+def test_cpp_runner_refuses_bad_files_without_a_signal(bad_files, name):
+    done = subprocess.run([str(executorch_mlx.runner_binary()), str(bad_files[name]), "--prompt-ids", "5,6",
+                           "--max-new-tokens", "2"], capture_output=True, text=True, errors="replace", timeout=60)
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "emlx_runner: error: " in done.stderr
+    if name in ("zero", "random", "identifier"):
+        assert "is not an ExecuTorch program" in done.stderr
+
+
+@pytest.mark.parametrize("name,fragment", [("zero", "is not an ExecuTorch program"),
+                                           ("random", "is not an ExecuTorch program"),
+                                           ("identifier", "is not an ExecuTorch program"),
+                                           ("byte58", "is not a readable .pte (corrupt or truncated)")])
+def test_inspect_refuses_bad_files_with_one_line(bad_files, name, fragment):
+    _one_line_error(_cli("inspect", str(bad_files[name])), "inspect", fragment)
+
+
+def test_a_tokenizer_that_is_not_json_is_an_error(llm, tmp_path):
+    _, pte, _ = llm
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a valid tokenizer\.json"):
+        LLMRunner(pte, tmp_path)

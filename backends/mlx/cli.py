@@ -27,6 +27,7 @@ def cmd_export(args) -> int:
                sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
                quantize_embedding=args.quantize_embedding, history_size=args.history_size,
                logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
+               allow_longer_context=args.allow_longer_context,
                progress=lambda line: print(line, file=sys.stderr))
     return 0
 
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logit-bias-size", type=int, default=16,
                    help="tokens a generate call can give a logit bias (default 16)")
     p.add_argument("--logprobs", action="store_true", help="also return each token's log-probability")
+    p.add_argument("--allow-longer-context", action="store_true",
+                   help="allow --max-context above the model's max_position_embeddings (positions never trained)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")
@@ -148,10 +151,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="print one JSON object: token_ids, text, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)
     args = parser.parse_args(argv)
+    from ._runtime_library import clear_last_error, last_error
+
+    clear_last_error()
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"executorch-mlx {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:
+        message = str(e)
+        reason = last_error()
+        if isinstance(e, RuntimeError) and reason and reason not in message:
+            # ExecuTorch's own message is an error code; ours says why
+            message += f" ({reason})"
+        # one line, whatever the exception's text
+        print(f"executorch-mlx {args.command}: error: {' '.join(message.split())}", file=sys.stderr)
         return 2
 
 

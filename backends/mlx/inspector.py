@@ -86,16 +86,28 @@ def undelegated_ops(edge) -> list[str]:
 
 
 def inspect_pte(path: str | Path) -> str:
+    """A readable dump of the .pte's MLX delegates. A file that is not a
+    readable .pte is a ValueError naming it (the parsers below raise whatever
+    a corrupt buffer makes them: struct.error, TypeError, IndexError...)."""
     from .backend import MLXGraphBackend
 
-    blobs = delegate_blobs(Path(path).read_bytes())
+    data = Path(path).read_bytes()
+    if len(data) < 8 or not data[4:6] == b"ET" or not data[6:8].isdigit():
+        raise ValueError(f"{path} is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+    try:
+        blobs = delegate_blobs(data)
+    except Exception as e:  # noqa: BLE001 - any parser failure means a corrupt file
+        raise ValueError(f"{path} is not a readable .pte (corrupt or truncated): {type(e).__name__}: {e}") from None
     lines = []
     for method, i, backend_id, data in blobs:
         if backend_id != MLXGraphBackend.__name__:
             lines.append(f"method {method}, delegate {i}: {backend_id} (not ours, {len(data)} bytes)")
             continue
         lines.append(f"method {method}, delegate {i}: {backend_id}, {len(data)} bytes")
-        lines.append(describe_graph(ir.deserialize(data)))
+        try:
+            lines.append(describe_graph(ir.deserialize(data)))
+        except Exception as e:  # noqa: BLE001 - a corrupt blob: said, and the others still shown
+            lines.append(f"  (this delegate's graph cannot be read: {type(e).__name__}: {e})")
     if not blobs:
         lines.append("no delegates: the whole program runs on ExecuTorch's portable kernels")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ cannot interleave); for parallel generations, use one runner per thread.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,10 @@ def load_tokenizer(tokenizer_dir: str | Path):
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {path} is missing: pass the model folder (with tokenizer.json)")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception
+        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
 
 
 class LLMRunner:
@@ -54,8 +58,11 @@ class LLMRunner:
         import executorch_mlx  # noqa: F401  (registers the backend)
         from executorch.runtime import Runtime
 
+        from executorch_mlx._runtime_library import clear_last_error, last_error
+
         if isinstance(pte, (bytes, bytearray)):
             source = bytes(pte)
+            head = source[:8]
         elif not Path(pte).is_file():
             raise FileNotFoundError(f"program {pte} does not exist")
         else:
@@ -63,20 +70,53 @@ class LLMRunner:
             # once and unmaps it, so memory stays near the weights' size
             # (bytes would be held by ExecuTorch as well: twice that).
             source = str(pte)
-        # Keep the Program: a Method does not keep its Program alive.
-        self.program = Runtime.get().load_program(source)
-        names = self.program.method_names
-        if "emlx_input_names" not in names:
-            raise ValueError("this .pte has no emlx_input_names metadata: export it with executorch-mlx export")
-        meta = {n: self.program.load_method(n).execute([]) for n in names if n != "forward"}
-        self.input_names = meta["emlx_input_names"][0].split(",")
-        self.samples = bool(meta["emlx_samples"][0])
-        self.logprobs = bool(meta["emlx_logprobs"][0]) if "emlx_logprobs" in meta else False
-        self.max_context = int(meta["get_max_context_len"][0])
-        self.max_chunk = int(meta["get_max_seq_len"][0])
-        self.eos_ids = {int(e) for e in meta.get("get_eos_ids", [])}
-        self.vocab_size = int(meta["get_vocab_size"][0])
-        self.method = self.program.load_method("forward")
+            with open(source, "rb") as f:
+                head = f.read(8)
+        # Checked here: ExecuTorch logs a wrong identifier as text, and its
+        # Python logging aborts the process on bytes that are not UTF-8.
+        if len(head) < 8 or not re.fullmatch(rb"ET\d\d", head[4:8]):
+            raise ValueError(f"{pte if not isinstance(pte, (bytes, bytearray)) else 'the program'} is not an "
+                             f"ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+        clear_last_error()
+        try:
+            # Keep the Program: a Method does not keep its Program alive.
+            self.program = Runtime.get().load_program(source)
+            names = self.program.method_names
+            if "emlx_input_names" not in names:
+                raise ValueError("this .pte has no emlx_input_names metadata: export it with executorch-mlx export")
+            meta = {n: self.program.load_method(n).execute([]) for n in names if n != "forward"}
+            self.method = self.program.load_method("forward")
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot load {pte if isinstance(pte, (str, Path)) else 'the program'}: "
+                               f"{last_error() or e}") from e
+
+        def one(name: str, kind: type, default=None):
+            """A metadata method's single value, of the type export_llm writes."""
+            values = meta.get(name)
+            if values is None and default is not None:
+                return default
+            if values is None or len(values) != 1 or not isinstance(values[0], kind) or (
+                    kind is int and isinstance(values[0], bool)):
+                raise ValueError(f"this .pte's '{name}' metadata is missing or not one {kind.__name__}: "
+                                 f"export it with executorch-mlx export")
+            return values[0]
+
+        self.input_names = one("emlx_input_names", str).split(",")
+        self.samples = one("emlx_samples", bool)
+        self.logprobs = one("emlx_logprobs", bool, False)
+        self.max_context = one("get_max_context_len", int)
+        self.max_chunk = one("get_max_seq_len", int)
+        self.vocab_size = one("get_vocab_size", int)
+        eos = meta.get("get_eos_ids", [])
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ValueError("this .pte's 'get_eos_ids' metadata is not a list of ints")
+        self.eos_ids = set(eos)
+        if not (2 <= self.max_context and 1 <= self.max_chunk and 1 <= self.vocab_size):
+            raise ValueError(f"this .pte's metadata is inconsistent (max context {self.max_context}, max chunk "
+                             f"{self.max_chunk}, vocab size {self.vocab_size})")
+        if self.input_names[:2] != ["input_ids", "cache_position"]:
+            raise ValueError(f"this .pte takes {', '.join(self.input_names)}; an LLM program takes input_ids and "
+                             f"cache_position first: export it with executorch-mlx export")
         forward = self.program.metadata("forward")
         self.input_shapes = {name: tuple(forward.input_tensor_meta(i).sizes())
                              for i, name in enumerate(self.input_names)}
@@ -178,7 +218,8 @@ class LLMRunner:
                              f"of {history_size} tokens (export with a larger history_size)")
         if logit_bias:
             slots = self.input_shapes.get("logit_bias_ids", (1, 0))[1]
-            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots, self.vocab_size)
+            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots,
+                                                                                       self.vocab_size)
         if not self.samples and (temperature > 0 or params):
             raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
         if self.samples:

@@ -24,12 +24,14 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -114,14 +116,33 @@ Metadata read_metadata(et::Program& program) {
     }
     return it->second[0];
   };
+  // EValue's to*() abort on another type: each is checked first.
+  auto wrong = [](const char* name, const char* type) {
+    return std::runtime_error(std::string("this .pte's '") + name + "' metadata is not " + type +
+                              ": export it with executorch-mlx export");
+  };
+  auto integer = [&](const char* name) {
+    const auto& v = one(name);
+    if (!v.isInt()) throw wrong(name, "an int");
+    return v.toInt();
+  };
   Metadata md;
+  if (!one("emlx_input_names").isString()) throw wrong("emlx_input_names", "a string");
   std::stringstream names(std::string(one("emlx_input_names").toString()));
   for (std::string n; std::getline(names, n, ',');) md.input_names.push_back(n);
+  if (!one("emlx_samples").isBool()) throw wrong("emlx_samples", "a bool");
   md.samples = one("emlx_samples").toBool();
-  md.max_context = one("get_max_context_len").toInt();
-  md.max_chunk = one("get_max_seq_len").toInt();
-  md.vocab_size = one("get_vocab_size").toInt();
-  for (const auto& e : values["get_eos_ids"]) md.eos_ids.insert(e.toInt());
+  md.max_context = integer("get_max_context_len");
+  md.max_chunk = integer("get_max_seq_len");
+  md.vocab_size = integer("get_vocab_size");
+  for (const auto& e : values["get_eos_ids"]) {
+    if (!e.isInt()) throw wrong("get_eos_ids", "a list of ints");
+    md.eos_ids.insert(e.toInt());
+  }
+  if (md.max_context < 2 || md.max_chunk < 1 || md.vocab_size < 1 || md.input_names.size() < 2 ||
+      md.input_names[0] != "input_ids" || md.input_names[1] != "cache_position") {
+    throw std::runtime_error("this .pte's metadata is not an LLM program's: export it with executorch-mlx export");
+  }
   return md;
 }
 
@@ -367,7 +388,17 @@ int run(const Options& o) {
   if (!emlx_registered()) throw std::runtime_error("the MLX backend plugin failed to register");
   auto loader = executorch::extension::MmapDataLoader::from(o.pte.c_str());
   check(loader.error(), "opening " + o.pte);
-  auto program = et::Program::load(&loader.get());
+  {  // ExecuTorch would log a wrong identifier's raw bytes: refused here, said cleanly
+    char head[8] = {};
+    std::ifstream(o.pte, std::ios::binary).read(head, sizeof head);
+    if (head[4] != 'E' || head[5] != 'T' || !std::isdigit(static_cast<unsigned char>(head[6])) ||
+        !std::isdigit(static_cast<unsigned char>(head[7]))) {
+      throw std::runtime_error(o.pte + " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)");
+    }
+  }
+  // The whole container is verified (FlatBuffers bounds and offsets) before
+  // anything in it is trusted: the default (Minimal) lets a corrupt file crash.
+  auto program = et::Program::load(&loader.get(), et::Program::Verification::InternalConsistency);
   check(program.error(), "loading program " + o.pte);
   const Metadata md = read_metadata(program.get());
 
