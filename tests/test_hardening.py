@@ -492,3 +492,14 @@ def test_a_tokenizer_that_is_not_json_is_an_error(llm, tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json is not a valid tokenizer\.json"):
         LLMRunner(pte, tmp_path)
+
+
+def test_cli_shows_the_runtimes_reason_for_a_load_failure(llm):
+    """A memory-budget refusal used to end with ExecuTorch's "error 0x:23"."""
+    import sys
+
+    folder, pte, _ = llm
+    done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
+                           str(folder), "--prompt", "hi"], capture_output=True, text=True,
+                          env={**os.environ, "EMLX_MEMORY_BUDGET": "10000"})
+    _one_line_error(done, "generate", "over the memory budget of 10000 bytes")
