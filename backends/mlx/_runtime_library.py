@@ -48,6 +48,7 @@ def load() -> ctypes.CDLL:
             lib.emlx_backend_id.restype = ctypes.c_char_p
             lib.emlx_memory_budget.restype = ctypes.c_uint64
             lib.emlx_set_memory_budget.argtypes = [ctypes.c_uint64]
+            lib.emlx_check_program.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64]
             if not lib.emlx_registered():
                 raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
             return lib
@@ -60,6 +61,19 @@ def load() -> ctypes.CDLL:
 def last_error() -> str:
     """The runtime's reason for the last failure on this thread ('' if none)."""
     return load().emlx_last_error().decode()
+
+
+def check_program(source: str | bytes) -> None:
+    """Our checks of a .pte container (runtime/program_checks.h) before
+    ExecuTorch reads it: `source` is a path or the file's bytes. Raises
+    ValueError naming what is corrupt."""
+    lib = load()
+    if isinstance(source, bytes):
+        rc = lib.emlx_check_program(None, source, len(source))
+    else:
+        rc = lib.emlx_check_program(str(source).encode(), None, 0)
+    if rc != 0:
+        raise ValueError(last_error())
 
 
 def clear_last_error() -> None:

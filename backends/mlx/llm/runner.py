@@ -53,12 +53,25 @@ def load_tokenizer(tokenizer_dir: str | Path):
         raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
 
 
+# ExecuTorch's load errors reach Python as a bare code ("error: 0x:23"); its
+# reason goes to its log (stderr).
+_EXECUTORCH_ERRORS = {0x12: "InvalidArgument", 0x20: "NotFound", 0x21: "MemoryAllocationFailed",
+                      0x22: "AccessFailed", 0x23: "InvalidProgram", 0x24: "InvalidExternalData",
+                      0x25: "OutOfResources"}
+
+
+def _named_error(e: Exception) -> str:
+    m = re.search(r"error:? 0x:?([0-9a-fA-F]+)", str(e))
+    name = _EXECUTORCH_ERRORS.get(int(m.group(1), 16)) if m else None
+    return f"{e} ({name}; ExecuTorch logs the reason)" if name else str(e)
+
+
 class LLMRunner:
     def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None):
         import executorch_mlx  # noqa: F401  (registers the backend)
         from executorch.runtime import Runtime
 
-        from executorch_mlx._runtime_library import clear_last_error, last_error
+        from executorch_mlx._runtime_library import check_program, clear_last_error, last_error
 
         if isinstance(pte, (bytes, bytearray)):
             source = bytes(pte)
@@ -77,6 +90,12 @@ class LLMRunner:
         if len(head) < 8 or not re.fullmatch(rb"ET\d\d", head[4:8]):
             raise ValueError(f"{pte if not isinstance(pte, (bytes, bytearray)) else 'the program'} is not an "
                              f"ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+        try:
+            # What ExecuTorch reads later without a bounds check (method
+            # input/output indices) is checked here: an assert would abort.
+            check_program(source)
+        except ValueError as e:
+            raise ValueError(f"cannot load {pte if isinstance(pte, (str, Path)) else 'the program'}: {e}") from None
         clear_last_error()
         try:
             # Keep the Program: a Method does not keep its Program alive.
@@ -88,7 +107,7 @@ class LLMRunner:
             self.method = self.program.load_method("forward")
         except RuntimeError as e:
             raise RuntimeError(f"cannot load {pte if isinstance(pte, (str, Path)) else 'the program'}: "
-                               f"{last_error() or e}") from e
+                               f"{last_error() or _named_error(e)}") from e
 
         def one(name: str, kind: type, default=None):
             """A metadata method's single value, of the type export_llm writes."""

@@ -44,6 +44,8 @@
 
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
 extern "C" const char* emlx_backend_id();
+extern "C" int emlx_check_program(const char* path, const uint8_t* data, uint64_t size);  // program_checks.h
+extern "C" const char* emlx_last_error();
 
 namespace {
 
@@ -57,9 +59,13 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// ExecuTorch's error is a code; our runtime's reason (a delegate that refused
+// the program), when there is one, says why.
 void check(et::Error e, const std::string& what) {
   if (e != et::Error::Ok) {
-    throw std::runtime_error(what + " failed (ExecuTorch error " + std::to_string(static_cast<int>(e)) + ")");
+    const std::string reason = emlx_last_error();
+    throw std::runtime_error(what + " failed (ExecuTorch " + et::to_string(e) + ")" +
+                             (reason.empty() ? "" : ": " + reason));
   }
 }
 
@@ -398,6 +404,11 @@ int run(const Options& o) {
   }
   // The whole container is verified (FlatBuffers bounds and offsets) before
   // anything in it is trusted: the default (Minimal) lets a corrupt file crash.
+  // Then our own checks of what ExecuTorch later reads unchecked (method
+  // input/output value indices: an assert, SIGABRT, in Method::get_output).
+  if (emlx_check_program(o.pte.c_str(), nullptr, 0) != 0) {
+    throw std::runtime_error("loading program " + o.pte + ": " + emlx_last_error());
+  }
   auto program = et::Program::load(&loader.get(), et::Program::Verification::InternalConsistency);
   check(program.error(), "loading program " + o.pte);
   const Metadata md = read_metadata(program.get());
