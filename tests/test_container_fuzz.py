@@ -1,0 +1,159 @@
+"""Issue 16: a corrupt .pte container is an error from every runner, never a
+signal. Targeted cases (what ExecuTorch reads unchecked: method input/output
+value indices; a truncated file; a refusal's reason) and a bounded run of
+the container fuzzer (tests/container_fuzz.py; the long runs:
+scripts/fuzz_container.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import container_fuzz as cf
+import numpy as np
+import pytest
+from flatbuffers.table import Table
+
+import executorch_mlx
+from executorch_mlx.llm.runner import LLMRunner, _named_error
+
+ROOT = Path(__file__).resolve().parent.parent
+HUGE = 8847360  # the index a one-byte change gave (mutation seed 188 of the first trial)
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    return cf.export_program(tmp_path_factory.mktemp("container"))
+
+
+def _emlx(pte: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6",
+                           "--max-new-tokens", "3"], capture_output=True, text=True, timeout=60)
+
+
+def _index_position(data: bytes, method: str, field: str, i: int = 0) -> int:
+    """Byte offset of `field` ("inputs" or "outputs") [i] of `method`'s
+    ExecutionPlan, walked with FlatBuffers' generic Table (program.fbs:
+    Program.execution_plan is field 1; ExecutionPlan.name 0, inputs 3, outputs 4)."""
+    vtable = {"name": 4, "inputs": 10, "outputs": 12}  # 4 + 2 * field id
+    program = Table(data, struct.unpack_from("<I", data, 0)[0])
+    plans = program.Vector(program.Offset(6))
+    for k in range(program.VectorLen(program.Offset(6))):
+        plan = Table(data, program.Indirect(plans + 4 * k))
+        if plan.String(plan.Offset(vtable["name"]) + plan.Pos) == method.encode():
+            return plan.Vector(plan.Offset(vtable[field])) + 4 * i
+    raise LookupError(method)
+
+
+@pytest.mark.parametrize("method,field,what", [("get_max_context_len", "outputs", "output"),
+                                               ("forward", "inputs", "input")])
+def test_a_value_index_out_of_range_is_an_error_not_an_abort(program, tmp_path, method, field, what):
+    """ExecuTorch reads method outputs with an assert (get_value: i < n_value_,
+    SIGABRT in emlx_runner) and inputs likewise: our checks refuse first."""
+    pte, folder = program
+    data = bytearray(pte.read_bytes())
+    struct.pack_into("<i", data, _index_position(bytes(data), method, field), HUGE)
+    bad = tmp_path / "index.pte"
+    bad.write_bytes(data)
+    message = rf"corrupt program: method '{method}': {what} 0 is value {HUGE} of \d+"
+
+    done = _emlx(bad)
+    assert done.returncode == 1 and re.search(message, done.stderr), done.stderr
+    with pytest.raises(ValueError, match=message):
+        LLMRunner(bad, folder)
+    with pytest.raises(ValueError, match=message):
+        LLMRunner(bytes(data), folder)
+    if field == "inputs":
+        return  # the CLI once (~8 s of imports): the same LLMRunner
+    cli = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(bad), "--tokenizer",
+                          str(folder), "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2
+    assert re.fullmatch(rf"executorch-mlx generate: error: cannot load {re.escape(str(bad))}: {message}\n",
+                        cli.stderr), cli.stderr
+
+
+def test_a_truncated_file_names_the_sizes(program, tmp_path):
+    """ExecuTorch's refusal is a bare InvalidProgram (its reason only in its log)."""
+    pte, folder = program
+    data = pte.read_bytes()
+    cut = tmp_path / "cut.pte"
+    cut.write_bytes(data[: len(data) // 2])
+    message = rf"truncated\? its header gives \d+ bytes of segments at byte \d+ in a file of {len(data) // 2}"
+    done = _emlx(cut)
+    assert done.returncode == 1 and re.search(message, done.stderr), done.stderr
+    with pytest.raises(ValueError, match=message):
+        LLMRunner(cut, folder)
+
+
+def test_emlx_runner_says_why_the_backend_refused(program, tmp_path):
+    """A weight's key changed in the named data: the method's load fails in
+    our backend, and emlx_runner prints its reason after ExecuTorch's code."""
+    pte, _ = program
+    data = bytearray(pte.read_bytes())
+    program_size = struct.unpack_from("<Q", data, 16)[0]
+    at = data.index(b"emlx_", 0, program_size)  # the first named-data key, in the FlatBuffer
+    data[at + 5] = ord("Z")
+    bad = tmp_path / "key.pte"
+    bad.write_bytes(data)
+    done = _emlx(bad)
+    assert done.returncode == 1
+    assert re.search(r"loading method 'forward' failed \(ExecuTorch Error::InvalidProgram\): invalid program: "
+                     r"constant 'emlx_\w+' not found in named data", done.stderr), done.stderr
+
+
+def test_executorch_error_codes_are_named():
+    assert _named_error(RuntimeError("Failed to load program, error: 0x:23")) == (
+        "Failed to load program, error: 0x:23 (InvalidProgram; ExecuTorch logs the reason)")
+    assert _named_error(RuntimeError("something else")) == "something else"
+
+
+# ------------------------------------------------------------- the fuzzer --
+def test_mutations_repeat_and_reach_every_region(program):
+    data = program[0].read_bytes()
+    first, again = cf.cases(data, 200, seed=1), cf.cases(data, 200, seed=1)
+    assert [c.data for c in first] == [c.data for c in again]
+    spans = cf.regions(data)
+    base = np.frombuffer(data, np.uint8)
+    changed = np.concatenate([np.nonzero(np.frombuffer(c.data, np.uint8) != base)[0] for c in first
+                              if len(c.data) == len(data)])
+    assert any(i < 64 for i in changed) and any(i >= spans["segments"][0] for i in changed)
+    assert any(len(c.data) < len(data) for c in cf.cases(data, 300, seed=1))  # truncations too
+
+
+def test_a_crash_or_a_hang_is_counted_not_fatal(monkeypatch, tmp_path):
+    """The harness's own guarantee, on its forked Python path."""
+    def target(name, pte, folder):
+        if name == "inspect":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if name == "generate":
+            time.sleep(30)
+        raise KeyError("escaped")
+
+    monkeypatch.setattr(cf, "_python_target", target)
+    case = [cf.Case(0, b"x", "test")]
+    assert cf.run_python("inspect", case, tmp_path, tmp_path, timeout=5).outcomes == {cf.SIGNAL: 1}
+    assert cf.run_python("generate", case, tmp_path, tmp_path, timeout=0.5).outcomes == {cf.HUNG: 1}
+    report = cf.run_python("LLMRunner", case, tmp_path, tmp_path, timeout=5)
+    assert report.outcomes == {cf.OTHER: 1} and "KeyError: 'escaped'" in report.failures[0]
+    assert [cf.classify(rc) for rc in (0, 1, 2, 3, 134, -6)] == [
+        cf.RAN, cf.REFUSED, cf.REFUSED, cf.OTHER, cf.SIGNAL, cf.SIGNAL]
+
+
+def test_bounded_container_fuzzing(program):
+    """100 mutants through emlx_runner, 30 through the Python targets: no
+    signal, no hang, no escaped exception."""
+    pte, folder = program
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_container.py"), "--emlx", "100",
+                           "--llmrunner", "10", "--generate", "10", "--inspect", "10", "--seed", "3",
+                           "--program", str(pte), "--folder", str(folder)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for target, n in [("emlx_runner", 100), ("LLMRunner", 10), ("generate", 10), ("inspect", 10)]:
+        assert re.search(rf"^{target}: {n} cases: ran \d+, refused \d+, signal 0, hung 0, other 0 ", done.stdout,
+                         re.M), done.stdout
