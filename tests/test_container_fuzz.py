@@ -37,18 +37,42 @@ def _emlx(pte: Path) -> subprocess.CompletedProcess:
                            "--max-new-tokens", "3"], capture_output=True, text=True, timeout=60)
 
 
-def _index_position(data: bytes, method: str, field: str, i: int = 0) -> int:
-    """Byte offset of `field` ("inputs" or "outputs") [i] of `method`'s
-    ExecutionPlan, walked with FlatBuffers' generic Table (program.fbs:
-    Program.execution_plan is field 1; ExecutionPlan.name 0, inputs 3, outputs 4)."""
-    vtable = {"name": 4, "inputs": 10, "outputs": 12}  # 4 + 2 * field id
+# program.fbs field ids: Program.execution_plan 1; ExecutionPlan name 0, values 2,
+# inputs 3, outputs 4, non_const_buffer_sizes 8; EValue val 1; Tensor sizes 2.
+def _slot(field_id: int) -> int:
+    return 4 + 2 * field_id
+
+
+def _plan(data: bytes, method: str) -> Table:
     program = Table(data, struct.unpack_from("<I", data, 0)[0])
-    plans = program.Vector(program.Offset(6))
-    for k in range(program.VectorLen(program.Offset(6))):
+    plans = program.Vector(program.Offset(_slot(1)))
+    for k in range(program.VectorLen(program.Offset(_slot(1)))):
         plan = Table(data, program.Indirect(plans + 4 * k))
-        if plan.String(plan.Offset(vtable["name"]) + plan.Pos) == method.encode():
-            return plan.Vector(plan.Offset(vtable[field])) + 4 * i
+        if plan.String(plan.Offset(_slot(0)) + plan.Pos) == method.encode():
+            return plan
     raise LookupError(method)
+
+
+def _position(data: bytes, method: str, field: str, i: int = 0) -> int:
+    """Byte offset of element i of `method`'s inputs, outputs (int32) or
+    non_const_buffer_sizes (int64), walked with FlatBuffers' generic Table."""
+    plan = _plan(data, method)
+    fid, width = {"inputs": (3, 4), "outputs": (4, 4), "non_const_buffer_sizes": (8, 8)}[field]
+    return plan.Vector(plan.Offset(_slot(fid))) + width * i
+
+
+def _index_position(data: bytes, method: str, field: str, i: int = 0) -> int:
+    return _position(data, method, field, i)
+
+
+def _input_rank_positions(data: bytes, input_index: int) -> list[int]:
+    """Byte offsets of the lengths of forward's input `input_index`'s sizes
+    and dim_order vectors (Tensor fields 2 and 3)."""
+    plan = _plan(data, "forward")
+    value = struct.unpack_from("<i", data, _position(data, "forward", "inputs", input_index))[0]
+    evalue = Table(data, plan.Indirect(plan.Vector(plan.Offset(_slot(2))) + 4 * value))
+    tensor = Table(data, evalue.Indirect(evalue.Offset(_slot(1)) + evalue.Pos))
+    return [tensor.Vector(tensor.Offset(_slot(f))) - 4 for f in (2, 3)]
 
 
 @pytest.mark.parametrize("method,field,what", [("get_max_context_len", "outputs", "output"),
@@ -76,6 +100,39 @@ def test_a_value_index_out_of_range_is_an_error_not_an_abort(program, tmp_path, 
     assert cli.returncode == 2
     assert re.fullmatch(rf"executorch-mlx generate: error: cannot load {re.escape(str(bad))}: {message}\n",
                         cli.stderr), cli.stderr
+
+
+@pytest.mark.parametrize("size", [-11192684773372, 1 << 60])
+def test_a_memory_plan_out_of_range_is_an_error(program, tmp_path, size):
+    """A negative planned buffer aborted in MethodMeta (Result::get); a huge
+    one was allocated (and zero-filled) for seconds before anything else."""
+    pte, folder = program
+    data = bytearray(pte.read_bytes())
+    struct.pack_into("<q", data, _position(bytes(data), "forward", "non_const_buffer_sizes", 1), size)
+    bad = tmp_path / "plan.pte"
+    bad.write_bytes(data)
+    message = rf"corrupt program: method 'forward' plans a buffer of {size} bytes \(the memory budget is "
+    done = _emlx(bad)
+    assert done.returncode == 1 and re.search(message, done.stderr), done.stderr
+    with pytest.raises(ValueError, match=message):
+        LLMRunner(bad, folder)
+
+
+def test_a_sampler_input_of_the_wrong_rank_is_an_error(program, tmp_path):
+    """history read as [batch, slots]: a shape [] was an IndexError (Python)
+    and vector::_M_range_check (emlx_runner)."""
+    pte, folder = program
+    names = LLMRunner(pte, folder).input_names
+    data = bytearray(pte.read_bytes())
+    for at in _input_rank_positions(bytes(data), names.index("history")):
+        struct.pack_into("<I", data, at, 0)  # a rank-0 tensor
+    bad = tmp_path / "rank.pte"
+    bad.write_bytes(data)
+    done = _emlx(bad)
+    assert done.returncode == 1
+    assert "emlx_runner: error: this .pte's input 'history' is not [batch, size]" in done.stderr, done.stderr
+    with pytest.raises(ValueError, match=r"this \.pte's input 'history' has shape \[\], not \[batch, size\]"):
+        LLMRunner(bad, folder)
 
 
 def test_a_truncated_file_names_the_sizes(program, tmp_path):

@@ -139,6 +139,10 @@ class LLMRunner:
         forward = self.program.metadata("forward")
         self.input_shapes = {name: tuple(forward.input_tensor_meta(i).sizes())
                              for i, name in enumerate(self.input_names)}
+        for name in ("history", "logit_bias_ids", "logit_bias_values"):  # read as [batch, slots] below
+            if len(self.input_shapes.get(name, (1, 0))) != 2:
+                raise ValueError(f"this .pte's input '{name}' has shape {list(self.input_shapes[name])}, not "
+                                 f"[batch, size]: export it with executorch-mlx export")
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         # One generation at a time: the steps of two would interleave in the
         # one KV cache and give wrong tokens (see the module's docstring).

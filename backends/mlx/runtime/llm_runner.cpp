@@ -72,7 +72,7 @@ void check(et::Error e, const std::string& what) {
 // A loaded method with the memory it plans into (which must outlive it).
 struct LoadedMethod {
   executorch::extension::MallocMemoryAllocator method_allocator, temp_allocator;
-  std::vector<std::vector<uint8_t>> planned;
+  std::vector<std::unique_ptr<uint8_t[]>> planned;
   std::vector<et::Span<uint8_t>> spans;
   std::unique_ptr<et::HierarchicalAllocator> planned_allocator;
   std::unique_ptr<et::MemoryManager> memory;
@@ -82,8 +82,11 @@ struct LoadedMethod {
     auto meta = program.method_meta(name);
     check(meta.error(), std::string("reading method '") + name + "'");
     for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
-      planned.emplace_back(static_cast<size_t>(meta->memory_planned_buffer_size(i).get()));
-      spans.emplace_back(planned.back().data(), planned.back().size());
+      auto size = meta->memory_planned_buffer_size(i);  // .get() on an error aborts
+      check(size.error(), std::string("reading method '") + name + "''s memory plan");
+      // Not zero-filled: untouched pages of a large plan cost nothing.
+      planned.emplace_back(new uint8_t[static_cast<size_t>(size.get())]);
+      spans.emplace_back(planned.back().get(), static_cast<size_t>(size.get()));
     }
     planned_allocator = std::make_unique<et::HierarchicalAllocator>(et::Span(spans.data(), spans.size()));
     memory = std::make_unique<et::MemoryManager>(&method_allocator, planned_allocator.get(), &temp_allocator);
@@ -285,7 +288,12 @@ class Generator {
         if (md.input_names[i] != name) continue;
         auto info = meta.input_tensor_meta(i);
         check(info.error(), "reading input '" + name + "'");
-        return Sizes(info->sizes().begin(), info->sizes().end());
+        Sizes sizes(info->sizes().begin(), info->sizes().end());
+        if (sizes.size() != 2) {  // the names asked for here are [batch, slots]
+          throw std::runtime_error("this .pte's input '" + name + "' is not [batch, size]: export it with "
+                                   "executorch-mlx export");
+        }
+        return sizes;
       }
       return {};
     };

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "interpreter.h"  // set_last_error
+#include "memory_budget.h"
 // Generated at build time by flatc from the installed executorch wheel's
 // schema/program.fbs (CMakeLists.txt), so it always matches the runtime we link.
 #include "program_generated.h"
@@ -75,6 +76,18 @@ void check_flatbuffer(const uint8_t* data, size_t size) {
     // ExecuTorch reads these with an assert (SIGABRT) or not bounded at all.
     check_indices(plan->inputs(), n_values, name, "input");
     check_indices(plan->outputs(), n_values, name, "output");
+    // The runners allocate these (ExecuTorch's memory planning) before any
+    // check of theirs: a negative one aborts in MethodMeta, a huge one stalls.
+    if (const auto* sizes = plan->non_const_buffer_sizes()) {
+      const size_t budget = memory_budget();
+      for (size_t i = 0; i < sizes->size(); ++i) {
+        const int64_t n = sizes->Get(i);
+        if (n < 0 || static_cast<uint64_t>(n) > budget) {
+          bad("method '" + name + "' plans a buffer of " + std::to_string(n) + " bytes (the memory budget is " +
+              format_bytes(budget) + ")");
+        }
+      }
+    }
   }
 }
 
