@@ -57,7 +57,7 @@ def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None
     hidden = hidden or (256 if small else 1024)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers or (2 if small else 8), num_attention_heads=max(4, hidden // 64),
-                      num_key_value_heads=max(1, hidden // 256), max_position_embeddings=2048,
+                      num_key_value_heads=max(1, hidden // 256), max_position_embeddings=8192,
                       tie_word_embeddings=True, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
