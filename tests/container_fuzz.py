@@ -20,6 +20,7 @@ runs) and tests/test_container_fuzz.py (a bounded run).
 from __future__ import annotations
 
 import collections
+import faulthandler
 import os
 import random
 import re
@@ -222,6 +223,8 @@ def _fork_case(target: str, pte: str, folder: str, log: Path, timeout: float) ->
             # Python's own streams too: a caller's may not be on fds 1 and 2 (pytest's capture).
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
+            # A crash's traceback goes to the case's log, not to the caller's terminal (pytest's faulthandler).
+            faulthandler.enable(file=sys.stderr)
             code = _python_target(target, pte, folder)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1

@@ -206,6 +206,13 @@ void linear_block_generic(const Operands& o, size_t n0, size_t n1, float* scratc
   linear_block(o, n0, n1, scratch);
 }
 
+// Rows n0 .. n0 + rows of w as floats, one after another in dst (K apart).
+inline void decode_rows(const Operands& o, size_t n0, size_t rows, float* dst) {
+  for (size_t r = 0; r < rows; ++r) decode_row(o, n0 + r, dst + r * o.K);
+}
+
+void decode_rows_generic(const Operands& o, size_t n0, size_t rows, float* dst) { decode_rows(o, n0, rows, dst); }
+
 #if defined(__x86_64__)
 // The same code compiled twice: for AVX2+FMA machines, and for any x86-64.
 __attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, size_t n0, size_t n1,
@@ -213,8 +220,13 @@ __attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, si
   linear_block(o, n0, n1, scratch);
 }
 
+__attribute__((target("avx2,fma"))) void decode_rows_avx2(const Operands& o, size_t n0, size_t rows, float* dst) {
+  decode_rows(o, n0, rows, dst);
+}
+
 #else
 constexpr auto linear_block_avx2 = linear_block_generic;
+constexpr auto decode_rows_avx2 = decode_rows_generic;
 #endif
 
 // From this many rows of x on (prefill), a blocked GEMM beats one pass of
@@ -229,10 +241,10 @@ void gemm(const Operands& o) {
   static std::once_flag single_threaded;
   std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
   const size_t M = o.M, N = o.N, K = o.K;
-  // One tile per thread for float32 weights (each sgemm call packs x again);
-  // decoded weights in tiles of up to 256 rows, reused while in cache.
-  size_t tile = (N + pool_size() - 1) / pool_size();
-  if (o.format != Format::F32) tile = std::min<size_t>(tile, 256);
+  // Tiles of 256 weight rows (decoded ones reused while in cache; each sgemm
+  // call packs x again), whatever the thread count: the same calls give the
+  // same bits with any number of threads.
+  constexpr size_t tile = 256;
   const int tiles = static_cast<int>((N + tile - 1) / tile);
   parallel_for(tiles, [&](int t) {
     const size_t n0 = t * tile, rows = std::min(tile, N - n0);
@@ -240,7 +252,7 @@ void gemm(const Operands& o) {
     if (o.format != Format::F32) {
       thread_local std::vector<float> scratch;
       if (scratch.size() < rows * K) scratch.resize(rows * K);
-      for (size_t r = 0; r < rows; ++r) decode_row(o, n0 + r, scratch.data() + r * K);
+      (has_avx2() ? decode_rows_avx2 : decode_rows_generic)(o, n0, rows, scratch.data());
       w = scratch.data();
     }
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
