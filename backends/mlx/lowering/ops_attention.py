@@ -47,7 +47,6 @@ def sdpa(b: GraphBuilder, node: torch.fx.Node) -> None:
     query attention (fewer key/value heads) needs no repeated K/V in MLX."""
     q = b.get(node.args[0])
     k, v = (b.get(unrepeated_kv(b, a)) for a in node.args[1:3])
-    out = meta_val(node)
     mask_arg = node_arg(node, 3, "attn_mask")
     dropout = node_arg(node, 4, "dropout_p", 0.0)
     causal = bool(node_arg(node, 5, "is_causal", False))
@@ -74,6 +73,7 @@ def sdpa(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 
 def _attend(b: GraphBuilder, q, k, v, mask, scale: float, causal: bool, out) -> Value:
+    """One ScaledDotProductAttentionNode; `out` is the node's example output."""
     fields = dict(q=q.tid, k=b.cast(k, q.dtype).tid, v=b.cast(v, q.dtype).tid, scale=scale, causal=causal)
     if mask is not None:
         fields["mask"] = (mask if mask.dtype == torch.bool else b.cast(mask, q.dtype)).tid
