@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 # Bound so that a test can simulate a failing disk (a full one, say).
 _write = os.write
@@ -51,10 +52,26 @@ def check_output_path(model_dir: str | Path, output_path: str | Path) -> Path:
     return out
 
 
-def write_atomically(path: Path, data: bytes | memoryview) -> None:
-    """Writes `data` to a temporary file in `path`'s folder, then renames it
-    over `path` (atomic on POSIX). On any failure the temporary file is
-    removed and `path` is untouched."""
+class _RawFile:
+    """The write() that ExecuTorch's `write_to_file` needs, straight to a file
+    descriptor through `_write` (short writes retried)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            view = view[_write(self.fd, view[:1 << 24]):]
+        return total
+
+
+def write_atomically(path: Path, write: Callable[[_RawFile], None]) -> None:
+    """Calls `write(file)` on a temporary file in `path`'s folder, then renames
+    it over `path` (atomic on POSIX). On any failure the temporary file is
+    removed and `path` is untouched. (A writer, not bytes: the program is
+    written a segment at a time, never held whole in memory.)"""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
@@ -64,10 +81,7 @@ def write_atomically(path: Path, data: bytes | memoryview) -> None:
             os.umask(umask)
             mode = 0o666 & ~umask  # as a plain open() would create it
         os.fchmod(fd, mode)
-        view = memoryview(data).cast("B")
-        while view:
-            written = _write(fd, view[:1 << 24])
-            view = view[written:]
+        write(_RawFile(fd))
         os.fsync(fd)
         os.close(fd)
         fd = -1

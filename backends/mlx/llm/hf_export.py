@@ -207,6 +207,6 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                                                  quantization, logprobs and sampling))
     program = edge.to_executorch()
     stage(f"writing {output_path}")
-    write_atomically(output_path, program.buffer)
+    write_atomically(output_path, program.write_to_file)
     stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
     return output_path
