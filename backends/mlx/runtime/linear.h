@@ -1,7 +1,8 @@
 // y = x @ w^T (+ bias): the linear layer, with CPU kernels of ours for
 // float32 and bfloat16 weights and for MLX's affine 4- and 8-bit quantized
 // weights (MLX's CPU matmul calls a single-threaded reference BLAS, and its
-// CPU quantized_matmul is a scalar loop).
+// CPU quantized_matmul is a scalar loop). One to three rows of x: dot products
+// on the stored weights; more (prefill): OpenBLAS sgemm on tiles of them.
 #pragma once
 
 #include <mlx/mlx.h>
