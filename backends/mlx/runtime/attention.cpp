@@ -8,15 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <mutex>
 #include <stdexcept>
 #include <vector>
 
+#include "blas.h"
 #include "thread_pool.h"
-
-extern "C" {
-#include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
-}
 
 namespace emlx {
 
@@ -141,8 +137,7 @@ class Attention : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     // The task owns references: MLX may drop its own before the task runs.
     enc.dispatch([inputs, out, scale = scale_, kind = kind_]() mutable {
-      static std::once_flag single_threaded;  // our pool spreads the work
-      std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+      use_single_threaded_blas();
       const Task t{&inputs[0], &inputs[1], &inputs[2], kind == MaskKind::None ? nullptr : &inputs[3], kind, scale,
                    out.data<float>()};
       const int64_t B = inputs[0].shape(0), H = inputs[0].shape(1), L = inputs[0].shape(2);

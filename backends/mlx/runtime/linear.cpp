@@ -7,15 +7,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 
+#include "blas.h"
 #include "thread_pool.h"
-
-extern "C" {
-#include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
-}
 
 namespace emlx {
 
@@ -238,8 +234,7 @@ constexpr size_t kGemmRows = 4;
 // against ours and collapse when another process wants a core). Weights not
 // stored as float32 are decoded a tile at a time, multiplied while in cache.
 void gemm(const Operands& o) {
-  static std::once_flag single_threaded;
-  std::call_once(single_threaded, [] { scipy_openblas_set_num_threads(1); });
+  use_single_threaded_blas();
   const size_t M = o.M, N = o.N, K = o.K;
   // Tiles of 256 weight rows (decoded ones reused while in cache; each sgemm
   // call packs x again), whatever the thread count: the same calls give the
