@@ -85,6 +85,15 @@ def undelegated_ops(edge) -> list[str]:
             if n.op == "call_function" and getattr(n.target, "__name__", "") not in _PLUMBING]
 
 
+def check_identifier(head: bytes, name) -> None:
+    """ValueError unless `head` (a file's first bytes) holds ExecuTorch's file
+    identifier: checked before ExecuTorch sees a file, as it logs a wrong
+    identifier as text and its Python logging aborts the process on bytes
+    that are not UTF-8."""
+    if len(head) < 8 or head[4:6] != b"ET" or not head[6:8].isdigit():
+        raise ValueError(f"{name} is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+
+
 def inspect_pte(path: str | Path) -> str:
     """A readable dump of the .pte's MLX delegates. A file that is not a
     readable .pte is a ValueError naming it (the parsers below raise whatever
@@ -92,8 +101,7 @@ def inspect_pte(path: str | Path) -> str:
     from .backend import MLXGraphBackend
 
     data = Path(path).read_bytes()
-    if len(data) < 8 or not data[4:6] == b"ET" or not data[6:8].isdigit():
-        raise ValueError(f"{path} is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+    check_identifier(data[:8], path)
     try:
         blobs = delegate_blobs(data)
     except Exception as e:  # noqa: BLE001 - any parser failure means a corrupt file

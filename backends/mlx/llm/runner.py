@@ -72,6 +72,7 @@ class LLMRunner:
         from executorch.runtime import Runtime
 
         from executorch_mlx._runtime_library import check_program, clear_last_error, last_error
+        from executorch_mlx.inspector import check_identifier
 
         if isinstance(pte, (bytes, bytearray)):
             source = bytes(pte)
@@ -85,11 +86,7 @@ class LLMRunner:
             source = str(pte)
             with open(source, "rb") as f:
                 head = f.read(8)
-        # Checked here: ExecuTorch logs a wrong identifier as text, and its
-        # Python logging aborts the process on bytes that are not UTF-8.
-        if len(head) < 8 or not re.fullmatch(rb"ET\d\d", head[4:8]):
-            raise ValueError(f"{pte if not isinstance(pte, (bytes, bytearray)) else 'the program'} is not an "
-                             f"ExecuTorch program (no ET.. file identifier at bytes 4-8)")
+        check_identifier(head, pte if not isinstance(pte, (bytes, bytearray)) else "the program")
         try:
             # What ExecuTorch reads later without a bounds check (method
             # input/output indices) is checked here: an assert would abort.
