@@ -3,6 +3,16 @@
 # downloaded or vendored: the plugin links the very libraries that Python
 # loads, so it registers into the same backend registry.
 
+# The Python environment with the pinned packages. A relative
+# -DPython3_EXECUTABLE=.venv/bin/python is relative to where cmake runs:
+# giving the untyped command-line entry its FILEPATH type makes CMake resolve
+# it so (FindPython would otherwise ignore it and pick the system python3).
+# Without one, the repository's own .venv (made by scripts/dev) is the default.
+if(DEFINED CACHE{Python3_EXECUTABLE})
+  set(Python3_EXECUTABLE "${Python3_EXECUTABLE}" CACHE FILEPATH "Python with the pinned packages")
+elseif(EXISTS "${CMAKE_SOURCE_DIR}/.venv/bin/python")
+  set(Python3_EXECUTABLE "${CMAKE_SOURCE_DIR}/.venv/bin/python" CACHE FILEPATH "Python with the pinned packages")
+endif()
 find_package(Python3 COMPONENTS Interpreter REQUIRED)
 
 function(emlx_package_dir out module)
