@@ -4,11 +4,16 @@
     executorch-mlx export MODEL_DIR -o FILE.pte          Hugging Face folder -> .pte
     executorch-mlx generate FILE.pte --tokenizer MODEL_DIR --prompt TEXT
     executorch-mlx inspect FILE.pte                      print the MLX delegate graphs
+    executorch-mlx --version                             versions and the device MLX will use
+
+Progress goes to stderr (a live bar on a terminal; --quiet: none); known
+warnings of our dependencies are hidden (--verbose: shown).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -22,13 +27,15 @@ def cmd_inspect(args) -> int:
 
 def cmd_export(args) -> int:
     from .llm.hf_export import export_llm
+    from .progress import TerminalProgress, shown_by
 
-    export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
-               sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
-               quantize_embedding=args.quantize_embedding, history_size=args.history_size,
-               logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
-               allow_longer_context=args.allow_longer_context,
-               progress=lambda line: print(line, file=sys.stderr))
+    display = None if args.quiet else TerminalProgress(sys.stderr)
+    with display or contextlib.nullcontext(), shown_by(display):
+        export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
+                   sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
+                   quantize_embedding=args.quantize_embedding, history_size=args.history_size,
+                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
+                   allow_longer_context=args.allow_longer_context, progress=display and display.line)
     return 0
 
 
@@ -98,9 +105,32 @@ def _bias_entry(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=VALUE (e.g. 13=-inf), got {text!r}") from None
 
 
+class _PrintVersions(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .versions import version_report
+
+        print(version_report())
+        parser.exit()
+
+
+def _add_output_options(parser: argparse.ArgumentParser, default) -> None:
+    """--verbose/--quiet, before the command or after it. After it they default
+    to SUPPRESS: a subparser's default would overwrite the top-level value."""
+    parser.add_argument("--verbose", action="store_true", default=default,
+                        help="also show the known warnings of torch, transformers and torchao")
+    parser.add_argument("--quiet", action="store_true", default=default,
+                        help="no progress lines or bars on stderr")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="executorch-mlx", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action=_PrintVersions,
+                        help="print the versions of this package, ExecuTorch, MLX and torch, and MLX's device")
+    _add_output_options(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="build a small Llama folder, export it and generate text")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
@@ -150,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: token_ids, text, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)
+    for command in sub.choices.values():
+        _add_output_options(command, argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.verbose:
+        from .third_party_warnings import hide_known_warnings
+
+        hide_known_warnings()
     from ._runtime_library import clear_last_error, last_error
 
     clear_last_error()

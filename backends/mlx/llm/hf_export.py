@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..custom_kernel_ops.quantized import GROUP_SIZES
+from ..progress import CountingWriter, counter
 from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from .sampling import ROW_PARAMS, SAMPLER_INPUTS, sampler_examples
@@ -201,12 +202,15 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     with torch.no_grad():
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
     attend_written_prefix(ep, max_context)
-    stage("lowering to MLX")
+    stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                  quantization, logprobs and sampling))
     program = edge.to_executorch()
     stage(f"writing {output_path}")
-    write_atomically(output_path, program.write_to_file)
+    # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it
+    size = len(getattr(program, "_pte_data", b""))
+    with counter("writing", size, "MiB", 2**20) as count:
+        write_atomically(output_path, lambda file: program.write_to_file(CountingWriter(file, count)))
     stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
     return output_path

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
+from ..progress import counter
 
 QUANTIZE_MODES = {"int4": 4, "int8": 8}
 
@@ -115,14 +116,16 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
                          f"{', '.join(bad)} is not a multiple of it")
 
     tables: dict[int, QuantizedTable] = {}  # id(weight) -> table: a tied weight is quantized once
-    for name, module in targets:
-        scale = _embedding_scale(name, module) if module is embed else None
-        table = tables.get(id(module.weight))
-        if table is None:
-            table = tables[id(module.weight)] = QuantizedTable(module.weight, group_size, bits, scale)
-        elif module is embed:
-            table.embed_scale = None if scale is None else float(scale)
-        new = table if module is embed else QuantizedLinear(table, module.bias)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+    with counter(f"quantizing to {bits} bits", len(targets)) as count:
+        for name, module in targets:
+            scale = _embedding_scale(name, module) if module is embed else None
+            table = tables.get(id(module.weight))
+            if table is None:
+                table = tables[id(module.weight)] = QuantizedTable(module.weight, group_size, bits, scale)
+            elif module is embed:
+                table.embed_scale = None if scale is None else float(scale)
+            new = table if module is embed else QuantizedLinear(table, module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+            count.advance()
     return [name for name, _ in targets]

@@ -12,6 +12,7 @@ import torch
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
 
+from ..progress import counter
 from ..serialization import ir
 from .registry import Unsupported, handler_for
 
@@ -335,28 +336,30 @@ def lower_program(ep: ExportedProgram) -> GraphBuilder:
     sig = ep.graph_signature
     mutated = set(sig.buffers_to_mutate.values())
     buffer_values: dict[str, Value] = {}  # FQN -> the buffer's slot
-    for node in ep.graph.nodes:
-        if node.op == "placeholder":
-            fqn = sig.inputs_to_buffers.get(node.name)
-            const = constant_tensor(ep, node)
-            if fqn in mutated:
-                buffer_values[fqn] = b.add_mutable_buffer(node, const)
-            elif const is not None and const.dim() == 0:
-                b.bind(node, b.literal(const.item(), const.dtype))  # a lifted Python scalar
-            elif const is not None:
-                b.add_constant(node, const)
-            else:
-                b.add_input(node)
-        elif node.op == "call_function":
-            try:
-                b.lower_node(node)
-            except Unsupported as e:
-                raise RuntimeError(f"cannot lower {node.format_node()}: {e}") from e
-        elif node.op == "output":
-            for arg, spec in zip(node.args[0], sig.output_specs):
-                if spec.kind == OutputKind.BUFFER_MUTATION:
-                    b.set_buffer_update(buffer_values[spec.target], b.get(arg))
+    with counter("lowering nodes", len(ep.graph.nodes)) as count:
+        for node in ep.graph.nodes:
+            if node.op == "placeholder":
+                fqn = sig.inputs_to_buffers.get(node.name)
+                const = constant_tensor(ep, node)
+                if fqn in mutated:
+                    buffer_values[fqn] = b.add_mutable_buffer(node, const)
+                elif const is not None and const.dim() == 0:
+                    b.bind(node, b.literal(const.item(), const.dtype))  # a lifted Python scalar
+                elif const is not None:
+                    b.add_constant(node, const)
                 else:
-                    b.add_output(arg)
+                    b.add_input(node)
+            elif node.op == "call_function":
+                try:
+                    b.lower_node(node)
+                except Unsupported as e:
+                    raise RuntimeError(f"cannot lower {node.format_node()}: {e}") from e
+            elif node.op == "output":
+                for arg, spec in zip(node.args[0], sig.output_specs):
+                    if spec.kind == OutputKind.BUFFER_MUTATION:
+                        b.set_buffer_update(buffer_values[spec.target], b.get(arg))
+                    else:
+                        b.add_output(arg)
+            count.advance()
     drop_dead_nodes(b.graph)
     return b

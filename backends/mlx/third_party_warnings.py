@@ -1,0 +1,51 @@
+"""Known warnings of our dependencies that a command-line user can do nothing
+about, hidden so that the CLI's own lines stand out (`--verbose` keeps them).
+
+Each filter names the warning's category (or logger), the module that raises
+it and its message, so an unknown warning, or any of ours, still shows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+
+# (category, module that raises it, message): Python warnings
+PYTHON_WARNINGS = [
+    # torch.export (strict) of a transformers model: a global of transformers'
+    # output capturing is touched while tracing; harmless for inference
+    (UserWarning, r"torch\._dynamo\.", r"While compiling, we found certain side effects happened in the model\.forward"),
+    # torch's own pytree code, pickled/deep-copied through copyreg
+    (FutureWarning, r"copyreg$", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (FutureWarning, r"torch\.", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+]
+
+# (logger, message): records of the `logging` module
+LOG_RECORDS = [
+    # torchao registers its Enums with torch's pytree when it is imported
+    ("torch.utils._pytree", r".* is an Enum subclass .*register_constant\(\) on Enum subclasses is deprecated"),
+    # torchao's optional CUDA/MX kernels, absent from a CPU install
+    ("torchao", r"Failed to load \S*torchao/_C\S*\.so"),
+]
+
+
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern, re.S)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.WARNING and self.pattern.match(record.getMessage()))
+
+
+def hide_known_warnings() -> None:
+    """Installs the filters for this process. Call before torch is imported:
+    some of these are emitted on import."""
+    for category, module, message in PYTHON_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, message in LOG_RECORDS:
+        # a logger's own filters see only the records logged on it, not its children's
+        logging.getLogger(name).addFilter(_DropMatching(message))
+    # transformers' "Loading weights" bar: our export reports its own stages
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
