@@ -218,14 +218,8 @@ def test_layer_not_divisible_by_group_size_is_named(tmp_path):
         export_llm(folder, tmp_path / "x.pte", quantize="int8", group_size=64, progress=None)
 
 
-def test_cli_export_quantized(folder, tmp_path):
-    out = tmp_path / "q.pte"
-    cli = [sys.executable, "-m", "executorch_mlx.cli", "export", str(folder), "-o", str(out), "--max-context", "16"]
-    done = subprocess.run(cli + ["--quantize", "int4", "--group-size", "32"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "quantized 14 layers to int4, group size 32" in done.stderr  # the tied head stays with the table
-    from executorch.runtime import Runtime
-
-    assert Runtime.get().load_program(str(out)).load_method("emlx_quantization").execute([])[0] == "int4 group 32"
+def test_cli_export_refuses_a_bad_group_size(folder, tmp_path):
+    """(A quantized CLI export that works: the README's, tests/test_documented_commands.py.)"""
+    cli = [sys.executable, "-m", "executorch_mlx.cli", "export", str(folder), "-o", str(tmp_path / "q.pte")]
     bad = subprocess.run(cli + ["--quantize", "int4", "--group-size", "48"], capture_output=True, text=True)
     assert bad.returncode == 2 and "group_size must be one of 32, 64, 128, got 48" in bad.stderr
