@@ -81,10 +81,10 @@ def test_packing_is_mlx_quantize_and_dequantize_inverts_it(bits, group_size):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True)])
+@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (3, True), (5, True)])
 def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
-    """Group size 64, K=320, N=37: one row of x (the packed-row path) and
-    several (the decoded-block path), with and without bias."""
+    """Group size 64, K=320, N=37: one to three rows of x (the packed-row
+    path) and more (the decoded-block path), with and without bias."""
     weight = torch.randn(37, 320).to(dtype)
     b = torch.randn(37).to(dtype) if bias else None
     x = rand((m, 320), dtype)
