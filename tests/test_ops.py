@@ -829,3 +829,35 @@ def test_embedding_out_of_range_ids_give_nan_rows_not_a_crash():
     out = run(pte, [torch.tensor([9, -1, 1_000_000_000])])[0]
     torch.testing.assert_close(out[0], m.e.weight[9].detach())
     assert out[1:].isnan().all()
+
+
+# ------------------------------------------------------------ common nodes --
+def test_repeated_computations_are_lowered_once():
+    """Each layer of an export repeats small computations (positions, the
+    cache's written length): equal nodes on equal inputs become one."""
+
+    class Twice(torch.nn.Module):
+        def forward(self, x, y):
+            a = torch.sin(x * 2.0) + y
+            b = torch.sin(x * 2.0) + y  # the same again
+            return a * b, torch.sin(x * 3.0)
+
+    x, y = rand(), rand()
+    edge = lower(Twice(), (x, y))
+    ops = [type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes]
+    assert ops.count("SinNode") == 2 and ops.count("AddNode") == 1 and ops.count("MultiplyNode") == 3
+    got = run(edge.to_executorch().buffer, [x, y])
+    want = Twice()(x, y)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_random_draws_are_never_merged():
+    from executorch_mlx.lowering.common_nodes import merge_common_nodes
+    from executorch_mlx.serialization import ir
+
+    def draw(out):
+        return ir.Node(op=ir.RandomBitsNode(shape=[ir.IntOrSlot(value=4, slot=-1)], out=ir.Tid(out)))
+
+    graph = ir.Graph(num_values=3, nodes=[draw(0), draw(1), ir.Node(op=ir.AddNode(a=ir.Tid(0), b=ir.Tid(1), out=ir.Tid(2)))])
+    assert merge_common_nodes(graph) == 0 and len(graph.nodes) == 3

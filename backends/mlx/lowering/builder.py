@@ -14,6 +14,7 @@ from torch.export import ExportedProgram
 
 from ..progress import counter
 from ..serialization import ir
+from .common_nodes import merge_common_nodes
 from .registry import Unsupported, handler_for
 
 TORCH_TO_IR = {
@@ -146,6 +147,15 @@ class GraphBuilder:
         if not isinstance(v, Value):
             raise Unsupported(f"{arg} is not a single tensor")
         return v
+
+    def get_upstream(self, node: torch.fx.Node) -> Value:
+        """get() for a node that a fused pattern reaches past the handler's own
+        inputs: a support check's scratch builder binds only those, so there
+        it stands in a value of the node's dtype and shape."""
+        if self.scratch and node not in self.values:
+            val = meta_val(node)
+            return self.new_value(val.dtype, val.shape)
+        return self.get(node)
 
     # -------------------------------------------------------- helpers --
     def cast(self, v: Value, dtype: torch.dtype) -> Value:
@@ -361,5 +371,6 @@ def lower_program(ep: ExportedProgram) -> GraphBuilder:
                     else:
                         b.add_output(arg)
             count.advance()
+    merge_common_nodes(b.graph)
     drop_dead_nodes(b.graph)
     return b
