@@ -375,3 +375,50 @@ def test_written_attention_reference_equals_whole_cache_attention():
     mask = torch.arange(10)[None, :] <= written[:, None]
     got = torch.ops.mlx.written_attention(q, k, v, mask[None, None], written, 0.3)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=0.3))
+
+
+def test_rms_norm_weight_folds_in_and_strided_inputs_are_read():
+    """float32: weight * norm(x) is one RmsNormNode (no MultiplyNode), also
+    on a transposed view (the kernel reads strided rows)."""
+
+    class Transposed(RMSNorm):
+        def forward(self, x):
+            return super().forward(x.transpose(1, 2))
+
+    model = Transposed(6).eval()
+    for rows in (1, 70):  # one row, and enough to use the thread pool
+        x = rand((2, 6, rows))
+        assert_matches_eager(model, (x,), expect_nodes={"RmsNormNode"})
+    assert "MultiplyNode" not in node_types(lower(model, (x,)))
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(torch.nn.Module):
+    """transformers' apply_rotary_pos_emb on a projected, transposed q."""
+
+    def forward(self, h, cos, sin):
+        q = h.view(h.shape[0], h.shape[1], 3, 8).transpose(1, 2)  # [B, H, L, D]: a strided view
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (q * cos) + (rotate_half(q) * sin)
+
+
+@pytest.mark.parametrize("dtype,length", [(torch.float32, 1), (torch.float32, 50), (torch.bfloat16, 5)])
+def test_rotary_embedding_is_one_node(dtype, length):
+    """One RopeNode (float32: our kernel, one row and enough rows for the
+    pool; bfloat16: MLX ops) with torch's products and sums."""
+    h, cos, sin = rand((2, length, 24), dtype), rand((2, length, 8), dtype), rand((2, length, 8), dtype)
+    assert_matches_eager(Rotary(), (h, cos, sin), expect_nodes={"RopeNode"})
+    types = node_types(lower(Rotary(), (h, cos, sin)))
+    assert not {"ConcatenateNode", "NegativeNode", "AddNode"} & types, types
+
+
+def test_rotation_of_another_tensor_is_not_rope():
+    """q * cos + rotate_half(k) * sin is not a rotary embedding of q."""
+    fn = lambda q, k, c, s: q * c + rotate_half(k) * s  # noqa: E731
+    args = tuple(rand((2, 3, 8)) for _ in range(4))
+    assert_matches_eager(Fn(fn), args)
+    assert "RopeNode" not in node_types(lower(Fn(fn), args))

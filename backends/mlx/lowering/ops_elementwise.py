@@ -82,23 +82,95 @@ def rms_norm_eps(b: GraphBuilder, x, r):
     return float(eps) if isinstance(eps, (int, float)) else None
 
 
-@handles(aten.mul.Tensor)
-def mul(b: GraphBuilder, node: torch.fx.Node) -> None:
-    """x * rsqrt(mean(x^2) + eps) is one RmsNormNode (mx::fast::rms_norm)."""
-    x, y = node.args[:2]
+def _rms_norm(b: GraphBuilder, node) -> tuple | None:
+    """(x, eps) if `node` is x * rsqrt(mean(x^2) + eps) in x's floating dtype."""
+    if not _is(node, aten.mul.Tensor):
+        return None
     out = meta_val(node)
-    for a, r in ((x, y), (y, x)):
+    for a, r in (node.args[:2], node.args[1::-1]):
         eps = rms_norm_eps(b, a, r) if isinstance(a, torch.fx.Node) else None
         if eps is not None and meta_val(a).dtype == out.dtype and out.dtype.is_floating_point:
-            b.bind(node, b.emit(ir.RmsNormNode, out.dtype, out.shape, a=b.get(a).tid, eps=eps))
-            return
+            return a, eps
+    return None
+
+
+@handles(aten.mul.Tensor)
+def mul(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x * rsqrt(mean(x^2) + eps) is one RmsNormNode; weight * that (float32:
+    transformers' RMSNorm) is one RmsNormNode with the weight, the same
+    roundings. (The norm node lowered first is then dead and dropped.)"""
+    x, y = node.args[:2]
+    out = meta_val(node)
+    if (norm := _rms_norm(b, node)) is not None:
+        b.bind(node, b.emit(ir.RmsNormNode, out.dtype, out.shape, a=b.get(norm[0]).tid, eps=norm[1]))
+        return
+    for w, n in ((x, y), (y, x)):
+        norm = _rms_norm(b, n)
+        if (norm is None or len(n.users) != 1 or not isinstance(w, torch.fx.Node) or out.dtype != torch.float32
+                or meta_val(n).dtype != torch.float32 or meta_val(w).dtype != torch.float32
+                or tuple(meta_val(w).shape) != tuple(out.shape[-1:]) or tuple(meta_val(n).shape) != tuple(out.shape)):
+            continue
+        b.bind(node, b.emit(ir.RmsNormNode, out.dtype, out.shape, a=b.get_upstream(norm[0]).tid,
+                            weight=b.get(w).tid, eps=norm[1]))
+        return
     bind_binary(b, node, ir.MultiplyNode, x, y)
+
+
+def _last_axis(node, dim) -> bool:
+    return dim % len(meta_val(node).shape) == len(meta_val(node).shape) - 1
+
+
+def _half_of(s, x, first: bool) -> bool:
+    """Whether `s` is x[..., :D/2] (first) or x[..., D/2:] (not first)."""
+    if not _is(s, aten.slice_copy.Tensor, aten.slice.Tensor) or s.args[0] is not x:
+        return False
+    dim, start, end = node_arg(s, 1, "dim", 0), node_arg(s, 2, "start", None), node_arg(s, 3, "end", None)
+    D = meta_val(x).shape[-1]
+    if not isinstance(D, int) or D % 2 or node_arg(s, 4, "step", 1) != 1 or not _last_axis(x, dim):
+        return False
+    start = start or 0
+    return (start == 0 and end == D // 2) if first else (start == D // 2 and (end is None or end >= D))
+
+
+def _rotate_half_of(rot, x) -> bool:
+    """Whether `rot` is concat(-x[..., D/2:], x[..., :D/2]) on the last axis."""
+    if not _is(rot, aten.cat.default) or not _last_axis(rot, node_arg(rot, 1, "dim", 0)):
+        return False
+    parts = rot.args[0]
+    return (len(parts) == 2 and _is(parts[0], aten.neg.default) and _half_of(parts[0].args[0], x, first=False)
+            and _half_of(parts[1], x, first=True))
+
+
+def _rope(node) -> tuple | None:
+    """(x, cos, sin) if `node` is x * cos + rotate_half(x) * sin (transformers'
+    apply_rotary_pos_emb) in one floating dtype, cos and sin broadcasting to x."""
+    if not _is(node, aten.add.Tensor) or node_arg(node, 2, "alpha", 1) != 1:
+        return None
+    out = meta_val(node)
+    for p, q in (node.args[:2], node.args[1::-1]):
+        if not (_is(p, aten.mul.Tensor) and _is(q, aten.mul.Tensor)):
+            continue
+        for x, cos in (p.args[:2], p.args[1::-1]):
+            for rot, sin in (q.args[:2], q.args[1::-1]):
+                if not all(isinstance(t, torch.fx.Node) for t in (x, cos, rot, sin)) or not _rotate_half_of(rot, x):
+                    continue
+                if (all(meta_val(t).dtype == out.dtype for t in (x, cos, sin)) and out.dtype.is_floating_point
+                        and tuple(meta_val(x).shape) == tuple(out.shape)
+                        and meta_val(cos).shape[-1:] == meta_val(sin).shape[-1:] == out.shape[-1:]):
+                    return x, cos, sin
+    return None
 
 
 def _add_sub_handler(op_cls, *ops):
     @handles(*ops)
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
         x, y = node.args[0], node.args[1]
+        if op_cls is ir.AddNode and (rope := _rope(node)) is not None:
+            # One RopeNode; the pieces lowered before are dead and dropped.
+            out = meta_val(node)
+            x, cos, sin = (b.get_upstream(t).tid for t in rope)
+            b.bind(node, b.emit(ir.RopeNode, out.dtype, out.shape, x=x, cos=cos, sin=sin))
+            return
         alpha = node_arg(node, 2, "alpha", 1)
         if alpha != 1:  # x + alpha * y
             ye = _example(y)

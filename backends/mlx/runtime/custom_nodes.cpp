@@ -10,6 +10,8 @@
 #include "dtype.h"
 #include "interpreter.h"
 #include "linear.h"
+#include "norm.h"
+#include "rope.h"
 #include "sampler.h"
 
 namespace emlx {
@@ -220,7 +222,11 @@ void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {
   if (weight && (weight->ndim() != 1 || weight->shape(0) != a.shape(-1))) {
     throw std::invalid_argument("RmsNormNode: weight must be [last dim]");
   }
-  st.set(n->out(), mx::fast::rms_norm(a, weight, n->eps()));
+  st.set(n->out(), rms_norm(a, weight, n->eps()));
+}
+
+void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
+  st.set(n->out(), rope(st.get(n->x()), st.get(n->cos()), st.get(n->sin())));
 }
 
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {

@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "blas.h"
+#include "cpu_arrays.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -41,13 +43,6 @@ struct Operands {
   float* out;            // [M, N] float32
   size_t M, N, K;
 };
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 inline float param(const void* p, size_t i, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
@@ -259,15 +254,14 @@ void gemm(const Operands& o) {
   });
 }
 
-std::vector<float> bf16_array_to_f32(const mx::array& a) {
-  std::vector<float> v(a.size());
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(a.data<mx::bfloat16_t>());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(h[i]);
+std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
   return v;
 }
 
-// MLX primitive: inputs x [M, K], w (+ scales, biases when quantized) (+
-// bias [N]), all row-contiguous; output [M, N] in x's dtype.
+// MLX primitive: inputs x [..., K] (any strides), w (+ scales, biases when
+// quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public mx::UnaryPrimitive {
  public:
   Linear(mx::Stream s, Format format, int group, bool has_bias)
@@ -282,17 +276,23 @@ class Linear : public mx::UnaryPrimitive {
     enc.dispatch([inputs, out, format = format_, group = group_, has_bias = has_bias_]() mutable {
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
-      const size_t M = x.shape(0), K = x.shape(1), N = out.shape(1);
+      const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
+      std::vector<uint8_t> packed;
+      const void* xdata = x.data<void>();
+      if (!x.flags().row_contiguous) {
+        packed = row_major_bytes(x);
+        xdata = packed.data();
+      }
       std::vector<float> x32, out32;
       Operands o{};
       o.format = format, o.group = group;
       o.M = M, o.N = N, o.K = K;
       o.params_bf16 = x.dtype() == mx::bfloat16;
       if (o.params_bf16) {
-        x32 = bf16_array_to_f32(x);
+        x32 = bf16_rows_to_f32(static_cast<const uint16_t*>(xdata), M * K);
         out32.resize(M * N);
       }
-      o.x = o.params_bf16 ? x32.data() : x.data<float>();
+      o.x = o.params_bf16 ? x32.data() : static_cast<const float*>(xdata);
       o.out = o.params_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
@@ -321,11 +321,7 @@ class Linear : public mx::UnaryPrimitive {
       if (o.params_bf16) {
         // float32 -> bfloat16, rounding to nearest even (as MLX does)
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());
-        for (size_t i = 0; i < out32.size(); ++i) {
-          uint32_t u;
-          __builtin_memcpy(&u, &out32[i], sizeof u);
-          dst[i] = (out32[i] != out32[i]) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-        }
+        for (size_t i = 0; i < out32.size(); ++i) dst[i] = f32_to_bf16(out32[i]);
       }
     });
   }
@@ -349,15 +345,16 @@ class Linear : public mx::UnaryPrimitive {
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
 
 mx::array run_kernel(const mx::array& x, std::vector<mx::array> operands, const std::optional<mx::array>& bias,
-                     Format format, int group, int K, int N) {
-  const int M = static_cast<int>(x.size() / std::max(K, 1));
-  std::vector<mx::array> in = {mx::contiguous(mx::reshape(x, {M, K}))};
-  for (auto& a : operands) in.push_back(mx::contiguous(a));
-  if (bias) in.push_back(mx::contiguous(*bias));
+                     Format format, int group, int N) {
+  // x goes in as it is (the kernel copies a strided one): a reshape to
+  // [M, K] and back would be two more nodes.
+  std::vector<mx::array> in = {x};
+  for (auto& a : operands) in.push_back(row_contiguous(a));
+  if (bias) in.push_back(row_contiguous(*bias));
   mx::Shape out_shape = x.shape();
   out_shape.back() = N;
   auto prim = std::make_shared<Linear>(mx::default_stream(mx::Device::cpu), format, group, bias.has_value());
-  return mx::reshape(mx::array({M, N}, x.dtype(), prim, in), out_shape);
+  return mx::array(out_shape, x.dtype(), prim, in);
 }
 
 }  // namespace
@@ -397,10 +394,9 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
   const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && w.dtype() == x.dtype() &&
-                      (!bias || bias->dtype() == x.dtype());
+                      (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
   if (!kernel) return linear_reference(x, w, bias);
-  return run_kernel(x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, w.shape(1),
-                    w.shape(0));
+  return run_kernel(x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, w.shape(0));
 }
 
 mx::array quantized_linear_reference(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -426,7 +422,7 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
                       (!bias || bias->dtype() == x.dtype());
   if (!kernel) return quantized_linear_reference(x, w, scales, biases, bias, group_size, bits);
-  return run_kernel(x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, K, w.shape(0));
+  return run_kernel(x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, w.shape(0));
 }
 
 }  // namespace emlx

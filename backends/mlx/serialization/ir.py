@@ -521,6 +521,14 @@ class RmsNormNode:
 
 
 @dataclass
+class RopeNode:
+    x: Tid | None = None
+    cos: Tid | None = None
+    sin: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
 class RsqrtNode:
     a: Tid | None = None
     out: Tid | None = None
@@ -692,8 +700,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -759,6 +767,7 @@ FIELD_TYPES = {
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
     'RightShiftNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'RmsNormNode': {'a': 'Tid required', 'weight': 'Tid', 'eps': 'Float', 'out': 'Tid required'},
+    'RopeNode': {'x': 'Tid required', 'cos': 'Tid required', 'sin': 'Tid required', 'out': 'Tid required'},
     'RsqrtNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required'},
     'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required'},
@@ -1834,6 +1843,23 @@ def _pack_RmsNormNode(b, v):
 
 def _unpack_RmsNormNode(r):
     return RmsNormNode(a=_opt(_unpack_Tid, r.A()), weight=_opt(_unpack_Tid, r.Weight()), eps=r.Eps(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_RopeNode(b, v):
+    fb.RopeNodeStart(b)
+    if v.x is not None:
+        fb.RopeNodeAddX(b, _pack_Tid(b, v.x))
+    if v.cos is not None:
+        fb.RopeNodeAddCos(b, _pack_Tid(b, v.cos))
+    if v.sin is not None:
+        fb.RopeNodeAddSin(b, _pack_Tid(b, v.sin))
+    if v.out is not None:
+        fb.RopeNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.RopeNodeEnd(b)
+
+
+def _unpack_RopeNode(r):
+    return RopeNode(x=_opt(_unpack_Tid, r.X()), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_RsqrtNode(b, v):

@@ -100,6 +100,7 @@ class Op(object):
     QuantizedLinearNode = 67
     QuantizedEmbeddingNode = 68
     SampleNode = 69
+    RopeNode = 70
 
 
 # Reference to a value slot of the graph.
@@ -5887,6 +5888,91 @@ def RmsNormNodeAddOut(builder, out):
     builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def RmsNormNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Rotary position embedding as transformers applies it:
+# x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])
+# on the last axis (D even); cos and sin broadcast to x, last axis D.
+class RopeNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = RopeNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsRopeNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def RopeNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # RopeNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # RopeNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RopeNode
+    def Cos(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RopeNode
+    def Sin(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RopeNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def RopeNodeStart(builder):
+    builder.StartObject(4)
+
+def RopeNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def RopeNodeAddCos(builder, cos):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(cos), 0)
+
+def RopeNodeAddSin(builder, sin):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(sin), 0)
+
+def RopeNodeAddOut(builder, out):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def RopeNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -235,6 +235,9 @@ struct LinearNodeBuilder;
 struct RmsNormNode;
 struct RmsNormNodeBuilder;
 
+struct RopeNode;
+struct RopeNodeBuilder;
+
 struct QuantizedLinearNode;
 struct QuantizedLinearNodeBuilder;
 
@@ -415,11 +418,12 @@ enum class Op : uint8_t {
   QuantizedLinearNode = 67,
   QuantizedEmbeddingNode = 68,
   SampleNode = 69,
+  RopeNode = 70,
   MIN = NONE,
-  MAX = SampleNode
+  MAX = RopeNode
 };
 
-inline const Op (&EnumValuesOp())[70] {
+inline const Op (&EnumValuesOp())[71] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -490,13 +494,14 @@ inline const Op (&EnumValuesOp())[70] {
     Op::SliceUpdateNode,
     Op::QuantizedLinearNode,
     Op::QuantizedEmbeddingNode,
-    Op::SampleNode
+    Op::SampleNode,
+    Op::RopeNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[71] = {
+  static const char * const names[72] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -567,13 +572,14 @@ inline const char * const *EnumNamesOp() {
     "QuantizedLinearNode",
     "QuantizedEmbeddingNode",
     "SampleNode",
+    "RopeNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SampleNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RopeNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -856,6 +862,10 @@ template<> struct OpTraits<emlx::ir::QuantizedEmbeddingNode> {
 
 template<> struct OpTraits<emlx::ir::SampleNode> {
   static const Op enum_value = Op::SampleNode;
+};
+
+template<> struct OpTraits<emlx::ir::RopeNode> {
+  static const Op enum_value = Op::RopeNode;
 };
 
 template <bool B = false>
@@ -6680,6 +6690,91 @@ struct RmsNormNode::Traits {
   static auto constexpr Create = CreateRmsNormNode;
 };
 
+/// Rotary position embedding as transformers applies it:
+/// x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])
+/// on the last axis (D even); cos and sin broadcast to x, last axis D.
+struct RopeNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RopeNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_COS = 6,
+    VT_SIN = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *cos() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_COS);
+  }
+  const emlx::ir::Tid *sin() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SIN);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_COS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SIN, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RopeNodeBuilder {
+  typedef RopeNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(RopeNode::VT_X, x);
+  }
+  void add_cos(const emlx::ir::Tid *cos) {
+    fbb_.AddStruct(RopeNode::VT_COS, cos);
+  }
+  void add_sin(const emlx::ir::Tid *sin) {
+    fbb_.AddStruct(RopeNode::VT_SIN, sin);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(RopeNode::VT_OUT, out);
+  }
+  explicit RopeNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RopeNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RopeNode>(end);
+    fbb_.Required(o, RopeNode::VT_X);
+    fbb_.Required(o, RopeNode::VT_COS);
+    fbb_.Required(o, RopeNode::VT_SIN);
+    fbb_.Required(o, RopeNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RopeNode> CreateRopeNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *cos = nullptr,
+    const emlx::ir::Tid *sin = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  RopeNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_sin(sin);
+  builder_.add_cos(cos);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct RopeNode::Traits {
+  using type = RopeNode;
+  static auto constexpr Create = CreateRopeNode;
+};
+
 /// Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
 /// weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
 /// w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs).
@@ -7340,6 +7435,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::SampleNode *op_as_SampleNode() const {
     return op_type() == emlx::ir::Op::SampleNode ? static_cast<const emlx::ir::SampleNode *>(op()) : nullptr;
   }
+  const emlx::ir::RopeNode *op_as_RopeNode() const {
+    return op_type() == emlx::ir::Op::RopeNode ? static_cast<const emlx::ir::RopeNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7624,6 +7722,10 @@ template<> inline const emlx::ir::QuantizedEmbeddingNode *Node::op_as<emlx::ir::
 
 template<> inline const emlx::ir::SampleNode *Node::op_as<emlx::ir::SampleNode>() const {
   return op_as_SampleNode();
+}
+
+template<> inline const emlx::ir::RopeNode *Node::op_as<emlx::ir::RopeNode>() const {
+  return op_as_RopeNode();
 }
 
 struct NodeBuilder {
@@ -8116,6 +8218,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::SampleNode: {
       auto ptr = reinterpret_cast<const emlx::ir::SampleNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::RopeNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::RopeNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -1,0 +1,50 @@
+// Small helpers our CPU kernels share for reading MLX arrays.
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace emlx {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rounds to nearest even, as MLX does; NaN stays NaN.
+inline uint16_t f32_to_bf16(float f) {
+  if (f != f) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+// `a`'s elements in row-major order, for an input that arrives strided (a
+// transposed or broadcast view; rare, so element by element).
+inline std::vector<uint8_t> row_major_bytes(const mlx::core::array& a) {
+  const size_t item = a.itemsize();
+  std::vector<uint8_t> out(a.size() * item);
+  const uint8_t* src = a.data<uint8_t>();
+  std::vector<int64_t> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (size_t d = 0; d < index.size(); ++d) at += index[d] * a.strides()[d];
+    std::memcpy(out.data() + i * item, src + at * item, item);
+    for (int d = static_cast<int>(index.size()) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+  }
+  return out;
+}
+
+// `a` itself when it is evaluated and row-contiguous (weights are: a
+// contiguous() would add an MLX node, a task scheduled per call, for
+// nothing), else a contiguous copy.
+inline mlx::core::array row_contiguous(const mlx::core::array& a) {
+  return a.is_available() && a.flags().row_contiguous ? a : mlx::core::contiguous(a);
+}
+
+}  // namespace emlx
