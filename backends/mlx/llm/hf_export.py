@@ -181,9 +181,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
     attend_written_prefix(ep, max_context)
     stage("lowering to MLX")
-    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
+    partitioner = MLXPartitioner()
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                  quantization, logprobs and sampling))
+    for op, why in partitioner.outside:
+        stage(f"left to ExecuTorch's kernels: {op}: {why}")
     program = edge.to_executorch()
     stage(f"writing {output_path}")
     write_atomically(output_path, program.write_to_file)
