@@ -6,7 +6,7 @@ may crash or hang without ending the run, and prints what happened.
         [--max-changes 2] [--timeout 10] [--memory-budget 4G] [--reasons 25]
 
 --structured: field-aware mutations of a seed graph of every node type of the
-schema (executorch_mlx.fuzzing.graphs): 1 to --max-changes fields each, set to
+schema (fuzzing/graphs.py): 1 to --max-changes fields each, set to
 boundary values. --bytes: 1 to 4 random bytes changed in the blobs of two
 real programs (an MLP and a sampling head). Each case is loaded and run
 through ExecuTorch; its outcome is refused at load, refused at execute, ran,
@@ -19,6 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fuzzing harness
 
 
 def main() -> int:
@@ -33,7 +36,7 @@ def main() -> int:
     ap.add_argument("--reasons", type=int, default=25, help="how many of the commonest refusal reasons to print")
     args = ap.parse_args()
 
-    from executorch_mlx.fuzzing import runner
+    from fuzzing import runner
 
     runs = []
     if args.structured:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Runs each hostile blob of executorch_mlx.fuzzing.hostile in its own process
+"""Runs each hostile blob of fuzzing/hostile.py in its own process
 and prints what happened: refused (at load or execute, with the reason), ran,
 crashed (signal) or timed out, with load and call times and peak memory.
 Exits 1 unless every REFUSED case is refused and every FAST one runs, load
@@ -14,41 +14,17 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-CHILD = r"""
-import json, resource, sys, time
-import executorch_mlx
-from executorch.runtime import Runtime
-from executorch_mlx._runtime_library import last_error
-from executorch_mlx.fuzzing import hostile, sketch
-pte = sketch.wrap(hostile.CASES[sys.argv[1]]())
-report = {}
-def done(outcome, **kw):
-    report.update(outcome=outcome, **kw,
-                  peak_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2))
-    print(json.dumps(report), flush=True)
-    sys.exit(0)
-t = time.perf_counter()
-try:
-    program = Runtime.get().load_program(pte)
-    method = program.load_method("forward")
-except RuntimeError:
-    done("refused at load", load_s=round(time.perf_counter() - t, 3), reason=last_error())
-report["load_s"] = round(time.perf_counter() - t, 3)
-calls = []
-for _ in range(int(sys.argv[2])):
-    t = time.perf_counter()
-    try:
-        out = method.execute(list(sketch.INPUTS))
-    except RuntimeError:
-        done("refused at execute", reason=last_error())
-    calls.append(round(time.perf_counter() - t, 4))
-done("ran", call_s=calls, result=float(out[0]))
-"""
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the fuzzing harness
+
+# One case in a child process, through the harness (fuzzing/runner.py).
+CHILD = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from fuzzing.hostile import measure_main; measure_main()"
 
 
 def main() -> int:
-    from executorch_mlx.fuzzing import hostile
+    from fuzzing import hostile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="*", default=list(hostile.CASES))

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/ (harness, shared helpers) and the repository root (the fuzzing harness)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The sampler's filter cases, an independent float64 oracle of SAMPLING.md,
+"""The sampler's filter cases, an independent float64 oracle of docs/sampling.md,
 and the draws of one lowered program over them.
 
 `python sampler_cases.py OUT` writes the draws of every case to OUT (a
@@ -45,7 +45,7 @@ BIAS_SLOTS = 3
 
 def penalized(logits: list[float], history=(), repetition_penalty=1.0, frequency_penalty=0.0,
               presence_penalty=0.0, bias=None) -> list[float]:
-    """SAMPLING.md step 1 in float64, one token at a time."""
+    """docs/sampling.md step 1 in float64, one token at a time."""
     x = [-INF if math.isnan(v) else v for v in logits]
     counts = {}
     for t in history:
@@ -61,7 +61,7 @@ def penalized(logits: list[float], history=(), repetition_penalty=1.0, frequency
 
 def oracle(logits: list[float], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, history=(), margin=False,
            **penalties) -> list[float]:
-    """The exact distribution of SAMPLING.md, float64, written as the page
+    """The exact distribution of docs/sampling.md, float64, written as the page
     reads (quadratic; V is small). `margin=True` asserts no filter decision
     is within 1e-3 of its threshold (so float32 on the device cannot flip it)."""
     x = penalized(logits, history, **penalties)

@@ -69,3 +69,24 @@ def test_cli_inspect_prints_the_delegate_graph(tmp_path):
     assert "MLXGraphBackend" in res.stdout
     assert "input %" in res.stdout and "float32[2, 5]" in res.stdout
     assert "SoftmaxNode" in res.stdout and "MultiplyNode" in res.stdout
+
+
+def test_the_partitioner_and_inspect_say_why_an_op_stayed_outside(tmp_path):
+    from executorch.exir import to_edge_transform_and_lower
+
+    from executorch_mlx import MLXPartitioner
+
+    class M(torch.nn.Module):
+        def forward(self, x):  # sort has no handler; float64 has no MLX dtype
+            return torch.sort(x).values * 2 + x.to(torch.float64).float()
+
+    partitioner = MLXPartitioner()
+    edge = to_edge_transform_and_lower(torch.export.export(M(), (torch.randn(5),)), partitioner=[partitioner])
+    assert ("aten.sort.default", "no MLX handler for this op") in partitioner.outside
+    assert ("dim_order_ops._to_dim_order_copy.default", "dtype torch.float64") in partitioner.outside
+    pte = tmp_path / "m.pte"
+    pte.write_bytes(edge.to_executorch().buffer)
+    res = _cli("inspect", str(pte))
+    assert res.returncode == 0, res.stderr
+    assert "runs outside the delegates: aten::sort.values (no MLX handler for this op)" in res.stdout
+    assert "_to_dim_order_copy.out (an MLX handler refused this use; export printed why)" in res.stdout

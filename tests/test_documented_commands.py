@@ -20,9 +20,6 @@ from executorch_mlx.llm.model_folders import write_model_folder
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-# Written in another worktree at the same time as these pages (the sampling
-# contract, now ../shared/SAMPLING.md); it exists once both are merged.
-NOT_YET_MERGED = {ROOT / "docs" / "sampling.md"}
 
 FENCE = re.compile(r"^(?:<!-- runnable: (\S+) -->\n)?```(bash|sh|shell|console|python)\n(.*?)^```", re.S | re.M)
 
@@ -70,14 +67,11 @@ def test_docs_links_resolve_and_every_page_is_linked_from_the_readme():
             path = (page.parent / file).resolve() if file else page
             if page == README:
                 linked.add(path)
-            if path in NOT_YET_MERGED:
-                continue
             assert path.exists(), f"{page.name}: {target}"
             if anchor:
                 headings = re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", path.read_text(), flags=re.S), re.M)
                 assert anchor in {_slug(h) for h in headings}, f"{page.name}: {target}"
     assert set(DOCS) <= linked, f"docs pages the README does not link: {set(DOCS) - linked}"
-    assert NOT_YET_MERGED <= linked
 
 
 def test_the_cpp_build_line_is_the_same_in_the_readme_and_its_page():

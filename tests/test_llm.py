@@ -213,7 +213,7 @@ def test_cli_generate_json(exported):
 
 
 def test_sampler_parameters_reach_the_device(exported):
-    """Each generate keyword changes the tokens the way SAMPLING.md says."""
+    """Each generate keyword changes the tokens the way docs/sampling.md says."""
     folder, pte = exported("llama")
     runner = LLMRunner(pte, folder)
     greedy = runner.generate(PROMPT, max_new_tokens=12).token_ids

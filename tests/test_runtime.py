@@ -37,42 +37,31 @@ def test_backend_is_registered_in_a_fresh_process():
     assert load().emlx_backend_id().decode() == executorch_mlx.BACKEND_ID
 
 
-def _pte_with_blob(monkeypatch, mutate) -> bytes:
+def _pte_with_blob(mutate) -> bytes:
     """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
-    (mutators re-serialize an edited graph with `_serialize`)."""
-    real = ir.serialize
-
-    def serialize(graph):
-        return mutate(graph, real(graph))
-
-    monkeypatch.setattr(backend_module.ir, "serialize", serialize)
-    try:
+    (mutators re-serialize an edited graph)."""
+    with backend_module.rewrite_blobs(mutate):
         return lower(AddMul(), ARGS).to_executorch().buffer
-    finally:
-        monkeypatch.setattr(backend_module.ir, "serialize", real)
-
-
-_serialize = ir.serialize  # the real serializer, not the monkeypatched one
 
 
 def _bump_version(g, blob):
     g.version = ir.SCHEMA_VERSION + 1
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _node_reads_out_of_range(g, blob):
     g.nodes[0].op.a = ir.Tid(10_000)
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _output_out_of_range(g, blob):
     g.outputs[0].slot = g.num_values + 5
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _read_before_write(g, blob):
     g.nodes[0].op.a = g.nodes[-1].op.out
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _bad_rank(g, blob):
@@ -82,7 +71,7 @@ def _bad_rank(g, blob):
                                              dtype=ir.DType.float32, out=ir.Tid(g.num_values + 1))))
     g.nodes[1].op.b = ir.Tid(g.num_values + 1)
     g.num_values += 2
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _huge_value(g, blob):
@@ -95,7 +84,7 @@ def _huge_value(g, blob):
     g.nodes.append(ir.Node(op=ir.AddNode(a=ir.Tid(g.outputs[0].slot), b=ir.Tid(n + 2), out=ir.Tid(n + 3))))
     g.outputs[0].slot = n + 3
     g.num_values += 4
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _zero_stride(g, blob):
@@ -105,7 +94,7 @@ def _zero_stride(g, blob):
                                            out=ir.Tid(n))))
     g.outputs[0].slot = n
     g.num_values += 1
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 def _dimension_beyond_int32(g, blob):
@@ -116,7 +105,7 @@ def _dimension_beyond_int32(g, blob):
                                           dtype=ir.DType.float32, out=ir.Tid(n + 1))))
     g.outputs.append(ir.IOValue(slot=n + 1, dtype=ir.DType.float32, shape=[ir.Dim(size=5, symbol=-1)]))
     g.num_values += 2
-    return _serialize(g)
+    return ir.serialize(g)
 
 
 CORRUPTIONS = {
@@ -136,16 +125,16 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
-def test_corrupt_blob_is_refused_cleanly(monkeypatch, name):
+def test_corrupt_blob_is_refused_cleanly(name):
     mutate, reason = CORRUPTIONS[name]
-    pte = _pte_with_blob(monkeypatch, mutate)
+    pte = _pte_with_blob(mutate)
     with pytest.raises(RuntimeError, match="Failed to load method forward"):
         run(pte, list(ARGS))
     assert reason in last_error(), last_error()
 
 
-def test_intact_blob_still_runs(monkeypatch):
-    pte = _pte_with_blob(monkeypatch, lambda g, blob: blob)
+def test_intact_blob_still_runs():
+    pte = _pte_with_blob(lambda g, blob: blob)
     x, y = ARGS
     torch.testing.assert_close(run(pte, [x, y])[0], (x + y) * x)
 

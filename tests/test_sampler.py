@@ -1,4 +1,4 @@
-"""The whole sampler (SAMPLING.md): filters, penalties, logit bias, logprobs,
+"""The whole sampler (docs/sampling.md): filters, penalties, logit bias, logprobs,
 through our runtime on both of its paths (the native CPU kernel and MLX ops)
 and in the CPU reference, against an independent float64 oracle."""
 

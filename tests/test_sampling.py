@@ -1,4 +1,4 @@
-"""SamplingHead + mlx::sample through our runtime, held to SAMPLING.md."""
+"""SamplingHead + mlx::sample through our runtime, held to docs/sampling.md."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from executorch_mlx.llm.decode import SampledDecoder
 from executorch_mlx.llm.sampling import GreedyHead, SamplingHead, export_greedy_head, export_sampling_head
 from executorch_mlx.serialization import ir
 
-P_MIN = 1e-3  # chi-square p-value threshold (SAMPLING.md)
+P_MIN = 1e-3  # chi-square p-value threshold (docs/sampling.md)
 
 
 class Logits(torch.nn.Module):
@@ -163,7 +163,7 @@ def test_all_64_seed_bits_matter():
 def test_seeded_stream_is_mlx_random_key_of_the_mixed_seed():
     """Row (S, t) draws two words of MLX's random::bits under
     random::key(stream_seed(S, t)), the 64-bit key kept whole: an inverse-CDF
-    draw (SAMPLING.md) with the 53-bit uniform of those words, reconstructed
+    draw (docs/sampling.md) with the 53-bit uniform of those words, reconstructed
     with MLX's Python API, gives the very token the program returned."""
     import mlx.core as mx
 

@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-from typing import final
+import contextlib
+import contextvars
+from typing import Callable, Iterator, final
 
 from executorch.exir.backend.backend_details import BackendDetails, CompileSpec, PreprocessResult
 from torch.export import ExportedProgram
 
 from .serialization import ir
+
+# (graph, blob) -> the blob to store instead; see rewrite_blobs.
+BlobRewrite = Callable[[ir.Graph, bytes], bytes]
+_rewrite: contextvars.ContextVar[BlobRewrite | None] = contextvars.ContextVar("emlx_blob_rewrite", default=None)
+
+
+@contextlib.contextmanager
+def rewrite_blobs(rewrite: BlobRewrite) -> Iterator[None]:
+    """Within the block, each delegate blob this backend writes is
+    `rewrite(graph, blob)`: how fuzzing and the tests build programs with
+    padded or corrupt blobs (the runtime must refuse those) through the real
+    export path."""
+    token = _rewrite.set(rewrite)
+    try:
+        yield
+    finally:
+        _rewrite.reset(token)
 
 
 @final
@@ -19,7 +38,9 @@ class MLXGraphBackend(BackendDetails):
         from .lowering.builder import lower_program
 
         builder = lower_program(edge_program)
+        blob = ir.serialize(builder.graph)
+        rewrite = _rewrite.get()
         return PreprocessResult(
-            processed_bytes=ir.serialize(builder.graph),
+            processed_bytes=rewrite(builder.graph, blob) if rewrite is not None else blob,
             data_store_output=builder.named_data.get_named_data_store_output(),
         )

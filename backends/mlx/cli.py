@@ -17,6 +17,8 @@ import contextlib
 import json
 import sys
 
+from .serialization.sampler_params import ROW_PARAMS, SAMPLER_INPUTS
+
 
 def cmd_inspect(args) -> int:
     from .inspector import inspect_pte
@@ -45,11 +47,9 @@ def cmd_generate(args) -> int:
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = runner.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             seed=args.seed, on_text=stream, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                             repetition_penalty=args.repetition_penalty,
-                             repetition_context_size=args.repetition_context_size,
-                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                             logit_bias=dict(args.logit_bias) or None)
+                             seed=args.seed, on_text=stream, repetition_context_size=args.repetition_context_size,
+                             logit_bias=dict(args.logit_bias) or None,
+                             **{name: getattr(args, name) for name in ROW_PARAMS})
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,
@@ -164,17 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", required=True, help="the model folder (its tokenizer.json)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=None, help="64-bit sampling seed (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1: off)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens at least this times as likely as the top one, [0, 1) (default 0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style, > 0 (default 1: off)")
+    for spec in SAMPLER_INPUTS:  # the sampler table's flags: temperature and the row parameters, off by default
+        if spec.cli:
+            p.add_argument(spec.cli, dest=spec.name, type=int if spec.integer else float, default=spec.off,
+                           help=spec.help)
     p.add_argument("--repetition-context-size", type=int, default=20,
                    help="recent tokens the penalties count (default 20)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="per occurrence (default 0: off)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="once per seen token (default 0: off)")
     p.add_argument("--logit-bias", type=_bias_entry, action="append", default=[], metavar="ID=VALUE",
                    help="add VALUE to token ID's logit (-inf bans it); repeatable")
     p.add_argument("--json", action="store_true",

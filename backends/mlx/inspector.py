@@ -107,15 +107,35 @@ def inspect_pte(path: str | Path) -> str:
     except Exception as e:  # noqa: BLE001 - any parser failure means a corrupt file
         raise ValueError(f"{path} is not a readable .pte (corrupt or truncated): {type(e).__name__}: {e}") from None
     lines = []
-    for method, i, backend_id, data in blobs:
+    for method, i, backend_id, blob in blobs:
         if backend_id != MLXGraphBackend.__name__:
-            lines.append(f"method {method}, delegate {i}: {backend_id} (not ours, {len(data)} bytes)")
+            lines.append(f"method {method}, delegate {i}: {backend_id} (not ours, {len(blob)} bytes)")
             continue
-        lines.append(f"method {method}, delegate {i}: {backend_id}, {len(data)} bytes")
+        lines.append(f"method {method}, delegate {i}: {backend_id}, {len(blob)} bytes")
         try:
-            lines.append(describe_graph(ir.deserialize(data)))
+            lines.append(describe_graph(ir.deserialize(blob)))
         except Exception as e:  # noqa: BLE001 - a corrupt blob: said, and the others still shown
             lines.append(f"  (this delegate's graph cannot be read: {type(e).__name__}: {e})")
     if not blobs:
         lines.append("no delegates: the whole program runs on ExecuTorch's portable kernels")
+    lines += _outside_lines(data)
     return "\n".join(lines)
+
+
+def _outside_lines(pte: bytes) -> list[str]:
+    """The operators each method runs outside the delegates, and why. The
+    .pte keeps only their names: an op with no handler says so; one whose
+    handler refused this use (a dtype, an argument) was reported by export,
+    with the partitioner's reason (MLXPartitioner.outside)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    from .lowering.registry import registered_ops
+
+    handled = {str(op).rsplit(".", 1)[0] for op in registered_ops()}  # "aten.add"
+    lines = []
+    for plan in deserialize_pte_binary(pte).program.execution_plan:
+        for op in plan.operators:
+            why = ("an MLX handler refused this use; export printed why" if op.name.replace("::", ".") in handled
+                   else "no MLX handler for this op")
+            lines.append(f"method {plan.name} runs outside the delegates: {op.name}.{op.overload} ({why})")
+    return lines

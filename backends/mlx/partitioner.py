@@ -16,7 +16,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .backend import MLXGraphBackend
 from .lowering.builder import GraphBuilder, meta_val
-from .lowering.registry import Unsupported, handler_for
+from .lowering.registry import Unsupported, aten_op, handler_for
 
 # Ops whose ATen decomposition would lose a fused form we lower directly.
 KEEP_WHOLE = [torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default]
@@ -41,15 +41,18 @@ def _lowerable_output(val) -> bool:
     return isinstance(val, (torch.Tensor, torch.SymInt))
 
 
-def can_lower(node: torch.fx.Node) -> bool:
-    """Runs the node's handler on a scratch builder: the support check and the
-    lowering are one code path."""
+def why_not_lowered(node: torch.fx.Node) -> str | None:
+    """Why the node cannot be lowered, or None when it can. Runs the node's
+    handler on a scratch builder: the support check and the lowering are
+    one code path."""
     if node.op != "call_function":
-        return False
+        return "not a call"
     if node.target is operator.getitem:  # an output of a multi-output op we lower
-        return isinstance(node.args[0], torch.fx.Node) and can_lower(node.args[0])
+        if not isinstance(node.args[0], torch.fx.Node):
+            return "an item of a non-node"
+        return why_not_lowered(node.args[0])
     if handler_for(node.target) is None:
-        return False
+        return "no MLX handler for this op"
     scratch = GraphBuilder(scratch=True)
     try:
         for arg in node.all_input_nodes:
@@ -57,11 +60,15 @@ def can_lower(node: torch.fx.Node) -> bool:
             if value is not None:
                 scratch.bind(arg, value)
         if not _lowerable_output(meta_val(node)):
-            return False
+            return "its output is not a tensor"
         scratch.lower_node(node)
-    except (Unsupported, NotImplementedError):
-        return False
-    return True
+    except (Unsupported, NotImplementedError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def can_lower(node: torch.fx.Node) -> bool:
+    return why_not_lowered(node) is None
 
 
 def untag_shared_sizes(ep: ExportedProgram) -> None:
@@ -108,6 +115,8 @@ class MLXPartitioner(Partitioner):
     def __init__(self) -> None:
         super().__init__()
         self.delegation_spec = DelegationSpec(MLXGraphBackend.__name__, [])
+        # What the last partition() left to ExecuTorch: (op, why), one per op and reason.
+        self.outside: list[tuple[str, str]] = []
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -131,7 +140,23 @@ class MLXPartitioner(Partitioner):
         untag_shared_sizes(exported_program)
         tag_constant_data(exported_program)
         tag_owned_buffers(exported_program)
+        self.outside = _outside(exported_program)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
-__all__ = ["MLXPartitioner", "can_lower"]
+def _outside(ep: ExportedProgram) -> list[tuple[str, str]]:
+    """(op, reason) of every compute node left outside the delegates."""
+    found = {}
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.meta.get("delegation_tag") or node.target is operator.getitem:
+            continue
+        reason = why_not_lowered(node)
+        if reason is None:  # lowerable, but its size is needed outside its partition
+            reason = "a size used outside the delegate (sizes stay with ExecuTorch)"
+        op = aten_op(node.target)
+        found.setdefault((str(op) if op is not None else getattr(node.target, "__name__", str(node.target)),
+                          reason), None)
+    return list(found)
+
+
+__all__ = ["MLXPartitioner", "can_lower", "why_not_lowered"]

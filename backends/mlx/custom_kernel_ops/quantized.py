@@ -10,8 +10,9 @@
 word i // (32 / bits), lowest first), reinterpreted as int32 because torch
 has no uint32 arithmetic. `scales` and `biases` are [N, K / group_size];
 w = q * scale + bias per group. The CPU references below dequantize in
-torch; the lowering emits one IR node each, which the runtime runs with our
-CPU kernel or `mlx::core::quantized_matmul` / `dequantize`.
+torch; the lowering (`lowering/ops_quantized.py`) emits one IR node each,
+which the runtime runs with our CPU kernel or `mlx::core::quantized_matmul`
+/ `dequantize`.
 
 Why custom ops rather than torchao's quantized patterns: one op is one node
 in the exported graph, so torch.export, the partitioner and the handler see
@@ -23,10 +24,6 @@ runtime never repacks.
 from __future__ import annotations
 
 import torch
-
-from ..lowering.builder import GraphBuilder, meta_val, node_arg
-from ..lowering.registry import handles
-from ..serialization import ir
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -75,23 +72,3 @@ def quantized_embedding_reference(ids, weight, scales, biases, group_size, bits)
 @torch.library.register_fake("mlx::quantized_embedding")
 def _quantized_embedding_fake(ids, weight, scales, biases, group_size, bits):
     return scales.new_empty((*ids.shape, _in_features(weight, bits)))
-
-
-@handles(torch.ops.mlx.quantized_linear.default)
-def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    x, weight, scales, biases = (b.get(a) for a in node.args[:4])
-    fields = dict(x=b.cast(x, out.dtype).tid, weight=weight.tid, scales=b.cast(scales, out.dtype).tid,
-                  biases=b.cast(biases, out.dtype).tid, group_size=node.args[5], bits=node.args[6])
-    bias = node_arg(node, 4, "bias")
-    if bias is not None:
-        fields["bias"] = b.cast(b.get(bias), out.dtype).tid
-    b.bind(node, b.emit(ir.QuantizedLinearNode, out.dtype, out.shape, **fields))
-
-
-@handles(torch.ops.mlx.quantized_embedding.default)
-def lower_quantized_embedding(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    ids, weight, scales, biases = (b.get(a) for a in node.args[:4])
-    b.bind(node, b.emit(ir.QuantizedEmbeddingNode, out.dtype, out.shape, indices=ids.tid, weight=weight.tid,
-                        scales=scales.tid, biases=biases.tid, group_size=node.args[4], bits=node.args[5]))

@@ -1,14 +1,14 @@
-"""`mlx::sample`: draw one token id per row from logits, per SAMPLING.md.
+"""`mlx::sample`: draw one token id per row from logits, per docs/sampling.md.
 
     torch.ops.mlx.sample(logits[B, V], temperature[] or [B], seed=None, position=None,
-                         top_k=None, top_p=None, min_p=None,
-                         repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-                         history=None, logit_bias_ids=None, logit_bias_values=None) -> int64[B]
+                         *PARAMS) -> int64[B]
 
-* Every parameter is a tensor, [] (all rows) or [B] (one per row); `None`
-  is off. `history` is int64 [B, H] token ids (-1 pads) and feeds the three
-  penalties; `logit_bias_ids` int64 [B, N] (-1 pads) and
-  `logit_bias_values` float [B, N] (-inf bans a token) come together.
+* PARAMS are the optional parameters of the sampler table
+  (serialization/sampler_params.py, generated from schema.fbs), in its order;
+  each is a tensor or `None` (off): a row parameter is [] (all rows) or [B],
+  a table [B, N] (-1 pads ids). `history` holds the token ids the penalties
+  count; `logit_bias_ids` and `logit_bias_values` (-inf bans a token) come
+  together.
 * temperature <= 0 or NaN selects greedy decoding (argmax of the penalized
   logits, lowest index on ties) for that row, at run time; temperature None
   is greedy for every row (no randomness in the program at all).
@@ -18,43 +18,21 @@
 * unseeded: MLX's global key sequence (the reference uses torch's).
 
 This module defines the op, its exact CPU reference (filters in float32 z as
-SAMPLING.md writes them, probabilities and the inverse-CDF draw in float64)
-and its fake; the lowering is in `lowering/ops_sampling.py`.
+docs/sampling.md writes them, probabilities and the inverse-CDF draw in
+float64) and its fake; the lowering is in `lowering/ops_sampling.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-# The optional parameters after seed/position, in the op's (and SampleNode's)
-# order: per-row scalars, then [B, N] tables. Adding a parameter here adds it
-# to the op schema, the checks and the lowering.
-ROW_PARAMS = ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
-TABLE_PARAMS = ("history", "logit_bias_ids", "logit_bias_values")
-PARAMS = ROW_PARAMS + TABLE_PARAMS
-PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
-INTEGER_PARAMS = ("top_k", "history", "logit_bias_ids")
+from ..serialization.sampler_params import BY_NAME, PARAMS, stream_seed
 
 torch.library.define(
     "mlx::sample",
     "(Tensor logits, Tensor? temperature, Tensor? seed=None, Tensor? position=None, "
     + ", ".join(f"Tensor? {name}=None" for name in PARAMS) + ") -> Tensor",
 )
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix64(z: int) -> int:
-    """SplitMix64's finalizer; the runtime applies the same to fold positions."""
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def stream_seed(seed: int, position: int) -> int:
-    """The 64-bit key seed of row (seed, position), as the runtime derives it."""
-    return mix64((seed & _MASK64) ^ mix64(position & _MASK64))
 
 
 def _per_row(t: torch.Tensor | None, rows: int, name: str) -> torch.Tensor | None:
@@ -83,25 +61,25 @@ def check_args(logits, temperature, seed, position, params: dict) -> None:
             raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
         _per_row(t, rows, name)
     for name in PARAMS:
-        t = params.get(name)
+        t, spec = params.get(name), BY_NAME[name]
         if t is None:
             continue
-        if name in INTEGER_PARAMS and t.dtype != torch.int64:
+        if spec.integer and t.dtype != torch.int64:
             raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
-        if name not in INTEGER_PARAMS and not t.dtype.is_floating_point:
+        if not spec.integer and not t.dtype.is_floating_point:
             raise ValueError(f"mlx::sample: {name} must be a float tensor, got {t.dtype}")
-        if name in ROW_PARAMS:
+        if spec.kind == "row":
             _per_row(t, rows, name)
         elif t.dim() != 2 or t.shape[0] != rows:
             raise ValueError(f"mlx::sample: {name} must be [{rows}, N], got {list(t.shape)}")
-    if any(params.get(name) is not None for name in PENALTIES) and params.get("history") is None:
-        raise ValueError("mlx::sample: repetition/frequency/presence penalties need a history")
-    ids, values = params.get("logit_bias_ids"), params.get("logit_bias_values")
-    if (ids is None) != (values is None):
-        raise ValueError("mlx::sample: logit_bias_ids and logit_bias_values are given together")
-    if ids is not None and ids.shape != values.shape:
-        raise ValueError(f"mlx::sample: logit_bias_ids {list(ids.shape)} and logit_bias_values "
-                         f"{list(values.shape)} must have one shape")
+        if spec.needs and params.get(spec.needs) is None:
+            raise ValueError(f"mlx::sample: parameters that need a {spec.needs} were given without one ({name})")
+        other = params.get(spec.together) if spec.together else t
+        if other is None:
+            raise ValueError(f"mlx::sample: {name} and {spec.together} are given together")
+        if other.shape != t.shape:
+            raise ValueError(f"mlx::sample: {name} {list(t.shape)} and {spec.together} {list(other.shape)} "
+                             f"must have one shape")
 
 
 def _uniforms(rows: int, seeds, positions) -> torch.Tensor:
@@ -128,7 +106,7 @@ def _scatter_rows(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.
 
 def penalized_logits(logits, history=None, repetition_penalty=None, frequency_penalty=None,
                      presence_penalty=None, logit_bias_ids=None, logit_bias_values=None) -> torch.Tensor:
-    """SAMPLING.md step 1, in float32: NaN as -inf, penalties, then the bias."""
+    """docs/sampling.md step 1, in float32: NaN as -inf, penalties, then the bias."""
     rows, vocab = logits.shape
     x = _nan_to_neg_inf(logits.float())
     if history is not None:
@@ -148,7 +126,7 @@ def penalized_logits(logits, history=None, repetition_penalty=None, frequency_pe
 
 
 def filtered_z(x: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
-    """SAMPLING.md steps 3-6 on penalized logits x: float32 z, -inf where filtered out."""
+    """docs/sampling.md steps 3-6 on penalized logits x: float32 z, -inf where filtered out."""
     rows, vocab = x.shape
     neg_inf = float("-inf")
     temps = _per_row(temperature.float(), rows, "temperature")[:, None]
@@ -180,20 +158,17 @@ def filtered_z(x: torch.Tensor, temperature, top_k=None, top_p=None, min_p=None)
 
 
 @torch.library.impl("mlx::sample", "CompositeExplicitAutograd")
-def sample_reference(logits, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
-                     repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-                     history=None, logit_bias_ids=None, logit_bias_values=None):
-    """Exact reference: inverse-CDF draw in float64 from softmax(float32 z)."""
-    params = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
-                  logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
-    check_args(logits, temperature, seed, position, params)
+def sample_reference(logits, temperature, seed=None, position=None, *param_values, **param_kwargs):
+    """Exact reference: inverse-CDF draw in float64 from softmax(float32 z).
+    The parameters after position are PARAMS, by position or by name."""
+    p = {**dict(zip(PARAMS, param_values)), **param_kwargs}
+    check_args(logits, temperature, seed, position, p)
     rows, vocab = logits.shape
     if temperature is None:
         temperature = torch.zeros(())
-    x = penalized_logits(logits, history, repetition_penalty, frequency_penalty, presence_penalty,
-                         logit_bias_ids, logit_bias_values)
-    z = filtered_z(x, temperature, top_k, top_p, min_p)
+    x = penalized_logits(logits, p.get("history"), p.get("repetition_penalty"), p.get("frequency_penalty"),
+                         p.get("presence_penalty"), p.get("logit_bias_ids"), p.get("logit_bias_values"))
+    z = filtered_z(x, temperature, p.get("top_k"), p.get("top_p"), p.get("min_p"))
     has_candidate = x.amax(dim=1) > float("-inf")
     # rows without candidates get a harmless uniform distribution, masked below
     z = torch.where(has_candidate[:, None], z, 0.0).double()
@@ -208,11 +183,6 @@ def sample_reference(logits, temperature, seed=None, position=None, top_k=None, 
 
 
 @torch.library.register_fake("mlx::sample")
-def _sample_fake(logits, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
-                 repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-                 history=None, logit_bias_ids=None, logit_bias_values=None):
-    check_args(logits, temperature, seed, position, dict(
-        top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
-        logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values))
+def _sample_fake(logits, temperature, seed=None, position=None, *param_values, **param_kwargs):
+    check_args(logits, temperature, seed, position, {**dict(zip(PARAMS, param_values)), **param_kwargs})
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)

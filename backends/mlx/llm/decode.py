@@ -12,11 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .sampling import SAMPLER_INPUTS, program_inputs, sampling_inputs
-
-# ExecuTorch's ScalarType codes
-_DTYPES = {0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-           6: torch.float32, 7: torch.float64, 11: torch.bool, 15: torch.bfloat16}
+from .program_contract import NoContract
+from .program_runner import ProgramRunner
+from .sampling import SAMPLER_INPUTS, sampling_inputs
 
 
 @dataclass
@@ -25,38 +23,31 @@ class DecodeResult:
     step_seconds: list[float] = field(default_factory=list)
 
 
-class SampledDecoder:
+class SampledDecoder(ProgramRunner):
     """Runs a program exported by `export_sampling_head` (or `export_greedy_head`).
 
     The program's first input is the model's token window [B, S]; the
-    sampling inputs are found by name (the `emlx_input_names` metadata).
+    sampling inputs are found by name (llm/program_contract.py).
     """
 
     def __init__(self, program: bytes | str | Path, method: str = "forward"):
-        import executorch_mlx  # noqa: F401  (registers the backend)
-        from executorch.runtime import Runtime
-
-        data = program if isinstance(program, (bytes, bytearray)) else Path(program).read_bytes()
-        # Keep the Program: a Method does not keep its Program alive.
-        self.program = Runtime.get().load_program(bytes(data))
-        if "emlx_input_names" not in self.program.method_names:
+        hint = "export it with export_sampling_head or export_greedy_head"
+        try:
+            super().__init__(program, method, hint=f"({hint})")
+        except NoContract:
             raise ValueError(f"{method} is not a sampling head: the program has no emlx_input_names metadata "
-                             "(export it with export_sampling_head or export_greedy_head)")
-        names = self.program.load_method("emlx_input_names").execute([])[0].split(",")
-        self.logprobs = bool(self.program.load_method("emlx_logprobs").execute([])[0])
-        meta = self.program.metadata(method)
-        self.method = self.program.load_method(method)
+                             f"({hint})") from None
+        c = self.contract
+        names = c.input_names
         # A sampling/greedy head takes a window [B, S] and returns int64 ids [B].
-        window, out = meta.input_tensor_meta(0), meta.output_tensor_meta(0)
-        if (meta.num_outputs() != 1 + self.logprobs or _DTYPES.get(out.dtype()) != torch.int64
-                or len(window.sizes()) != 2 or tuple(out.sizes()) != tuple(window.sizes()[:1])
-                or len(names) != meta.num_inputs() or any(n not in SAMPLER_INPUTS for n in names[1:])):
+        window = c.input_shapes[names[0]]
+        if (len(c.output_dtypes) != 1 + self.logprobs or c.output_dtypes[0] != torch.int64 or len(window) != 2
+                or c.output_shapes[0] != window[:1] or any(n not in SAMPLER_INPUTS for n in names[1:])):
             raise ValueError(f"{method} is not a sampling head: expected a window [B, S] and sampling inputs in, "
-                             "int64 ids [B] out (export it with export_sampling_head or export_greedy_head)")
-        self.window_dtype = _DTYPES.get(window.dtype())
-        self.batch, self.window = (int(s) for s in window.sizes())
+                             f"int64 ids [B] out ({hint})")
+        self.window_dtype = c.input_dtypes[names[0]]
+        self.batch, self.window = (int(s) for s in window)
         self.input_names = names[1:]
-        self.input_shapes = {n: tuple(meta.input_tensor_meta(i + 1).sizes()) for i, n in enumerate(names[1:])}
         self.seeded = "seed" in self.input_names
         self.greedy_only = not self.input_names
 
@@ -64,9 +55,9 @@ class SampledDecoder:
         """One decode step: the sampled id of each row, int64 [B] (and their
         logprobs [B] for a program exported with logprobs=True).
 
-        `params` are the sampling parameters by name (top_k, top_p, min_p,
-        repetition_penalty, ..., history, logit_bias_ids, logit_bias_values);
-        the program must take each one given; those not given are off."""
+        `params` are the sampler table's parameters by name (row
+        parameters and tables); the program must take each one given; those
+        not given are off."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != self.window_dtype:
             raise TypeError(f"tokens must be a {self.window_dtype} tensor (as exported), got "
                             f"{getattr(tokens, 'dtype', type(tokens).__name__)}")
@@ -79,8 +70,8 @@ class SampledDecoder:
             if not self.seeded and seed is not None:
                 raise ValueError("this program was exported without a seed input; re-export with seeded=True")
             given = sampling_inputs(self.batch, temperature, seed, position, **params)
-            inputs += program_inputs(self.input_names, self.input_shapes, given)
-        outputs = self.method.execute(inputs)
+            inputs += self.sampler_values(self.input_names, given)
+        outputs = self.execute(inputs)
         ids = outputs[0]
         bad = (ids < 0).nonzero().flatten().tolist()
         if bad:

@@ -2,29 +2,25 @@
 
 The program has one method, `forward`, that prefills (a whole prompt chunk
 in one call, dynamic length) and decodes (one token) with the KV cache kept
-inside the MLX delegate. Its inputs, in this order (C++ callers pass them the
-same way; runners read the names from the `emlx_input_names` metadata):
-
-    input_ids       int64 [1, S]     S in [1, max_chunk]
-    cache_position  int64 [S]        positions of those tokens: start, start+1, ...
-    then, sampling programs only, every sampler input (llm/sampling.py,
-    SAMPLING.md; each [] unless said):
-    temperature (float32, <= 0: greedy), seed (int64), position (int64, index
-    of the generated token), top_k (int64), top_p, min_p,
-    repetition_penalty, frequency_penalty, presence_penalty (float32),
-    history (int64 [1, history_size], the token ids the penalties count, -1
-    pads), logit_bias_ids (int64 [1, logit_bias_size], -1 pads),
-    logit_bias_values (float32 [1, logit_bias_size])
+inside the MLX delegate. Its inputs and metadata are the LLM program
+contract (llm/program_contract.py): `input_ids` int64 [1, S] (S in
+[1, max_chunk]) and `cache_position` int64 [S] (positions start, start+1,
+...), then, sampling programs only, every sampler input of the table
+(serialization/sampler_params.py, docs/sampling.md) in its order, each []
+except the tables: history (int64 [1, history_size], the token ids the
+penalties count, -1 pads), logit_bias_ids (int64 [1, logit_bias_size], -1
+pads) and logit_bias_values (float32 [1, logit_bias_size]).
 
 A sampling program (the default) returns the next token id, int64 [1] (and,
 exported with `logprobs=True`, its float32 [1] log-probability); a
 `sampling=False` program returns the last position's logits [1, 1, vocab]
 (what ExecuTorch's own TextLLMRunner expects). Metadata are constant methods
-with ExecuTorch's LLM-runner names plus ours (see `metadata`).
+with ExecuTorch's LLM-runner names plus ours.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -36,13 +32,12 @@ from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
 from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
-from .sampling import ROW_PARAMS, SAMPLER_INPUTS, sampler_examples
+from . import program_contract
+from .sampling import ROW_PARAMS, SAMPLER_INPUTS, SamplingHead, sampler_examples
 
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INPUT_NAMES = ("input_ids", "cache_position")
-SAMPLING_INPUT_NAMES = INPUT_NAMES + SAMPLER_INPUTS
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -84,43 +79,27 @@ class CachedLM(torch.nn.Module):
 
 
 class SampledLM(torch.nn.Module):
-    """CachedLM behind a SamplingHead, with an explicit signature for export."""
+    """CachedLM behind a SamplingHead, taking every sampler input by position
+    (the program contract's order) for export."""
 
     def __init__(self, lm: CachedLM, logprobs: bool):
         super().__init__()
-        from .sampling import SamplingHead
-
         self.head = SamplingHead(lm, logprobs=logprobs)
 
-    def forward(self, input_ids, cache_position, temperature, seed, position, top_k, top_p, min_p,
-                repetition_penalty, frequency_penalty, presence_penalty, history, logit_bias_ids, logit_bias_values):
-        return self.head(input_ids, cache_position, temperature=temperature, seed=seed, position=position,
-                         top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, history=history,
-                         logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
+    def forward(self, input_ids, cache_position, *sampler):
+        return self.head(input_ids, cache_position, **dict(zip(SAMPLER_INPUTS, sampler)))
+
+    # The inputs by name, for torch.export (dynamic shapes and input names follow them).
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+         for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
 
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
              logprobs: bool = False) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
-    eos = config.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    bos = config.get("bos_token_id")
-    return {
-        "get_max_seq_len": max_chunk,
-        "get_max_context_len": max_context,
-        "get_vocab_size": int(config["vocab_size"]),
-        "use_kv_cache": True,
-        "enable_dynamic_shape": True,
-        "use_sdpa_with_kv_cache": False,
-        "get_bos_id": -1 if bos is None else int(bos),
-        "get_eos_ids": [int(e) for e in eos_ids],
-        "emlx_samples": sampling,
-        "emlx_logprobs": logprobs,
-        "emlx_input_names": ",".join(SAMPLING_INPUT_NAMES if sampling else INPUT_NAMES),
-        "emlx_model_type": config["model_type"],
-        "emlx_quantization": quantization,
-    }
+    return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs,
+                                         SAMPLER_INPUTS)
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
@@ -189,7 +168,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     lm = CachedLM(model, max_context)
     seq = torch.export.Dim("seq", min=1, max=max_chunk)
     example = (torch.tensor([[0, 0]], dtype=torch.int64), torch.arange(2))
-    dynamic = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+    dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
     if sampling:
         module = SampledLM(lm, logprobs)
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
@@ -203,9 +182,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
     attend_written_prefix(ep, max_context)
     stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
-    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()],
+    partitioner = MLXPartitioner()
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                  quantization, logprobs and sampling))
+    for op, why in partitioner.outside:
+        stage(f"left to ExecuTorch's kernels: {op}: {why}")
     program = edge.to_executorch()
     stage(f"writing {output_path}")
     # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it

@@ -16,7 +16,6 @@ cannot interleave); for parallel generations, use one runner per thread.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from typing import Callable
 
 import torch
 
-from .sampling import logit_bias_tensors, program_inputs, sampling_inputs
+from . import program_contract
+from .program_runner import ProgramRunner
+from .sampling import OFF, PENALTIES, ROW_PARAMS, TABLE_PARAMS, logit_bias_tensors, sampling_inputs
 
 
 @dataclass
@@ -53,90 +54,26 @@ def load_tokenizer(tokenizer_dir: str | Path):
         raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
 
 
-# ExecuTorch's load errors reach Python as a bare code ("error: 0x:23"); its
-# reason goes to its log (stderr).
-_EXECUTORCH_ERRORS = {0x12: "InvalidArgument", 0x20: "NotFound", 0x21: "MemoryAllocationFailed",
-                      0x22: "AccessFailed", 0x23: "InvalidProgram", 0x24: "InvalidExternalData",
-                      0x25: "OutOfResources"}
-
-
-def _named_error(e: Exception) -> str:
-    m = re.search(r"error:? 0x:?([0-9a-fA-F]+)", str(e))
-    name = _EXECUTORCH_ERRORS.get(int(m.group(1), 16)) if m else None
-    return f"{e} ({name}; ExecuTorch logs the reason)" if name else str(e)
-
-
-class LLMRunner:
+class LLMRunner(ProgramRunner):
     def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None):
-        import executorch_mlx  # noqa: F401  (registers the backend)
-        from executorch.runtime import Runtime
-
-        from executorch_mlx._runtime_library import check_program, clear_last_error, last_error
-        from executorch_mlx.inspector import check_identifier
-
-        if isinstance(pte, (bytes, bytearray)):
-            source = bytes(pte)
-            head = source[:8]
-        elif not Path(pte).is_file():
-            raise FileNotFoundError(f"program {pte} does not exist")
-        else:
-            # By path, ExecuTorch maps the file: the delegate reads each weight
-            # once and unmaps it, so memory stays near the weights' size
-            # (bytes would be held by ExecuTorch as well: twice that).
-            source = str(pte)
-            with open(source, "rb") as f:
-                head = f.read(8)
-        check_identifier(head, pte if not isinstance(pte, (bytes, bytearray)) else "the program")
-        try:
-            # What ExecuTorch reads later without a bounds check (method
-            # input/output indices) is checked here: an assert would abort.
-            check_program(source)
-        except ValueError as e:
-            raise ValueError(f"cannot load {pte if isinstance(pte, (str, Path)) else 'the program'}: {e}") from None
-        clear_last_error()
-        try:
-            # Keep the Program: a Method does not keep its Program alive.
-            self.program = Runtime.get().load_program(source)
-            names = self.program.method_names
-            if "emlx_input_names" not in names:
-                raise ValueError("this .pte has no emlx_input_names metadata: export it with executorch-mlx export")
-            meta = {n: self.program.load_method(n).execute([]) for n in names if n != "forward"}
-            self.method = self.program.load_method("forward")
-        except RuntimeError as e:
-            raise RuntimeError(f"cannot load {pte if isinstance(pte, (str, Path)) else 'the program'}: "
-                               f"{last_error() or _named_error(e)}") from e
-
-        def one(name: str, kind: type, default=None):
-            """A metadata method's single value, of the type export_llm writes."""
-            values = meta.get(name)
-            if values is None and default is not None:
-                return default
-            if values is None or len(values) != 1 or not isinstance(values[0], kind) or (
-                    kind is int and isinstance(values[0], bool)):
-                raise ValueError(f"this .pte's '{name}' metadata is missing or not one {kind.__name__}: "
-                                 f"export it with executorch-mlx export")
-            return values[0]
-
-        self.input_names = one("emlx_input_names", str).split(",")
-        self.samples = one("emlx_samples", bool)
-        self.logprobs = one("emlx_logprobs", bool, False)
-        self.max_context = one("get_max_context_len", int)
-        self.max_chunk = one("get_max_seq_len", int)
-        self.vocab_size = one("get_vocab_size", int)
-        eos = meta.get("get_eos_ids", [])
+        super().__init__(pte)
+        one = self.contract.one
+        self.samples = self.contract.samples
+        self.max_context = one(program_contract.MAX_CONTEXT_LEN, int)
+        self.max_chunk = one(program_contract.MAX_SEQ_LEN, int)
+        self.vocab_size = one(program_contract.VOCAB_SIZE, int)
+        eos = self.contract.metadata.get(program_contract.EOS_IDS, [])
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-            raise ValueError("this .pte's 'get_eos_ids' metadata is not a list of ints")
+            raise ValueError(f"this .pte's '{program_contract.EOS_IDS}' metadata is not a list of ints")
         self.eos_ids = set(eos)
         if not (2 <= self.max_context and 1 <= self.max_chunk and 1 <= self.vocab_size):
             raise ValueError(f"this .pte's metadata is inconsistent (max context {self.max_context}, max chunk "
                              f"{self.max_chunk}, vocab size {self.vocab_size})")
-        if self.input_names[:2] != ["input_ids", "cache_position"]:
-            raise ValueError(f"this .pte takes {', '.join(self.input_names)}; an LLM program takes input_ids and "
-                             f"cache_position first: export it with executorch-mlx export")
-        forward = self.program.metadata("forward")
-        self.input_shapes = {name: tuple(forward.input_tensor_meta(i).sizes())
-                             for i, name in enumerate(self.input_names)}
-        for name in ("history", "logit_bias_ids", "logit_bias_values"):  # read as [batch, slots] below
+        llm_inputs = list(program_contract.LLM_INPUTS)
+        if self.input_names[:2] != llm_inputs:
+            raise ValueError(f"this .pte takes {', '.join(self.input_names)}; an LLM program takes "
+                             f"{' and '.join(llm_inputs)} first: export it with executorch-mlx export")
+        for name in TABLE_PARAMS:  # read as [batch, slots] below
             if len(self.input_shapes.get(name, (1, 0))) != 2:
                 raise ValueError(f"this .pte's input '{name}' has shape {list(self.input_shapes[name])}, not "
                                  f"[batch, size]: export it with executorch-mlx export")
@@ -153,16 +90,8 @@ class LLMRunner:
             executorch_mlx.reset_state()
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor]) -> tuple[int, float | None]:
-        from executorch_mlx._runtime_library import clear_last_error, last_error
-
         values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
-        clear_last_error()
-        try:
-            outputs = self.method.execute(values + sampling)
-        except RuntimeError as e:
-            # ExecuTorch reports an error code; the reason is our runtime's
-            # (kept per thread, so read in this one)
-            raise RuntimeError(f"the program failed: {last_error() or e}") from e
+        outputs = self.execute(values + sampling)
         out = outputs[0]
         if self.samples:
             token = int(out.reshape(-1)[0])
@@ -181,29 +110,28 @@ class LLMRunner:
         return token, float(outputs[1].reshape(-1)[0]) if self.logprobs else None
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
-                 seed: int | None = None, on_text: Callable[[str], None] | None = None, *, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 repetition_context_size: int = 20, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 logit_bias: dict[int, float] | None = None) -> GenerationResult:
+                 seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
+                 repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
+                 **params) -> GenerationResult:
         """Prefills `prompt` (text, or token ids), then decodes on the device
         until an end-of-sequence id or `max_new_tokens`.
 
         temperature <= 0 is greedy. Sampling is seeded: the same seed, prompt
-        and settings give the same tokens (seed None means 0). The filters
-        and penalties are SAMPLING.md's, with mlx-lm's names and defaults
-        (off); the penalties count the last `repetition_context_size` tokens
+        and settings give the same tokens (seed None means 0). `params` are
+        the row parameters of the sampler table (mlx-lm's names; each
+        defaults to its off value), as docs/sampling.md defines them; the
+        penalties count the last `repetition_context_size` tokens
         of prompt and output. `logit_bias` maps token ids to values added to
         their logits (-inf bans a token). Calls from several threads run one
         at a time."""
+        unknown = sorted(set(params) - set(ROW_PARAMS))
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
         with self._lock:
-            return self._generate(prompt, max_new_tokens, temperature, seed, on_text, top_k=top_k, top_p=top_p,
-                                  min_p=min_p, repetition_penalty=repetition_penalty,
-                                  repetition_context_size=repetition_context_size,
-                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                                  logit_bias=logit_bias)
+            return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
+                                  repetition_context_size=repetition_context_size, logit_bias=logit_bias)
 
-    def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, *, top_k, top_p, min_p,
-                  repetition_penalty, repetition_context_size, frequency_penalty, presence_penalty,
+    def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
                   logit_bias) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -224,11 +152,8 @@ class LLMRunner:
                              f"context of {self.max_context}: the KV cache would overflow")
         if any(not 0 <= i < self.vocab_size for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        params = {name: value for name, value, off in (
-            ("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0),
-            ("repetition_penalty", repetition_penalty, 1.0), ("frequency_penalty", frequency_penalty, 0.0),
-            ("presence_penalty", presence_penalty, 0.0)) if value != off}
-        penalized = any(name.endswith("_penalty") for name in params)
+        params = {name: value for name, value in params.items() if value != OFF[name]}
+        penalized = any(name in PENALTIES for name in params)
         if isinstance(repetition_context_size, bool) or not isinstance(repetition_context_size, int) or \
                 repetition_context_size < 1:
             raise ValueError(f"repetition_context_size must be a positive int, got {repetition_context_size!r}")
@@ -246,7 +171,6 @@ class LLMRunner:
             # checked before anything runs; the history is filled in per step
             given = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size, **params)
             sampler_names = self.input_names[2:]
-            shapes = {name: self.input_shapes[name] for name in sampler_names}
 
         def sampling(position: int, context: list[int]) -> list[torch.Tensor]:
             if not self.samples:
@@ -254,7 +178,7 @@ class LLMRunner:
             given["position"] = torch.tensor(position, dtype=torch.int64)
             if penalized:
                 given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
-            return program_inputs(sampler_names, shapes, given)
+            return self.sampler_values(sampler_names, given)
         # No reset needed: the prompt is written from position 0, and attention
         # never looks past the current position, so what an earlier
         # conversation left in the cache is never read. (reset_state() would

@@ -1,24 +1,19 @@
 """Sampling heads: wrap a logits model so the exported program returns token ids.
 
 `SamplingHead(model)(*model_args, temperature, seed=None, position=None,
-top_k=None, ..., logit_bias_values=None)`: every sampling parameter of
-SAMPLING.md is a keyword; one given at export becomes a runtime input of the
-program, one left None is off and absent from it. Exported method inputs, in
-this order (C++ callers pass them the same way; runners read the names from
-the program's `emlx_input_names` metadata):
+**params)`: every sampling parameter of docs/sampling.md is a keyword (the
+table in serialization/sampler_params.py names them); one given at export
+becomes a runtime input of the program, one left None is off and absent from
+it. Exported method inputs, in this order (C++ callers pass them the same
+way; runners read the names from the program's metadata, see
+llm/program_contract.py):
 
     model inputs...
     temperature          float32 [] or [B]   <= 0: greedy for that row
     seed, position       int64 [] or [B]     seeded exports only
-    top_k                int64 [] or [B]     0 (or >= V): off
-    top_p                float32 [] or [B]   1: off
-    min_p                float32 [] or [B]   0: off
-    repetition_penalty   float32 [] or [B]   1: off
-    frequency_penalty    float32 [] or [B]   0: off
-    presence_penalty     float32 [] or [B]   0: off
-    history              int64 [B, H]        ids the penalties count, -1 pads
-    logit_bias_ids       int64 [B, N]        -1 pads
-    logit_bias_values    float32 [B, N]      -inf bans the token
+    the row parameters   [] or [B]           the table's dtype; its off value: off
+    the tables           [B, N]              history (ids the penalties count),
+                                             logit_bias_ids (-1 pads), logit_bias_values
 
 `seed` is one 64-bit seed per request (or one for the batch); `position` is
 the decode step of that row: pass 0 for the first generated token and add
@@ -31,20 +26,27 @@ log-probability of each chosen token under log_softmax of the raw logits.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from executorch.exir import ExecutorchBackendConfig, ExecutorchProgramManager, to_edge_transform_and_lower
 from executorch.exir.passes import MemoryPlanningPass
 
-from ..custom_kernel_ops.sample import INTEGER_PARAMS, PARAMS, PENALTIES, ROW_PARAMS
 from ..partitioner import MLXPartitioner
+from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, SAMPLER_INPUTS as _TABLE, TABLE_PARAMS
+from . import program_contract
 
 # Sampler inputs of a program, in order (model inputs come first).
-SAMPLER_INPUTS = ("temperature", "seed", "position") + PARAMS
+SAMPLER_INPUTS = tuple(p.name for p in _TABLE)
 # The value that turns each per-row parameter off.
-OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
-       "frequency_penalty": 0.0, "presence_penalty": 0.0}
+OFF = {name: BY_NAME[name].off for name in ROW_PARAMS}
+# Parameters that count tokens in the history (the penalties).
+PENALTIES = tuple(name for name in PARAMS if BY_NAME[name].needs == "history")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return torch.int64 if BY_NAME[name].integer else torch.float32
 
 
 def last_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -75,13 +77,20 @@ class SamplingHead(torch.nn.Module):
         self.model = model
         self.logprobs = logprobs
 
-    def forward(self, *model_args, temperature, seed=None, position=None, top_k=None, top_p=None, min_p=None,
-                repetition_penalty=None, frequency_penalty=None, presence_penalty=None, history=None,
-                logit_bias_ids=None, logit_bias_values=None, **model_kwargs):
-        logits = last_logits(self.model(*model_args, **model_kwargs))
-        ids = torch.ops.mlx.sample(logits, temperature, seed, position, top_k, top_p, min_p, repetition_penalty,
-                                   frequency_penalty, presence_penalty, history, logit_bias_ids, logit_bias_values)
+    def forward(self, *model_args, temperature, seed=None, position=None, **kwargs):
+        params = [kwargs.pop(name, None) for name in PARAMS]  # the rest are the model's
+        logits = last_logits(self.model(*model_args, **kwargs))
+        ids = torch.ops.mlx.sample(logits, temperature, seed, position, *params)
         return (ids, token_logprobs(logits, ids)) if self.logprobs else ids
+
+    # The parameters by name, for torch.export (it names a program's inputs after them).
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("model_args", inspect.Parameter.VAR_POSITIONAL),
+         inspect.Parameter("temperature", inspect.Parameter.KEYWORD_ONLY)]
+        + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+           for name in SAMPLER_INPUTS[1:]]
+        + [inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
 class GreedyHead(torch.nn.Module):
@@ -127,25 +136,14 @@ def _float_param(name: str, value) -> torch.Tensor:
     return t
 
 
-# name -> (holds for valid values, what is expected)
-_RANGES = {
-    "temperature": (lambda t: t >= 0, ">= 0 (0 means greedy)"),
-    "top_k": (lambda t: t >= 0, ">= 0 (0 means off)"),
-    "top_p": (lambda t: (t > 0) & (t <= 1), "in (0, 1] (1 means off)"),
-    "min_p": (lambda t: (t >= 0) & (t < 1), "in [0, 1) (0 means off)"),
-    "repetition_penalty": (lambda t: (t > 0) & torch.isfinite(t), "> 0 and finite (1 means off)"),
-    "frequency_penalty": (torch.isfinite, "finite (0 means off)"),
-    "presence_penalty": (torch.isfinite, "finite (0 means off)"),
-}
-
-
 def _row_param(name: str, value, batch: int) -> torch.Tensor:
-    t = _int64_param(name, value) if name in INTEGER_PARAMS else _float_param(name, value)
+    spec = BY_NAME[name]
+    t = _int64_param(name, value) if spec.integer else _float_param(name, value)
     if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
         raise ValueError(f"{name} must be a scalar or have {batch} values (the batch), got shape {list(t.shape)}")
-    ok, expected = _RANGES[name]
-    if not bool(ok(t).all()):
-        raise ValueError(f"{name} must be {expected}, got {t.tolist()}")
+    lo, lo_closed, hi, hi_closed = spec.valid
+    if not bool((((t >= lo) if lo_closed else (t > lo)) & ((t <= hi) if hi_closed else (t < hi))).all()):
+        raise ValueError(f"{name} must be {spec.expect}, got {t.tolist()}")
     return t
 
 
@@ -190,13 +188,14 @@ def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None, *, vo
         if name in ROW_PARAMS:
             out[name] = _row_param(name, value, batch)
         else:
-            dtype = torch.int64 if name in INTEGER_PARAMS else torch.float32
-            out[name] = _table(name, value, batch, dtype, vocab)
-    if ("logit_bias_ids" in out) != ("logit_bias_values" in out):
-        raise ValueError("logit_bias_ids and logit_bias_values are given together")
-    if "logit_bias_ids" in out and out["logit_bias_ids"].shape != out["logit_bias_values"].shape:
-        raise ValueError(f"logit_bias_ids {list(out['logit_bias_ids'].shape)} and logit_bias_values "
-                         f"{list(out['logit_bias_values'].shape)} must have one shape")
+            out[name] = _table(name, value, batch, _dtype(name), vocab)
+    for name in out:
+        other = BY_NAME[name].together
+        if other and other not in out:
+            raise ValueError(f"{name} and {other} are given together")
+        if other and out[name].shape != out[other].shape:
+            raise ValueError(f"{name} {list(out[name].shape)} and {other} {list(out[other].shape)} "
+                             f"must have one shape")
     return out
 
 
@@ -236,16 +235,15 @@ def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, 
     for name in names:
         shape = shapes[name]
         value = given.get(name)
+        table = name in TABLE_PARAMS
         if value is None:
             if name == "seed":
                 raise ValueError("this program is seeded: pass a seed")
-            if name in OFF or name == "temperature":
-                value = torch.tensor(OFF.get(name, 1.0), dtype=torch.int64 if name in INTEGER_PARAMS else torch.float32)
-            elif name in ("history", "logit_bias_ids"):
-                value = torch.full(shape, -1, dtype=torch.int64)
-            else:  # logit_bias_values
-                value = torch.zeros(shape)
-        if name in ("history", "logit_bias_ids", "logit_bias_values"):
+            if name == "temperature":
+                value = torch.tensor(1.0)
+            else:  # off (a table: all padding)
+                value = torch.full(shape if table else (), BY_NAME[name].off, dtype=_dtype(name))
+        if table:
             if value.shape[1] > shape[1]:
                 if name != "history":
                     raise ValueError(f"{name} has {value.shape[1]} entries per row; this program takes {shape[1]}")
@@ -293,12 +291,11 @@ def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[s
         examples["position"] = torch.zeros(shape, dtype=torch.int64)
     for name in ROW_PARAMS:
         if name in params:
-            examples[name] = torch.full(shape, OFF[name], dtype=torch.int64 if name in INTEGER_PARAMS else None)
-    if history_size:
-        examples["history"] = torch.full((batch, history_size), -1, dtype=torch.int64)
-    if logit_bias_size:
-        examples["logit_bias_ids"] = torch.full((batch, logit_bias_size), -1, dtype=torch.int64)
-        examples["logit_bias_values"] = torch.zeros(batch, logit_bias_size)
+            examples[name] = torch.full(shape, OFF[name], dtype=_dtype(name))
+    sizes = {"history": history_size, "logit_bias_ids": logit_bias_size, "logit_bias_values": logit_bias_size}
+    for name in TABLE_PARAMS:
+        if sizes[name]:
+            examples[name] = torch.full((batch, sizes[name]), BY_NAME[name].off, dtype=_dtype(name))
     return examples
 
 
@@ -309,45 +306,42 @@ def export_sampling_head(
     seeded: bool = True,
     per_row: bool = False,
     strict: bool = False,
-    top_k: bool = False,
-    top_p: bool = False,
-    min_p: bool = False,
-    repetition_penalty: bool = False,
-    frequency_penalty: bool = False,
-    presence_penalty: bool = False,
     history_size: int = 0,
     logit_bias_size: int = 0,
     logprobs: bool = False,
+    **params: bool,
 ) -> ExecutorchProgramManager:
     """Exports `SamplingHead(model, logprobs)` and lowers it with MLXPartitioner.
 
-    Each parameter set True becomes a runtime input (see the module doc for
-    the order); `history_size` H > 0 adds the [B, H] history the penalties
-    count, `logit_bias_size` N > 0 the [B, N] logit bias. `per_row` makes the
-    per-row parameters [B] inputs instead of scalars. Returns the ExecuTorch
-    program (`.buffer` is the .pte); its `emlx_input_names` constant method
-    names every input.
+    Each row parameter of the table set True (`<name>=True`) becomes a
+    runtime input (see the module doc for the order); `history_size` H > 0
+    adds the [B, H] history the penalties count, `logit_bias_size` N > 0 the
+    [B, N] logit bias. `per_row` makes the per-row parameters [B] inputs
+    instead of scalars. Returns the ExecuTorch program (`.buffer` is the
+    .pte); its metadata (llm/program_contract.py) names every input.
     """
+    unknown = sorted(set(params) - set(ROW_PARAMS))
+    if unknown:
+        raise TypeError(f"export_sampling_head got unknown parameter(s) {', '.join(unknown)}; "
+                        f"known: {', '.join(ROW_PARAMS)}")
     batch = _check_model_args(model_args)
-    chosen = dict(top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     kwargs = sampler_examples(batch, seeded=seeded, per_row=per_row,
-                              params=tuple(name for name, on in chosen.items() if on),
+                              params=tuple(name for name in ROW_PARAMS if params.get(name)),
                               history_size=history_size, logit_bias_size=logit_bias_size)
     head = SamplingHead(model, logprobs=logprobs).eval()
     ep = torch.export.export(head, tuple(model_args), kwargs, strict=strict)
-    return _lower(ep, {"emlx_samples": True, "emlx_logprobs": logprobs})
+    return _lower(ep, logprobs)
 
 
 def export_greedy_head(model: torch.nn.Module, model_args: tuple, *, strict: bool = False) -> ExecutorchProgramManager:
     _check_model_args(model_args)
     ep = torch.export.export(GreedyHead(model).eval(), tuple(model_args), strict=strict)
-    return _lower(ep, {"emlx_samples": True, "emlx_logprobs": False})
+    return _lower(ep, False)
 
 
-def _lower(ep: torch.export.ExportedProgram, meta: dict) -> ExecutorchProgramManager:
+def _lower(ep: torch.export.ExportedProgram, logprobs: bool) -> ExecutorchProgramManager:
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    meta = {"emlx_input_names": ",".join(names), **meta}
+    meta = program_contract.head_metadata(names, logprobs)
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()], constant_methods=meta)
     # Inputs are not memory-planned: ExecuTorch hands the caller's tensors
     # (the logits, often megabytes) to the delegate instead of copying them.

@@ -54,28 +54,25 @@ def meta_val(node: torch.fx.Node):
     return node.meta["val"]
 
 
-# SymIntNode opcodes (see schema.fbs).
-_PUSH, _SYMBOL, _ADD, _MUL, _FLOORDIV, _MOD, _MAX, _MIN = range(8)
-
-
 def symint_code(expr, symbols: dict[str, int]) -> list[int]:
     """A sympy size expression as SymIntNode's postfix code over `symbols`."""
     from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
 
+    Op = ir.SymIntOp
     if expr.is_Integer:
-        return [_PUSH, int(expr)]
+        return [int(Op.push), int(expr)]
     if expr.is_Symbol:
         if str(expr) not in symbols:
             raise Unsupported(f"size {expr} is not a dimension of a delegate input")
-        return [_SYMBOL, symbols[str(expr)]]
-    ops = {sympy.Add: _ADD, sympy.Mul: _MUL, FloorDiv: _FLOORDIV, Mod: _MOD, PythonMod: _MOD,
-           sympy.Max: _MAX, sympy.Min: _MIN}
+        return [int(Op.symbol), symbols[str(expr)]]
+    ops = {sympy.Add: Op.add, sympy.Mul: Op.mul, FloorDiv: Op.floor_div, Mod: Op.mod, PythonMod: Op.mod,
+           sympy.Max: Op.max, sympy.Min: Op.min}
     op = ops.get(type(expr))
     if op is None or not expr.args:
         raise Unsupported(f"size expression {expr}")
     code = symint_code(expr.args[0], symbols)
     for arg in expr.args[1:]:  # Add/Mul/Max/Min are n-ary; the rest binary
-        code += symint_code(arg, symbols) + [op, 0]
+        code += symint_code(arg, symbols) + [int(op), 0]
     return code
 
 
@@ -201,7 +198,7 @@ class GraphBuilder:
         expr = d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d))
         key = str(expr)
         if key not in self._sym_values:
-            code = [_PUSH, 0] if self.scratch else symint_code(expr, self._symbols)
+            code = [int(ir.SymIntOp.push), 0] if self.scratch else symint_code(expr, self._symbols)
             self._sym_values[key] = self.emit(ir.SymIntNode, torch.int64, (), code=code)
         return self._sym_values[key]
 

@@ -1,6 +1,6 @@
 """`mlx::sample` -> RandomBitsNode (the row's random words) + SampleNode.
 
-The whole of SAMPLING.md runs in SampleNode (a native kernel on CPUs, MLX
+The whole of docs/sampling.md runs in SampleNode (a native kernel on CPUs, MLX
 ops elsewhere); the graph only supplies two 32-bit random words per row:
 from (seed, position) when seeded, MLX's global key sequence otherwise, and
 zeros for a greedy-only sampler (no temperature: GreedyHead).
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..custom_kernel_ops import sample as sample_op
+from ..custom_kernel_ops import sample  # noqa: F401  (defines the op)
 from ..serialization import ir
+from ..serialization.sampler_params import PARAMS
 from .builder import GraphBuilder, meta_val, node_arg
 from .registry import Unsupported, handles
 
@@ -36,7 +37,7 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
                         seed=b.get(seed).tid if seed is not None else None,
                         position=b.get(position).tid if position is not None else None)
     params = {}
-    for index, name in enumerate(sample_op.PARAMS, start=4):
+    for index, name in enumerate(PARAMS, start=4):  # after logits, temperature, seed, position
         arg = node_arg(node, index, name)
         if arg is not None:
             params[name] = b.get(arg).tid

@@ -63,8 +63,8 @@ def _load_handlers() -> None:
         ops_creation,
         ops_elementwise,
         ops_linalg,
+        ops_quantized,
         ops_reduction,
         ops_sampling,
         ops_shape,
     )
-    from ..custom_kernel_ops import quantized  # noqa: F401

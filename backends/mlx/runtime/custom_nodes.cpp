@@ -22,16 +22,6 @@ namespace {
 
 mx::array u64(uint64_t v) { return mx::array(v); }
 
-// SplitMix64's finalizer on uint64 arrays, evaluated on the device. Used to
-// fold the decode position into the seed, so that (seed, position) pairs map
-// to well-separated 64-bit key seeds.
-mx::array mix64(mx::array z) {
-  z = mx::add(z, u64(0x9E3779B97F4A7C15ull));
-  z = mx::multiply(mx::bitwise_xor(z, mx::right_shift(z, u64(30))), u64(0xBF58476D1CE4E5B9ull));
-  z = mx::multiply(mx::bitwise_xor(z, mx::right_shift(z, u64(27))), u64(0x94D049BB133111EBull));
-  return mx::bitwise_xor(z, mx::right_shift(z, u64(31)));
-}
-
 // random::key(s) for every s of a uint64 array of shape [rows], built on the
 // device (no read-back): key(s) == [s >> 32, s & 0xffffffff] as uint32.
 mx::array keys_for(const mx::array& seeds) {
@@ -61,7 +51,8 @@ void exec_RandomBitsNode(Interpreter& st, const ir::RandomBitsNode* n) {
   auto position = st.get_optional(n->position()).value_or(mx::array(int64_t{0}));
   auto s = mx::broadcast_to(mx::astype(mx::flatten(*seed), mx::uint64), {rows});
   auto p = mx::broadcast_to(mx::astype(mx::flatten(position), mx::uint64), {rows});
-  auto keys = keys_for(mix64(mx::bitwise_xor(s, mix64(p))));
+  // SplitMix64 folds the position into the seed: well-separated key seeds
+  auto keys = keys_for(mix64(mx::bitwise_xor(s, mix64(p, u64)), u64));
   // random::bits takes one key; vmapped over keys [rows, 2] it is one
   // RandomBits node that gives row r exactly random::bits(row shape, width,
   // key r): a row's bits depend on its own key only, whatever the batch.
@@ -106,12 +97,13 @@ void exec_SymIntNode(Interpreter& st, const ir::SymIntNode* n) {
   if (code->size() % 2 != 0 || code->size() > 256) throw std::invalid_argument("SymIntNode: malformed code");
   std::vector<int64_t> stack;
   for (uint32_t i = 0; i < code->size(); i += 2) {
-    const int64_t op = code->Get(i), arg = code->Get(i + 1);
-    if (op == 0) {
+    const int64_t arg = code->Get(i + 1);
+    const auto op = static_cast<ir::SymIntOp>(code->Get(i));
+    if (op == ir::SymIntOp::push) {
       stack.push_back(arg);
       continue;
     }
-    if (op == 1) {
+    if (op == ir::SymIntOp::symbol) {
       stack.push_back(st.symbol(arg));
       continue;
     }
@@ -121,13 +113,13 @@ void exec_SymIntNode(Interpreter& st, const ir::SymIntNode* n) {
     int64_t& a = stack.back();
     bool overflow = false;
     switch (op) {
-      case 2: overflow = __builtin_add_overflow(a, b, &a); break;
-      case 3: overflow = __builtin_mul_overflow(a, b, &a); break;
-      case 4: a = floor_div(a, b); break;
-      case 5: a = a - floor_div(a, b) * b; break;
-      case 6: a = std::max(a, b); break;
-      case 7: a = std::min(a, b); break;
-      default: throw std::invalid_argument("SymIntNode: unknown opcode " + std::to_string(op));
+      case ir::SymIntOp::add: overflow = __builtin_add_overflow(a, b, &a); break;
+      case ir::SymIntOp::mul: overflow = __builtin_mul_overflow(a, b, &a); break;
+      case ir::SymIntOp::floor_div: a = floor_div(a, b); break;
+      case ir::SymIntOp::mod: a = a - floor_div(a, b) * b; break;
+      case ir::SymIntOp::max: a = std::max(a, b); break;
+      case ir::SymIntOp::min: a = std::min(a, b); break;
+      default: throw std::invalid_argument("SymIntNode: unknown opcode " + std::to_string(code->Get(i)));
     }
     if (overflow) throw std::invalid_argument("SymIntNode: integer overflow");
   }
@@ -247,20 +239,6 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
                                   mx::take(biases, ids, 0), n->group_size(), n->bits()));
 }
 
-void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) {
-  SampleInputs in{st.get(n->logits()), st.get(n->temperature()), st.get(n->random())};
-  in.seed = st.get_optional(n->seed());
-  in.position = st.get_optional(n->position());
-  in.top_k = st.get_optional(n->top_k());
-  in.top_p = st.get_optional(n->top_p());
-  in.min_p = st.get_optional(n->min_p());
-  in.repetition_penalty = st.get_optional(n->repetition_penalty());
-  in.frequency_penalty = st.get_optional(n->frequency_penalty());
-  in.presence_penalty = st.get_optional(n->presence_penalty());
-  in.history = st.get_optional(n->history());
-  in.logit_bias_ids = st.get_optional(n->logit_bias_ids());
-  in.logit_bias_values = st.get_optional(n->logit_bias_values());
-  st.set(n->out(), sample(in));
-}
+void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }
 
 }  // namespace emlx

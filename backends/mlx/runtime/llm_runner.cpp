@@ -1,17 +1,18 @@
 // emlx_runner: runs a .pte made by `executorch-mlx export` from C++, token
 // ids in, token ids out, with the sampler on the device.
 //
-//   emlx_runner MODEL.pte --prompt-ids 1,2,3 [--max-new-tokens N]
-//               [--temperature T] [--seed S] [--top-k K] [--top-p P] [--min-p M]
-//               [--repetition-penalty R] [--repetition-context-size N]
-//               [--frequency-penalty F] [--presence-penalty Q] [--logit-bias ID=VALUE]...
+//   emlx_runner MODEL.pte --prompt-ids 1,2,3 [--max-new-tokens N] [--seed S]
+//               [--temperature T] [a flag per row parameter of the sampler table,
+//               e.g. --top-k K] [--repetition-context-size N] [--logit-bias ID=VALUE]...
 //               [--memory-budget-kib N]
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
 // tokens per second. It is the example a C++ app copies: load the program
 // (memory-mapped), read its metadata (constant methods), find the inputs by
 // name, prefill in chunks, decode one token per call. It mirrors the Python
-// LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids.
+// LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids;
+// both read the program contract (generated/program_contract.h) and the
+// sampler table (generated/sampler_params.h) generated from one source.
 
 #include <executorch/extension/data_loader/mmap_data_loader.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
@@ -24,6 +25,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -42,6 +44,9 @@
 #include <utility>
 #include <vector>
 
+#include "generated/program_contract.h"
+#include "generated/sampler_params.h"
+
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
 extern "C" const char* emlx_backend_id();
 extern "C" int emlx_check_program(const char* path, const uint8_t* data, uint64_t size);  // program_checks.h
@@ -54,6 +59,9 @@ using executorch::aten::ScalarType;
 using executorch::extension::make_tensor_ptr;
 using executorch::extension::TensorPtr;
 using Sizes = std::vector<executorch::aten::SizesType>;
+using emlx::kSamplerInputs;
+using emlx::kNumSamplerInputs;
+namespace contract = emlx::contract;
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -136,39 +144,62 @@ Metadata read_metadata(et::Program& program) {
     return v.toInt();
   };
   Metadata md;
-  if (!one("emlx_input_names").isString()) throw wrong("emlx_input_names", "a string");
-  std::stringstream names(std::string(one("emlx_input_names").toString()));
+  if (!one(contract::kInputNames).isString()) throw wrong(contract::kInputNames, "a string");
+  std::stringstream names(std::string(one(contract::kInputNames).toString()));
   for (std::string n; std::getline(names, n, ',');) md.input_names.push_back(n);
-  if (!one("emlx_samples").isBool()) throw wrong("emlx_samples", "a bool");
-  md.samples = one("emlx_samples").toBool();
-  md.max_context = integer("get_max_context_len");
-  md.max_chunk = integer("get_max_seq_len");
-  md.vocab_size = integer("get_vocab_size");
-  for (const auto& e : values["get_eos_ids"]) {
-    if (!e.isInt()) throw wrong("get_eos_ids", "a list of ints");
+  if (!one(contract::kSamples).isBool()) throw wrong(contract::kSamples, "a bool");
+  md.samples = one(contract::kSamples).toBool();
+  md.max_context = integer(contract::kMaxContextLen);
+  md.max_chunk = integer(contract::kMaxSeqLen);
+  md.vocab_size = integer(contract::kVocabSize);
+  for (const auto& e : values[contract::kEosIds]) {
+    if (!e.isInt()) throw wrong(contract::kEosIds, "a list of ints");
     md.eos_ids.insert(e.toInt());
   }
   if (md.max_context < 2 || md.max_chunk < 1 || md.vocab_size < 1 || md.input_names.size() < 2 ||
-      md.input_names[0] != "input_ids" || md.input_names[1] != "cache_position") {
+      md.input_names[0] != contract::kInputIds || md.input_names[1] != contract::kCachePosition) {
     throw std::runtime_error("this .pte's metadata is not an LLM program's: export it with executorch-mlx export");
   }
   return md;
 }
 
+// The sampler inputs that have a flag: temperature and the row parameters.
+bool has_flag(int i) { return kSamplerInputs[i].cli != nullptr; }
+
 struct Options {
   std::string pte;
   std::vector<int64_t> prompt;
   int64_t max_new_tokens = 32;
-  float temperature = 0.0f;
   int64_t seed = 0;
-  // SAMPLING.md's parameters, off by default (the Python runner's names and defaults)
-  int64_t top_k = 0;
-  float top_p = 1.0f, min_p = 0.0f, repetition_penalty = 1.0f, frequency_penalty = 0.0f, presence_penalty = 0.0f;
+  // The sampler table's flags, by index into kSamplerInputs; each starts off
+  // (the Python runner's names and defaults). Integers are kept whole.
+  std::array<double, kNumSamplerInputs> value{};
+  std::array<int64_t, kNumSamplerInputs> integer{};
   int64_t repetition_context_size = 20;
   std::vector<std::pair<int64_t, float>> logit_bias;
   int64_t memory_budget_kib = 0;  // 0: the plugin's default (EMLX_MEMORY_BUDGET or a quarter of memory)
 
-  bool penalized() const { return repetition_penalty != 1.0f || frequency_penalty != 0.0f || presence_penalty != 0.0f; }
+  Options() {
+    for (int i = 0; i < kNumSamplerInputs; ++i) {
+      value[i] = kSamplerInputs[i].off, integer[i] = static_cast<int64_t>(has_flag(i) ? kSamplerInputs[i].off : 0);
+    }
+  }
+  bool on(int i) const { return has_flag(i) && value[i] != kSamplerInputs[i].off; }
+  // A parameter that counts tokens of the history is on.
+  bool penalized() const {
+    for (int i = 0; i < kNumSamplerInputs; ++i) {
+      if (on(i) && kSamplerInputs[i].needs >= 0 && std::string(kSamplerInputs[kSamplerInputs[i].needs].name) == "history") {
+        return true;
+      }
+    }
+    return false;
+  }
+  bool any_on() const {
+    for (int i = 0; i < kNumSamplerInputs; ++i) {
+      if (on(i)) return true;
+    }
+    return !logit_bias.empty();
+  }
 };
 
 float parse_float(const std::string& flag, const std::string& text) {
@@ -193,6 +224,14 @@ int64_t parse_int(const std::string& flag, const std::string& text) {
   return v;
 }
 
+// The index in kSamplerInputs of the input whose flag is `flag`, or -1.
+int flag_index(const std::string& flag) {
+  for (int i = 0; i < kNumSamplerInputs; ++i) {
+    if (has_flag(i) && flag == kSamplerInputs[i].cli) return i;
+  }
+  return -1;
+}
+
 Options parse_args(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -215,30 +254,18 @@ Options parse_args(int argc, char** argv) {
       for (std::string t; ss >> t;) o.prompt.push_back(parse_int(a, t));
     } else if (a == "--max-new-tokens") {
       o.max_new_tokens = parse_int(a, value());
-    } else if (a == "--temperature") {
-      o.temperature = parse_float(a, value());
-      if (!(o.temperature >= 0)) throw UsageError("--temperature must be >= 0 (0 means greedy)");
-    } else if (a == "--top-k") {
-      o.top_k = parse_int(a, value());
-      if (o.top_k < 0) throw UsageError("--top-k must be >= 0 (0 means off)");
-    } else if (a == "--top-p") {
-      o.top_p = parse_float(a, value());
-      if (!(o.top_p > 0 && o.top_p <= 1)) throw UsageError("--top-p must be in (0, 1] (1 means off)");
-    } else if (a == "--min-p") {
-      o.min_p = parse_float(a, value());
-      if (!(o.min_p >= 0 && o.min_p < 1)) throw UsageError("--min-p must be in [0, 1) (0 means off)");
-    } else if (a == "--repetition-penalty") {
-      o.repetition_penalty = parse_float(a, value());
-      if (!(o.repetition_penalty > 0 && std::isfinite(o.repetition_penalty))) {
-        throw UsageError("--repetition-penalty must be > 0 and finite (1 means off)");
+    } else if (const int k = flag_index(a); k >= 0) {
+      const auto& p = kSamplerInputs[k];
+      const std::string text = value();
+      if (p.integer) {
+        o.integer[k] = parse_int(a, text), o.value[k] = static_cast<double>(o.integer[k]);
+      } else {
+        o.value[k] = parse_float(a, text);
       }
+      if (!emlx::accepts(p, o.value[k])) throw UsageError(a + " must be " + p.expect);
     } else if (a == "--repetition-context-size") {
       o.repetition_context_size = parse_int(a, value());
       if (o.repetition_context_size < 1) throw UsageError("--repetition-context-size must be positive");
-    } else if (a == "--frequency-penalty" || a == "--presence-penalty") {
-      const float v = parse_float(a, value());
-      if (!std::isfinite(v)) throw UsageError(a + " must be finite (0 means off)");
-      (a == "--frequency-penalty" ? o.frequency_penalty : o.presence_penalty) = v;
     } else if (a == "--logit-bias") {
       const std::string t = value();
       const size_t eq = t.find('=');
@@ -303,18 +330,16 @@ class Generator {
     auto need = [&](const char* name, bool on) {
       if (on && !has(name)) throw UsageError(std::string("this program was exported without ") + name);
     };
-    need("top_k", o.top_k != 0), need("top_p", o.top_p != 1.0f), need("min_p", o.min_p != 0.0f);
-    need("repetition_penalty", o.repetition_penalty != 1.0f);
-    need("frequency_penalty", o.frequency_penalty != 0.0f), need("presence_penalty", o.presence_penalty != 0.0f);
+    for (int i = 0; i < kNumSamplerInputs; ++i) {
+      if (!has_flag(i)) continue;
+      const auto& p = kSamplerInputs[i];
+      need(p.name, p.kind == 'r' && o.on(i));
+      inputs_[p.name] = p.integer ? make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.integer[i]})
+                                  : make_tensor_ptr(Sizes{}, std::vector<float>{static_cast<float>(o.value[i])});
+    }
     need("logit_bias_ids", !o.logit_bias.empty());
-    inputs_["temperature"] = make_tensor_ptr(Sizes{}, std::vector<float>{o.temperature});
     inputs_["seed"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.seed});
     inputs_["position"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{0});
-    inputs_["top_k"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.top_k});
-    for (auto [name, v] : {std::pair{"top_p", o.top_p}, {"min_p", o.min_p}, {"repetition_penalty", o.repetition_penalty},
-                           {"frequency_penalty", o.frequency_penalty}, {"presence_penalty", o.presence_penalty}}) {
-      inputs_[name] = make_tensor_ptr(Sizes{}, std::vector<float>{v});
-    }
     if (has("history")) {
       const Sizes h = shape("history");
       if (penalized_ && context_size_ > h.at(1)) {
@@ -346,8 +371,8 @@ class Generator {
     const auto n = static_cast<executorch::aten::SizesType>(ids.size());
     std::vector<int64_t> positions(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) positions[i] = start + static_cast<int64_t>(i);
-    inputs_["input_ids"] = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
-    inputs_["cache_position"] = make_tensor_ptr(Sizes{n}, std::move(positions));
+    inputs_[contract::kInputIds] = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
+    inputs_[contract::kCachePosition] = make_tensor_ptr(Sizes{n}, std::move(positions));
     inputs_["position"]->mutable_data_ptr<int64_t>()[0] = position;
     if (penalized_) {  // the last tokens first to last, -1 after them
       auto* h = inputs_["history"]->mutable_data_ptr<int64_t>();
@@ -435,8 +460,7 @@ int run(const Options& o) {
       throw UsageError("prompt token ids must be in [0, " + std::to_string(md.vocab_size) + ")");
     }
   }
-  if (!md.samples && (o.temperature > 0 || o.top_k || o.top_p != 1.0f || o.min_p != 0.0f || o.penalized() ||
-                      !o.logit_bias.empty())) {
+  if (!md.samples && o.any_on()) {
     throw UsageError("this program returns logits (exported with --no-sampling): only greedy decoding");
   }
 
@@ -481,11 +505,17 @@ int main(int argc, char** argv) {
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {
     std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());
+    std::string flags;
+    for (int i = 0; i < kNumSamplerInputs; ++i) {
+      if (!has_flag(i)) continue;
+      std::string metavar = kSamplerInputs[i].name;
+      for (char& c : metavar) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      flags += std::string(" [") + kSamplerInputs[i].cli + " " + metavar + "]";
+    }
     std::fprintf(stderr,
-                 "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--temperature T] "
-                 "[--seed S]\n       [--top-k K] [--top-p P] [--min-p M] [--repetition-penalty R] "
-                 "[--repetition-context-size N]\n       [--frequency-penalty F] [--presence-penalty Q] "
-                 "[--logit-bias ID=VALUE]...\n       [--memory-budget-kib N]\n");
+                 "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--seed S]\n      %s\n"
+                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N]\n",
+                 flags.c_str());
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "emlx_runner: error: %s\n", e.what());

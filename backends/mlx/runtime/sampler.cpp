@@ -53,7 +53,7 @@ float max_generic(const float* x, int V) {
   return m;
 }
 
-// z = (x - m) / T in float32 (SAMPLING.md step 3); -inf (and NaN) stay -inf.
+// z = (x - m) / T in float32 (docs/sampling.md step 3); -inf (and NaN) stay -inf.
 inline float z_of(float x, float m, float T) { return x > kNegInf ? (x - m) / T : kNegInf; }
 
 void scale_generic(const float* x, float* z, int V, float m, float T) {
@@ -256,7 +256,7 @@ struct Row {
   double u;  // uniform in [0, 1) from the row's random words
 };
 
-// SAMPLING.md step 1, on the few tokens the history and the bias name.
+// docs/sampling.md step 1, on the few tokens the history and the bias name.
 void penalize(float* x, int V, const Row& r, std::vector<int32_t>& ids) {
   if (r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f)) {
     ids.assign(r.history, r.history + r.history_len);
@@ -423,16 +423,13 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
 }
 
 // ---------------------------------------------------------- primitive --
-enum Param { kTopK, kTopP, kMinP, kRepetition, kFrequency, kPresence, kHistory, kBiasIds, kBiasValues, kNumParams };
 constexpr unsigned kSeeded = 1u << kNumParams;  // inputs[2], [3] are seed and position, not random words
 
-// SplitMix64's finalizer: how a row's (seed, position) become one 64-bit
-// key seed (RandomBitsNode does the same with MLX ops).
-uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+// A row's (seed, position) as one 64-bit key seed (RandomBitsNode does the
+// same with MLX ops).
+uint64_t stream_seed(uint64_t seed, uint64_t position) {
+  auto lit = [](uint64_t v) { return v; };
+  return mix64(seed ^ mix64(position, lit), lit);
 }
 
 // Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as
@@ -507,7 +504,8 @@ class Sampler : public mx::UnaryPrimitive {
       }
       const auto& logits = inputs[0];
       const int B = logits.shape(0), V = logits.shape(1);
-      auto get = [&](Param k, int b, double off) { return param[k] ? element(*param[k], b) : off; };
+      // an absent parameter is off
+      auto get = [&](Param k, int b) { return param[k] ? element(*param[k], b) : kSamplerInputs[kNumControls + k].off; };
       int64_t* ids = out.data<int64_t>();
       const Passes& p = passes();
       parallel_for(B, [&](int b) {
@@ -516,11 +514,11 @@ class Sampler : public mx::UnaryPrimitive {
         thread_local std::vector<float> bias_values;
         Row r{};
         r.temperature = static_cast<float>(element(inputs[1], b));
-        const double k = get(kTopK, b, 0);
+        const double k = get(kTopK, b);
         r.top_k = k >= 0 ? static_cast<int>(std::min<double>(k, V)) : 0;
-        r.top_p = static_cast<float>(get(kTopP, b, 1)), r.min_p = static_cast<float>(get(kMinP, b, 0));
-        r.repetition = static_cast<float>(get(kRepetition, b, 1));
-        r.frequency = static_cast<float>(get(kFrequency, b, 0)), r.presence = static_cast<float>(get(kPresence, b, 0));
+        r.top_p = static_cast<float>(get(kTopP, b)), r.min_p = static_cast<float>(get(kMinP, b));
+        r.repetition = static_cast<float>(get(kRepetitionPenalty, b));
+        r.frequency = static_cast<float>(get(kFrequencyPenalty, b)), r.presence = static_cast<float>(get(kPresencePenalty, b));
         // ids outside [0, V) (the -1 pads) are skipped by penalize()
         auto token = [V](double id) { return id >= 0 && id < V ? static_cast<int32_t>(id) : -1; };
         if (param[kHistory]) {
@@ -528,18 +526,18 @@ class Sampler : public mx::UnaryPrimitive {
           for (size_t j = 0; j < history.size(); ++j) history[j] = token(element(*param[kHistory], b, j));
           r.history = history.data(), r.history_len = static_cast<int>(history.size());
         }
-        if (param[kBiasIds]) {
-          bias_ids.resize(param[kBiasIds]->shape(1)), bias_values.resize(bias_ids.size());
+        if (param[kLogitBiasIds]) {
+          bias_ids.resize(param[kLogitBiasIds]->shape(1)), bias_values.resize(bias_ids.size());
           for (size_t j = 0; j < bias_ids.size(); ++j) {
-            bias_ids[j] = token(element(*param[kBiasIds], b, j));
-            bias_values[j] = static_cast<float>(element(*param[kBiasValues], b, j));
+            bias_ids[j] = token(element(*param[kLogitBiasIds], b, j));
+            bias_values[j] = static_cast<float>(element(*param[kLogitBiasValues], b, j));
           }
           r.bias_ids = bias_ids.data(), r.bias_values = bias_values.data();
           r.bias_len = static_cast<int>(bias_ids.size());
         }
         uint64_t w0, w1;
-        if (present & kSeeded) {  // random::bits({2}, 4, random::key(mix64(seed ^ mix64(position))))
-          const uint64_t key = mix64(element_u64(inputs[2], b) ^ mix64(element_u64(inputs[3], b)));
+        if (present & kSeeded) {  // random::bits({2}, 4, random::key(stream_seed(seed, position)))
+          const uint64_t key = stream_seed(element_u64(inputs[2], b), element_u64(inputs[3], b));
           std::tie(w0, w1) = threefry2x32(static_cast<uint32_t>(key >> 32), static_cast<uint32_t>(key), 0, 1);
         } else {
           w0 = static_cast<uint64_t>(element(inputs[2], b, 0)), w1 = static_cast<uint64_t>(element(inputs[2], b, 1));
@@ -611,23 +609,31 @@ void check(const SampleInputs& in) {
   if (in.seed.has_value() != in.position.has_value()) {
     throw std::invalid_argument("SampleNode: seed and position come together");
   }
-  check_row_param("top_k", in.top_k, B);
-  check_row_param("top_p", in.top_p, B);
-  check_row_param("min_p", in.min_p, B);
-  check_row_param("repetition_penalty", in.repetition_penalty, B);
-  check_row_param("frequency_penalty", in.frequency_penalty, B);
-  check_row_param("presence_penalty", in.presence_penalty, B);
-  if ((in.repetition_penalty || in.frequency_penalty || in.presence_penalty) && !in.history) {
-    throw std::invalid_argument("SampleNode: penalties need a history");
-  }
-  check_table("history", in.history, B, true);
-  if (in.logit_bias_ids.has_value() != in.logit_bias_values.has_value()) {
-    throw std::invalid_argument("SampleNode: logit_bias_ids and logit_bias_values come together");
-  }
-  check_table("logit_bias_ids", in.logit_bias_ids, B, true);
-  check_table("logit_bias_values", in.logit_bias_values, B, false);
-  if (in.logit_bias_ids && in.logit_bias_ids->shape() != in.logit_bias_values->shape()) {
-    throw std::invalid_argument("SampleNode: logit_bias_ids and logit_bias_values must have one shape");
+  const auto params = params_of(in);
+  auto given = [&](int input) { return input >= kNumControls && params[input - kNumControls]->has_value(); };
+  for (int k = 0; k < kNumParams; ++k) {
+    const SamplerInputInfo& info = kSamplerInputs[kNumControls + k];
+    if (info.kind == 'r') {
+      check_row_param(info.name, *params[k], B);
+    } else {
+      check_table(info.name, *params[k], B, info.integer);
+    }
+    if (!params[k]->has_value()) continue;
+    if (info.needs >= 0 && !given(info.needs)) {
+      throw std::invalid_argument(std::string("SampleNode: parameters that need a ") + kSamplerInputs[info.needs].name +
+                                  " were given without one (" + info.name + ")");
+    }
+    if (info.together >= 0) {
+      const auto& other = *params[info.together - kNumControls];
+      if (!other) {
+        throw std::invalid_argument(std::string("SampleNode: ") + info.name + " and " +
+                                    kSamplerInputs[info.together].name + " come together");
+      }
+      if (other->shape() != (*params[k])->shape()) {
+        throw std::invalid_argument(std::string("SampleNode: ") + info.name + " and " +
+                                    kSamplerInputs[info.together].name + " must have one shape");
+      }
+    }
   }
 }
 
@@ -651,9 +657,7 @@ mx::array sample(const SampleInputs& in) {
   } else {
     inputs.push_back(in.random);
   }
-  const std::optional<mx::array>* params[kNumParams] = {
-      &in.top_k, &in.top_p, &in.min_p, &in.repetition_penalty, &in.frequency_penalty, &in.presence_penalty,
-      &in.history, &in.logit_bias_ids, &in.logit_bias_values};
+  const auto params = params_of(in);
   for (int k = 0; k < kNumParams; ++k) {
     if (*params[k]) present |= 1u << k, inputs.push_back(**params[k]);
   }

@@ -37,6 +37,17 @@ class IOKind(enum.IntEnum):
     bool_scalar = 3
 
 
+class SymIntOp(enum.IntEnum):
+    push = 0
+    symbol = 1
+    add = 2
+    mul = 3
+    floor_div = 4
+    mod = 5
+    max = 6
+    min = 7
+
+
 @dataclass
 class AbsNode:
     a: Tid | None = None

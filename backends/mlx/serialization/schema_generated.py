@@ -29,6 +29,20 @@ class IOKind(object):
     bool_scalar = 3
 
 
+# The opcodes of SymIntNode.code: push the operand; push symbol `operand`;
+# then binary ops on the top two (they ignore their operand); floor_div
+# and mod have Python semantics.
+class SymIntOp(object):
+    push = 0
+    symbol = 1
+    add = 2
+    mul = 3
+    floor_div = 4
+    mod = 5
+    max = 6
+    min = 7
+
+
 class Op(object):
     NONE = 0
     AddNode = 1
@@ -4993,9 +5007,7 @@ def CumsumNodeEnd(builder):
 # A 0-d int64 value computed on the host from the graph's symbols (sizes
 # of dynamic input dimensions, known when inputs are bound: reading it
 # never synchronises). `code` is a postfix program over an int64 stack:
-# pairs (opcode, operand) with opcode 0: push operand; 1: push symbol
-# `operand`; 2: add; 3: mul; 4: floor-div; 5: mod (Python semantics);
-# 6: max; 7: min (binary opcodes ignore their operand).
+# pairs (SymIntOp, operand).
 class SymIntNode(object):
     __slots__ = ['_tab']
 
@@ -6224,13 +6236,13 @@ def QuantizedEmbeddingNodeEnd(builder):
 
 
 
-# One token id per row, int64 [B] (SAMPLING.md, whole): penalties from `history`
-# ([B, H] ids, -1 padding) and the sparse logit bias, then greedy where
-# temperature <= 0, else the top-k / min-p / top-p filters and one exact
-# inverse-CDF draw using the row's two 32-bit words of `random` ([B, 2] uint32).
-# Parameters are [] or [B]; an absent one is off. `seed` and `position`, when
-# given, are those `random` was drawn from (RandomBitsNode): a native kernel
-# may derive the same words itself.
+# One token id per row, int64 [B] (docs/sampling.md, whole): penalties from
+# `history` and the sparse logit bias, then greedy where temperature <= 0,
+# else the top-k / min-p / top-p filters and one exact inverse-CDF draw
+# using the row's two 32-bit words of `random` ([B, 2] uint32). An absent
+# parameter is off. `seed` and `position`, when given, are those `random`
+# was drawn from (RandomBitsNode): a native kernel may derive the same
+# words itself. The sampler fields are the parameter table (see the top).
 class SampleNode(object):
     __slots__ = ['_tab']
 

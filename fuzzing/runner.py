@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..serialization import ir
+from executorch_mlx.serialization import ir
+from executorch_mlx.serialization.sampler_params import ROW_PARAMS
 from . import graphs, mutate, sketch
 from .sketch import Template
 
@@ -106,8 +107,8 @@ def real_program_templates() -> dict[str, Template]:
     parameter on (their blobs are what byte_cases mutates)."""
     from executorch.exir import to_edge_transform_and_lower
 
-    from ..llm.sampling import export_sampling_head, sampler_examples
-    from ..partitioner import MLXPartitioner
+    from executorch_mlx.llm.sampling import export_sampling_head, sampler_examples
+    from executorch_mlx.partitioner import MLXPartitioner
 
     with torch.random.fork_rng():  # the same weights, so the same blobs (constant names hash them), every run
         torch.manual_seed(0)
@@ -120,8 +121,7 @@ def real_program_templates() -> dict[str, Template]:
         return to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()]).to_executorch().buffer
 
     tokens = torch.tensor([[1, 5, 7], [2, 3, 9]])
-    flags = dict(top_k=True, top_p=True, min_p=True, repetition_penalty=True, frequency_penalty=True,
-                 presence_penalty=True)
+    flags = dict.fromkeys(ROW_PARAMS, True)
     params = dict(history_size=4, logit_bias_size=2)
 
     def lower_head():
@@ -136,18 +136,26 @@ def real_program_templates() -> dict[str, Template]:
 
 
 # --------------------------------------------------------------- running --
+# Where the worker imports this package from (the repository root).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def run_cases(cases: list[Case], templates: dict[str, Template], timeout: float = 10.0,
-              env: dict[str, str] | None = None) -> Report:
+              env: dict[str, str] | None = None, worker: str = "fuzzing.runner",
+              path: tuple[str, ...] = ()) -> Report:
     """Runs every case in worker processes (with `env` added to their
-    environment); never raises for a case."""
+    environment); never raises for a case. `worker` is the module whose
+    worker_main() the processes run (importable from `path` or the root)."""
     report = Report()
+    code = (f"import sys; sys.path[:0] = {[*path, _ROOT]!r}; "
+            f"from {worker} import worker_main; worker_main()")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "cases.pkl")
-        with open(path, "wb") as f:
+        cases_path = os.path.join(tmp, "cases.pkl")
+        with open(cases_path, "wb") as f:
             pickle.dump((templates, cases), f)
         pos = 0
         while pos < len(cases):
-            pos = _run_worker(path, pos, cases, timeout, report, os.path.join(tmp, "stderr"), env)
+            pos = _run_worker(code, cases_path, pos, cases, timeout, report, os.path.join(tmp, "stderr"), env)
     return report
 
 
@@ -163,10 +171,9 @@ def _record(report: Report, case: Case, outcome: str, reason: str = "") -> None:
         report.failures.append(f"{outcome}: {case.label} {reason}".rstrip())
 
 
-def _run_worker(path: str, start: int, cases: list[Case], timeout: float, report: Report, err_path: str,
-                env: dict[str, str] | None) -> int:
+def _run_worker(code: str, path: str, start: int, cases: list[Case], timeout: float, report: Report,
+                err_path: str, env: dict[str, str] | None) -> int:
     """Runs cases from `start` in one worker; returns where the next worker starts."""
-    code = "from executorch_mlx.fuzzing.runner import worker_main; worker_main()"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-c", code, path, str(start)], stdout=subprocess.PIPE,
                                 stderr=err, text=True, bufsize=1, env={**os.environ, **(env or {})})
@@ -209,34 +216,53 @@ def _tail(path: str) -> str:
     return " | ".join(lines[-3:])[-400:]
 
 
-def worker_main() -> None:
-    """In a worker process: run cases from argv[2] on, reporting each on stdout."""
+@dataclass
+class Outcome:
+    outcome: str  # LOAD, EXECUTE or RAN
+    reason: str = ""  # our runtime's, for a refusal
+    load_s: float = 0.0
+    call_s: list[float] = field(default_factory=list)
+    result: object = None  # the last call's first output
+
+
+def run_program(pte: bytes, inputs: list, calls: int = 1) -> Outcome:
+    """Loads `pte` and calls its forward `calls` times, in this process."""
     import executorch_mlx  # noqa: F401  (registers the backend)
     from executorch.runtime import Runtime
 
-    from .._runtime_library import clear_last_error, last_error
+    from executorch_mlx._runtime_library import clear_last_error, last_error
 
+    clear_last_error()
+    t = time.perf_counter()
+    try:
+        program = Runtime.get().load_program(pte)  # outlives its method
+        method = program.load_method("forward")
+    except RuntimeError:
+        return Outcome(LOAD, last_error(), time.perf_counter() - t)
+    done = Outcome(RAN, load_s=time.perf_counter() - t)
+    for _ in range(calls):
+        t = time.perf_counter()
+        try:
+            done.result = method.execute(list(inputs))[0]
+        except RuntimeError:
+            done.outcome, done.reason = EXECUTE, last_error()
+            return done
+        done.call_s.append(time.perf_counter() - t)
+    return done
+
+
+def worker_main(before_case=None) -> None:
+    """In a worker process: run cases from argv[2] on, reporting each on stdout.
+    `before_case(case)` runs first for each case (a test's worker makes some
+    crash or hang through it)."""
     with open(sys.argv[1], "rb") as f:
         templates, cases = pickle.load(f)
-    runtime = Runtime.get()
-    selftest = os.environ.get("EMLX_FUZZ_SELFTEST") == "1"  # tests/test_fuzz.py: cases named crash, hang
     for index in range(int(sys.argv[2]), len(cases)):
         case = cases[index]
         template = templates[case.template]
         print(f"B {index}", flush=True)
-        if selftest and case.label in ("crash", "hang"):
-            os.abort() if case.label == "crash" else time.sleep(3600)
-        clear_last_error()
-        outcome = RAN
-        try:
-            program = runtime.load_program(template.with_blob(case.blob))  # outlives its method
-            method = program.load_method("forward")
-        except RuntimeError:
-            outcome = LOAD
-        if outcome == RAN:
-            try:
-                method.execute(list(template.inputs))
-            except RuntimeError:
-                outcome = EXECUTE
-        reason = last_error().replace("\t", " ").replace("\n", " ") if outcome != RAN else ""
-        print(f"E {index}\t{outcome}\t{reason}", flush=True)
+        if before_case is not None:
+            before_case(case)
+        done = run_program(template.with_blob(case.blob), template.inputs)
+        reason = done.reason.replace("\t", " ").replace("\n", " ")
+        print(f"E {index}\t{done.outcome}\t{reason}", flush=True)

@@ -7,7 +7,9 @@ load and run quickly.
 
 from __future__ import annotations
 
-from ..serialization import ir
+import sys
+
+from executorch_mlx.serialization import ir
 from .sketch import I64, Sketch, sizes
 
 
@@ -62,3 +64,22 @@ REFUSED = {f.__name__: f for f in (zero_stride, dimension_beyond_int32, fill_8gi
                                    value_slots_2_24)}
 FAST = {f.__name__: f for f in (random_bits_rows,)}
 CASES = {**REFUSED, **FAST}
+
+
+def measure_main() -> None:
+    """In a child process: runs CASES[argv[1]] argv[2] times through the
+    harness and prints one JSON line (outcome, reason, times, peak memory)."""
+    import json
+    import resource
+
+    from .runner import RAN, run_program
+    from .sketch import INPUTS, wrap
+
+    done = run_program(wrap(CASES[sys.argv[1]]()), list(INPUTS), calls=int(sys.argv[2]))
+    report = {"outcome": done.outcome, "load_s": round(done.load_s, 3)}
+    if done.outcome == RAN:
+        report.update(call_s=[round(t, 4) for t in done.call_s], result=float(done.result))
+    else:
+        report["reason"] = done.reason
+    report["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    print(json.dumps(report), flush=True)

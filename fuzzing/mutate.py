@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from ..serialization import ir
+from executorch_mlx.serialization import ir
 
 INT32 = [0, -1, 1, 2, 3, 2**16, -(2**16), 2**31 - 1, -(2**31)]
 UINT32 = [0, 1, 2, 2**16, 2**24, 2**31, 2**32 - 1]

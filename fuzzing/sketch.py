@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..serialization import ir
+from executorch_mlx.serialization import ir
 
 F32, F16, I64, U32, BOOL = ir.DType.float32, ir.DType.float16, ir.DType.int64, ir.DType.uint32, ir.DType.bool_
 INPUTS = (torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)),
@@ -112,21 +112,17 @@ def pad(blob: bytes) -> bytes:
 def capture_blob(lower, pad_to_template: bool = False) -> tuple[bytes, bytes]:
     """Runs `lower()` (which must produce one delegate) and returns its .pte
     and the delegate's blob as it lies in the .pte."""
-    from .. import backend as backend_module
+    from executorch_mlx.backend import rewrite_blobs
 
-    real = ir.serialize
     blobs = []
 
-    def serialize(graph):
-        blob = pad(real(graph)) if pad_to_template else real(graph)
+    def keep(graph, blob):
+        blob = pad(blob) if pad_to_template else blob
         blobs.append(blob)
         return blob
 
-    backend_module.ir.serialize = serialize
-    try:
+    with rewrite_blobs(keep):
         pte = lower()
-    finally:
-        backend_module.ir.serialize = real
     if len(blobs) != 1 or pte.count(blobs[0]) != 1:
         raise RuntimeError(f"expected one delegate blob in the program, found {len(blobs)}")
     return pte, blobs[0]
@@ -142,7 +138,7 @@ def sketch_template() -> Template:
     """The program every Sketch graph is wrapped into."""
     from executorch.exir import to_edge_transform_and_lower
 
-    from ..partitioner import MLXPartitioner
+    from executorch_mlx.partitioner import MLXPartitioner
 
     def lower():
         ep = torch.export.export(_TemplateModel(), INPUTS)

@@ -8,7 +8,8 @@ that each runs.
 
 from __future__ import annotations
 
-from ..serialization import ir
+from executorch_mlx.serialization import ir
+from executorch_mlx.serialization.sampler_params import BY_NAME, ROW_PARAMS, TABLE_PARAMS
 from .sketch import BOOL, F16, F32, I64, U32, Sketch, sizes
 
 BINARY = ["Add", "Subtract", "Multiply", "Divide", "Power", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
@@ -171,7 +172,8 @@ def cumsum():
 
 def _batch(s: Sketch) -> ir.Tid:
     """x's dynamic first dimension, plus one: a SymIntNode."""
-    return s.op(ir.SymIntNode, code=[1, 0, 0, 1, 2, 0])
+    op = ir.SymIntOp
+    return s.op(ir.SymIntNode, code=[op.symbol, 0, op.push, 1, op.add, 0])
 
 
 def sym_int():
@@ -246,16 +248,26 @@ def quantized_embedding():
     return s.finish(s.op(ir.QuantizedEmbeddingNode, indices=s.i, **_quantized(s)), 3)
 
 
+def _on(spec):
+    """A valid value of a row parameter that is not its off value."""
+    if spec.integer:
+        return int(spec.off) + 5
+    lo, lo_closed, hi, hi_closed = spec.valid
+    up = spec.off + 0.1
+    return up if (up < hi or (hi_closed and up == hi)) else spec.off - 0.1
+
+
 def sample():
-    """Every parameter on: penalties from i, a logit bias, top-k/p, min-p."""
+    """Every parameter of the sampler table on: penalties from i, a logit bias, the filters."""
     s = Sketch()
     logits = s.op(ir.ReshapeNode, a=s.x, shape=sizes(2, 12))
     seed, position = s.lit(7, I64), s.lit(3, I64)
     bits = s.op(ir.RandomBitsNode, shape=sizes(2, 2), seed=seed, position=position, width=4)
+    params = {name: s.lit(_on(BY_NAME[name]), I64 if BY_NAME[name].integer else F32) for name in ROW_PARAMS}
+    # the [2, 3] tables: ids from i (one of them -1 padding), values -1
+    params.update({name: s.i if BY_NAME[name].integer else s.full([2, 3], -1.0) for name in TABLE_PARAMS})
     token = s.op(ir.SampleNode, logits=logits, temperature=s.lit(0.8), random=bits, seed=seed, position=position,
-                 top_k=s.lit(5, I64), top_p=s.lit(0.9), min_p=s.lit(0.05), repetition_penalty=s.lit(1.1),
-                 frequency_penalty=s.lit(0.1), presence_penalty=s.lit(0.2), history=s.i, logit_bias_ids=s.i,
-                 logit_bias_values=s.full([2, 3], -1.0))
+                 **params)
     return s.finish(token, 1)
 
 

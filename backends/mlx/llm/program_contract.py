@@ -1,0 +1,141 @@
+"""The contract between an exported program and its runners: the metadata
+(constant methods) a program carries and the names of its inputs. Written
+here by export (`llm_metadata`, `head_metadata`) and read here by the
+Python runners (`read`); the C++ runner reads the same names from
+runtime/generated/program_contract.h, which generate.py writes from the
+constants below (so this module imports nothing at load time but stdlib).
+
+Two kinds of program carry it:
+* LLM programs (`export_llm`): inputs `input_ids` [1, S] and
+  `cache_position` [S], then, when they sample, every sampler input of the
+  table (serialization/sampler_params.py) in its order. They return the
+  next token id [1] (and its logprob) or, exported without sampling, the
+  last position's logits.
+* sampling heads (`export_sampling_head`, `export_greedy_head`): the model's
+  inputs (the first a token window [B, S]), then the sampler inputs they
+  were exported with. They return token ids [B] (and logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ExecuTorch's LLM-runner metadata names (its TextLLMRunner reads them too).
+MAX_SEQ_LEN = "get_max_seq_len"
+MAX_CONTEXT_LEN = "get_max_context_len"
+VOCAB_SIZE = "get_vocab_size"
+USE_KV_CACHE = "use_kv_cache"
+ENABLE_DYNAMIC_SHAPE = "enable_dynamic_shape"
+USE_SDPA_WITH_KV_CACHE = "use_sdpa_with_kv_cache"
+BOS_ID = "get_bos_id"
+EOS_IDS = "get_eos_ids"
+# Ours.
+INPUT_NAMES = "emlx_input_names"  # a string: the method's input names, comma-separated
+SAMPLES = "emlx_samples"  # bool: the first output is token ids (else logits)
+LOGPROBS = "emlx_logprobs"  # bool: the second output is their log-probabilities
+MODEL_TYPE = "emlx_model_type"
+QUANTIZATION = "emlx_quantization"
+# The first inputs of an LLM program.
+LLM_INPUTS = ("input_ids", "cache_position")
+
+# What generate.py writes into runtime/generated/program_contract.h.
+CPP_CONSTANTS = {
+    "kMaxSeqLen": MAX_SEQ_LEN, "kMaxContextLen": MAX_CONTEXT_LEN, "kVocabSize": VOCAB_SIZE, "kEosIds": EOS_IDS,
+    "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS,
+    "kInputIds": LLM_INPUTS[0], "kCachePosition": LLM_INPUTS[1],
+}
+
+_EXPORT_HINT = "export it with executorch-mlx export"
+
+
+def head_metadata(input_names: list[str], logprobs: bool) -> dict:
+    """The metadata of a sampling (or greedy) head."""
+    return {INPUT_NAMES: ",".join(input_names), SAMPLES: True, LOGPROBS: logprobs}
+
+
+def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
+                 logprobs: bool, sampler_inputs: tuple[str, ...]) -> dict:
+    """The metadata of an LLM program: ExecuTorch's names, then ours."""
+    eos = config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    bos = config.get("bos_token_id")
+    return {
+        MAX_SEQ_LEN: max_chunk,
+        MAX_CONTEXT_LEN: max_context,
+        VOCAB_SIZE: int(config["vocab_size"]),
+        USE_KV_CACHE: True,
+        ENABLE_DYNAMIC_SHAPE: True,
+        USE_SDPA_WITH_KV_CACHE: False,
+        BOS_ID: -1 if bos is None else int(bos),
+        EOS_IDS: [int(e) for e in eos_ids],
+        SAMPLES: sampling,
+        LOGPROBS: logprobs,
+        INPUT_NAMES: ",".join(LLM_INPUTS + (sampler_inputs if sampling else ())),
+        MODEL_TYPE: config["model_type"],
+        QUANTIZATION: quantization,
+    }
+
+
+@dataclass
+class Contract:
+    """What a loaded program says about itself."""
+
+    input_names: list[str]
+    input_shapes: dict[str, tuple[int, ...]]
+    input_dtypes: dict  # name -> torch.dtype (None for a type torch lacks)
+    output_dtypes: list
+    output_shapes: list[tuple[int, ...]]
+    samples: bool
+    logprobs: bool
+    metadata: dict[str, list] = field(repr=False)
+
+    def one(self, name: str, kind: type, default=None, hint: str = _EXPORT_HINT):
+        """A metadata method's single value of type `kind`; ValueError otherwise."""
+        values = self.metadata.get(name)
+        if values is None and default is not None:
+            return default
+        if values is None or len(values) != 1 or not isinstance(values[0], kind) or (
+                kind is int and isinstance(values[0], bool)):
+            raise ValueError(f"this .pte's '{name}' metadata is missing or not one {kind.__name__}: {hint}")
+        return values[0]
+
+
+def _torch_dtypes() -> dict:
+    """ExecuTorch's ScalarType codes -> torch dtypes, from ExecuTorch's own table."""
+    import torch
+    from executorch.exir.tensor import scalar_type_enum
+
+    dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+              torch.float64, torch.bool, torch.bfloat16)
+    return {int(scalar_type_enum(d)): d for d in dtypes}
+
+
+class NoContract(ValueError):
+    """The program carries no input names: not exported by this package."""
+
+
+def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract:
+    """The contract of `method` of a loaded `executorch.runtime` Program.
+    NoContract when it has none; ValueError (ending in `hint`) when it is malformed."""
+    names = program.method_names
+    if INPUT_NAMES not in names:
+        raise NoContract(f"this .pte has no {INPUT_NAMES} metadata: {hint}")
+    metadata = {n: program.load_method(n).execute([]) for n in names if n != method}
+    contract = Contract([], {}, {}, [], [], False, False, metadata)
+    contract.input_names = contract.one(INPUT_NAMES, str, hint=hint).split(",")
+    contract.samples = contract.one(SAMPLES, bool, hint=hint)
+    contract.logprobs = contract.one(LOGPROBS, bool, False, hint=hint)
+    meta = program.metadata(method)
+    if meta.num_inputs() != len(contract.input_names):
+        raise ValueError(f"this .pte's {INPUT_NAMES} names {len(contract.input_names)} inputs; '{method}' takes "
+                         f"{meta.num_inputs()}: {hint}")
+    dtypes = _torch_dtypes()
+    for i, name in enumerate(contract.input_names):
+        info = meta.input_tensor_meta(i)
+        contract.input_shapes[name] = tuple(info.sizes())
+        contract.input_dtypes[name] = dtypes.get(info.dtype())
+    for i in range(meta.num_outputs()):
+        info = meta.output_tensor_meta(i)
+        contract.output_shapes.append(tuple(info.sizes()))
+        contract.output_dtypes.append(dtypes.get(info.dtype()))
+    return contract
