@@ -4,6 +4,7 @@
 #include <mlx/backend/cpu/encoder.h>
 #include <mlx/primitives.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
