@@ -85,14 +85,18 @@ def ours(folder: Path, out: Path, max_context: int, variant: str):
           flush=True)
     runner = LLMRunner(pte)
 
+    names = runner.input_names[2:]  # after input_ids and cache_position: the sampler's
+
     def make(temperature: float):
-        values = {"temperature": torch.tensor(temperature), "seed": torch.tensor(42), "position": torch.tensor(0)}
+        # every sampler input the program takes; what is not given is off
+        given = {"temperature": torch.tensor(temperature), "seed": torch.tensor(42), "position": torch.tensor(0)}
+        sampler = runner.sampler_values(names, given)
+        at = names.index("position")
 
         def call(ids: list[int], start: int) -> int:
-            values["input_ids"] = torch.tensor([ids])
-            values["cache_position"] = torch.arange(start, start + len(ids))
-            values["position"] = torch.tensor(start)
-            return int(runner.method.execute([values[n] for n in runner.input_names])[0][0])
+            sampler[at] = torch.tensor(start)
+            inputs = [torch.tensor([ids]), torch.arange(start, start + len(ids))] + sampler
+            return int(runner.method.execute(inputs)[0][0])
 
         return call
 
