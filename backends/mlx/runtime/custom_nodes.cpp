@@ -6,13 +6,13 @@
 
 #include <algorithm>
 
-#include "attention.h"
 #include "dtype.h"
 #include "interpreter.h"
-#include "linear.h"
-#include "norm.h"
-#include "rope.h"
-#include "sampler.h"
+#include "kernels/attention.h"
+#include "kernels/linear.h"
+#include "kernels/norm.h"
+#include "kernels/rope.h"
+#include "kernels/sampler.h"
 
 namespace emlx {
 

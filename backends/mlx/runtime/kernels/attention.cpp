@@ -1,9 +1,5 @@
 #include "attention.h"
 
-#include <mlx/allocator.h>
-#include <mlx/backend/cpu/encoder.h>
-#include <mlx/primitives.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +8,7 @@
 #include <vector>
 
 #include "blas.h"
+#include "cpu_kernel.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -126,17 +123,19 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
                     vp + j0 * ldv, ldv, 0.0f, out, Dv);
 }
 
-class Attention : public mx::UnaryPrimitive {
+class Attention : public CpuKernel {
  public:
-  Attention(mx::Stream s, float scale, MaskKind kind) : mx::UnaryPrimitive(s), scale_(scale), kind_(kind) {}
+  Attention(mx::Stream s, float scale, MaskKind kind) : CpuKernel(s), scale_(scale), kind_(kind) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) enc.set_input_array(in);
-    enc.set_output_array(out);
-    // The task owns references: MLX may drop its own before the task runs.
-    enc.dispatch([inputs, out, scale = scale_, kind = kind_]() mutable {
+  const char* name() const override { return "EmlxAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && kind_ == o.kind_;
+  }
+
+ private:
+  CpuTask task() const override {
+    return [scale = scale_, kind = kind_](const std::vector<mx::array>& inputs, mx::array& out) {
       use_single_threaded_blas();
       const Task t{&inputs[0], &inputs[1], &inputs[2], kind == MaskKind::None ? nullptr : &inputs[3], kind, scale,
                    out.data<float>()};
@@ -147,47 +146,34 @@ class Attention : public mx::UnaryPrimitive {
         const int64_t i0 = block * kQueryBlock;
         attend_block(t, bh / H, bh % H, i0, std::min(L, i0 + kQueryBlock));
       });
-    });
+    };
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("emlx Attention: no GPU kernel (the graph uses MLX's attention there)");
-  }
-
-  const char* name() const override { return "EmlxAttention"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && kind_ == o.kind_;
-  }
-
- private:
   float scale_;
   MaskKind kind_;
 };
 
 }  // namespace
 
-mx::array attention_reference(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                              const std::optional<mx::array>& mask) {
-  return mx::fast::scaled_dot_product_attention(q, k, v, scale, causal ? "causal" : "", mask);
-}
-
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                    const std::optional<mx::array>& mask) {
+                    const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
   const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
   const bool mask_ok = !mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32;
-  if (!cpu_kernels_enabled() || causal || !f32 || !mask_ok || q.size() == 0 || k.shape(2) == 0) {
-    return attention_reference(q, k, v, scale, causal, mask);
-  }
+  const bool supported = !causal && f32 && mask_ok && q.size() > 0 && k.shape(2) > 0;
   const int B = q.shape(0), H = q.shape(1), L = q.shape(2), S = k.shape(2);
   std::vector<mx::array> in = {q, k, v};
   MaskKind kind = MaskKind::None;
   if (mask) {
-    in.push_back(mx::broadcast_to(*mask, {B, H, L, S}));  // a view: broadcast axes have stride 0
+    // the kernel's operand is a view: broadcast axes have stride 0
+    in.push_back(supported ? mx::broadcast_to(*mask, {B, H, L, S}, mx::to_stream(s)) : *mask);
     kind = mask->dtype() == mx::bool_ ? MaskKind::Bool : MaskKind::Additive;
   }
-  auto prim = std::make_shared<Attention>(mx::default_stream(mx::Device::cpu), scale, kind);
-  return mx::array({B, H, L, static_cast<int>(v.shape(3))}, mx::float32, prim, in);
+  auto fallback = [scale, causal](const std::vector<mx::array>& in, mx::Stream s) {
+    const auto mask = in.size() > 3 ? std::optional(in[3]) : std::nullopt;
+    return mx::fast::scaled_dot_product_attention(in[0], in[1], in[2], scale, causal ? "causal" : "", mask, {}, false, s);
+  };
+  return CpuKernel::build(s, supported, std::move(in), {B, H, L, static_cast<int>(v.shape(3))}, mx::float32, fallback,
+                          [&](mx::Stream s) { return std::make_shared<Attention>(s, scale, kind); });
 }
 
 }  // namespace emlx

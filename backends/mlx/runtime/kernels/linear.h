@@ -11,27 +11,21 @@
 
 namespace emlx {
 
-// x [..., K], w [N, K], bias [N] -> [..., N]. On the CPU with float32 or
-// bfloat16 operands of one dtype it runs our multi-threaded kernel; anywhere
-// else (GPUs, other dtypes) it is mlx::core::matmul with the same semantics.
+// x [..., K], w [N, K], bias [N] -> [..., N]. On a CPU stream with float32
+// or bfloat16 operands of one dtype it runs our multi-threaded kernel;
+// anywhere else (GPUs, other dtypes) it is mlx::core::matmul with the same
+// semantics.
 mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w,
-                        const std::optional<mlx::core::array>& bias);
-
-// The MLX-ops path of linear(), always (for tests: both paths must agree).
-mlx::core::array linear_reference(const mlx::core::array& x, const mlx::core::array& w,
-                                  const std::optional<mlx::core::array>& bias);
+                        const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
 
 // The same with w in MLX's affine quantized layout (mlx::core::quantize):
 // w [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size].
-// Our kernel on the CPU when x, scales (and bias) share a float32 or bfloat16
-// dtype; mlx::core::quantized_matmul otherwise.
+// Our kernel on a CPU stream when x, scales (and bias) share a float32 or
+// bfloat16 dtype; mlx::core::quantized_matmul otherwise.
 mlx::core::array quantized_linear(const mlx::core::array& x, const mlx::core::array& w,
                                   const mlx::core::array& scales, const mlx::core::array& biases,
-                                  const std::optional<mlx::core::array>& bias, int group_size, int bits);
-
-mlx::core::array quantized_linear_reference(const mlx::core::array& x, const mlx::core::array& w,
-                                            const mlx::core::array& scales, const mlx::core::array& biases,
-                                            const std::optional<mlx::core::array>& bias, int group_size, int bits);
+                                  const std::optional<mlx::core::array>& bias, int group_size, int bits,
+                                  mlx::core::StreamOrDevice s = {});
 
 // Throws std::invalid_argument naming `node` unless (w, scales, biases) is a
 // valid quantization of an [N, K] matrix with these bits and group size.

@@ -1,9 +1,5 @@
 #include "linear.h"
 
-#include <mlx/allocator.h>
-#include <mlx/backend/cpu/encoder.h>
-#include <mlx/primitives.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +8,7 @@
 
 #include "blas.h"
 #include "cpu_arrays.h"
+#include "cpu_kernel.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -261,18 +258,21 @@ std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
 
 // MLX primitive: inputs x [..., K] (any strides), w (+ scales, biases when
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
-class Linear : public mx::UnaryPrimitive {
+class Linear : public CpuKernel {
  public:
   Linear(mx::Stream s, Format format, int group, bool has_bias)
-      : mx::UnaryPrimitive(s), format_(format), group_(group), has_bias_(has_bias) {}
+      : CpuKernel(s), format_(format), group_(group), has_bias_(has_bias) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) enc.set_input_array(in);
-    enc.set_output_array(out);
-    // The task owns references: MLX may drop its own before the task runs.
-    enc.dispatch([inputs, out, format = format_, group = group_, has_bias = has_bias_]() mutable {
+  const char* name() const override { return "EmlxLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Linear&>(other);
+    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_;
+  }
+
+ private:
+  CpuTask task() const override {
+    return [format = format_, group = group_, has_bias = has_bias_](const std::vector<mx::array>& inputs,
+                                                                     mx::array& out) {
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
@@ -322,20 +322,9 @@ class Linear : public mx::UnaryPrimitive {
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());
         for (size_t i = 0; i < out32.size(); ++i) dst[i] = f32_to_bf16(out32[i]);
       }
-    });
+    };
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("emlx Linear: no GPU kernel (the graph uses MLX's matmul there)");
-  }
-
-  const char* name() const override { return "EmlxLinear"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Linear&>(other);
-    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_;
-  }
-
- private:
   Format format_;
   int group_;
   bool has_bias_;
@@ -343,17 +332,18 @@ class Linear : public mx::UnaryPrimitive {
 
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
 
-mx::array run_kernel(const mx::array& x, std::vector<mx::array> operands, const std::optional<mx::array>& bias,
-                     Format format, int group, int N) {
-  // x goes in as it is (the kernel copies a strided one): a reshape to
-  // [M, K] and back would be two more nodes.
+// Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
+// and back would be two more nodes), the operands row-contiguous.
+mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
+                const std::optional<mx::array>& bias, Format format, int group, const Fallback& fallback) {
   std::vector<mx::array> in = {x};
-  for (auto& a : operands) in.push_back(row_contiguous(a));
-  if (bias) in.push_back(row_contiguous(*bias));
+  for (auto& a : operands) in.push_back(supported ? row_contiguous(a) : a);
+  if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   mx::Shape out_shape = x.shape();
-  out_shape.back() = N;
-  auto prim = std::make_shared<Linear>(mx::default_stream(mx::Device::cpu), format, group, bias.has_value());
-  return mx::array(out_shape, x.dtype(), prim, in);
+  out_shape.back() = operands[0].shape(0);
+  return CpuKernel::build(s, supported, std::move(in), std::move(out_shape), x.dtype(), fallback, [&](mx::Stream s) {
+    return std::make_shared<Linear>(s, format, group, bias.has_value());
+  });
 }
 
 }  // namespace
@@ -380,33 +370,24 @@ void check_quantization(const char* node, const mx::array& w, const mx::array& s
   }
 }
 
-mx::array linear_reference(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
-  auto y = mx::matmul(x, mx::transpose(w));
-  return bias ? mx::add(y, *bias) : y;
-}
-
-mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias) {
+mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument("LinearNode: x [..., K] and weight [N, K] expected");
   }
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
-  const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && w.dtype() == x.dtype() &&
-                      (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
-  if (!kernel) return linear_reference(x, w, bias);
-  return run_kernel(x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, w.shape(0));
-}
-
-mx::array quantized_linear_reference(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                     const mx::array& biases, const std::optional<mx::array>& bias, int group_size,
-                                     int bits) {
-  auto y = mx::quantized_matmul(x, mx::view(w, mx::uint32), scales, biases, /*transpose=*/true, group_size, bits);
-  return bias ? mx::add(y, *bias) : y;
+  const bool supported =
+      float_activation(x.dtype()) && w.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
+  auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
+    auto y = mx::matmul(in[0], mx::transpose(in[1], s), s);
+    return in.size() > 2 ? mx::add(y, in[2], s) : y;
+  };
+  return build(s, supported, x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, fallback);
 }
 
 mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           const std::optional<mx::array>& bias, int group_size, int bits) {
+                           const std::optional<mx::array>& bias, int group_size, int bits, mx::StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
   const int K = x.shape(-1);
   check_quantization("QuantizedLinearNode", w, scales, biases, group_size, bits, K);
@@ -416,12 +397,16 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
   if (x.size() == 0) {  // no rows (MLX's quantized_matmul divides by their count)
     mx::Shape out = x.shape();
     out.back() = w.shape(0);
-    return mx::zeros(out, x.dtype());
+    return mx::zeros(out, x.dtype(), s);
   }
-  const bool kernel = cpu_kernels_enabled() && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
-                      (!bias || bias->dtype() == x.dtype());
-  if (!kernel) return quantized_linear_reference(x, w, scales, biases, bias, group_size, bits);
-  return run_kernel(x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, w.shape(0));
+  const bool supported =
+      float_activation(x.dtype()) && scales.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype());
+  auto fallback = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
+    auto y = mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
+                                  bits, "affine", s);
+    return in.size() > 4 ? mx::add(y, in[4], s) : y;
+  };
+  return build(s, supported, x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, fallback);
 }
 
 }  // namespace emlx

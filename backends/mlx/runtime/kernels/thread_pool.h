@@ -3,6 +3,8 @@
 // and needs every core to reach the memory bandwidth).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 
 namespace emlx {
@@ -15,10 +17,18 @@ void parallel_for(int n, const std::function<void(int)>& fn);
 // Threads that parallel_for uses, the caller included.
 int pool_size();
 
-// Whether our CPU kernels run (the linear layer, the sampler): on MLX's CPU
-// device, unless EMLX_DISABLE_CPU_KERNELS is set (then MLX ops do the work,
-// as on GPUs).
-bool cpu_kernels_enabled();
+// Runs fn(r0, r1) over [0, rows) in chunks of `chunk` rows spread over the
+// pool; as many rows as one chunk (a decode step's) run on the caller, not
+// worth waking the pool for.
+template <class F>
+void parallel_rows(int64_t rows, int64_t chunk, F&& fn) {
+  if (rows <= chunk) {
+    if (rows > 0) fn(int64_t{0}, rows);
+    return;
+  }
+  parallel_for(static_cast<int>((rows + chunk - 1) / chunk),
+               [&](int t) { fn(t * chunk, std::min(rows, (t + 1) * chunk)); });
+}
 
 // Whether this x86-64 CPU has AVX2 and FMA (false on other machines).
 bool has_avx2();

@@ -1,13 +1,10 @@
 #include "rope.h"
 
-#include <mlx/allocator.h>
-#include <mlx/backend/cpu/encoder.h>
-#include <mlx/primitives.h>
-
-#include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_kernel.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -29,17 +26,16 @@ std::vector<int64_t> broadcast_strides(const mx::array& a, const mx::Shape& shap
 
 // Inputs x, cos, sin (any strides, cos/sin broadcast to x); output x's shape,
 // row-contiguous.
-class Rope : public mx::UnaryPrimitive {
+class Rope : public CpuKernel {
  public:
-  explicit Rope(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  using CpuKernel::CpuKernel;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) enc.set_input_array(in);
-    enc.set_output_array(out);
-    // The task owns references: MLX may drop its own before the task runs.
-    enc.dispatch([inputs, out]() mutable {
+  const char* name() const override { return "EmlxRope"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+ private:
+  CpuTask task() const override {
+    return [](const std::vector<mx::array>& inputs, mx::array& out) {
       const mx::Shape& shape = out.shape();
       const int nd = static_cast<int>(shape.size());
       const int64_t D = shape.back(), half = D / 2, rows = out.size() / D;
@@ -50,7 +46,7 @@ class Rope : public mx::UnaryPrimitive {
         data[i] = inputs[i].data<float>();
       }
       float* y = out.data<float>();
-      auto run_rows = [&](int64_t r0, int64_t r1) {
+      parallel_rows(rows, 64, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           const float* p[3];
           for (int i = 0; i < 3; ++i) {
@@ -68,34 +64,26 @@ class Rope : public mx::UnaryPrimitive {
             row[d] = a + b;
           }
         }
-      };
-      // A decode step's few rows are not worth waking the pool.
-      constexpr int64_t kRowsPerTask = 64;
-      if (rows <= kRowsPerTask) return run_rows(0, rows);
-      parallel_for(static_cast<int>((rows + kRowsPerTask - 1) / kRowsPerTask),
-                   [&](int t) { run_rows(t * kRowsPerTask, std::min(rows, (t + 1) * kRowsPerTask)); });
-    });
+      });
+    };
   }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("emlx Rope: no GPU kernel (the graph uses MLX ops there)");
-  }
-
-  const char* name() const override { return "EmlxRope"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
+
+// The same as MLX ops: two slices, a negation, a concatenation, two products and a sum.
+mx::array rope_ops(const std::vector<mx::array>& in, mx::Stream s) {
+  const auto& x = in[0];
+  const int half = x.shape(-1) / 2;
+  mx::Shape zero(x.ndim(), 0), mid(x.ndim(), 0), head = x.shape();
+  mid.back() = half, head.back() = half;
+  auto x1 = mx::slice(x, zero, head, s);
+  auto x2 = mx::slice(x, mid, x.shape(), s);
+  auto rotated = mx::concatenate({mx::negative(x2, s), x1}, -1, s);
+  return mx::add(mx::multiply(x, in[1], s), mx::multiply(rotated, in[2], s), s);
+}
 
 }  // namespace
 
-mx::array rope_reference(const mx::array& x, const mx::array& cos, const mx::array& sin) {
-  const int D = x.shape(-1), half = D / 2;
-  auto x1 = mx::slice(x, mx::Shape(x.ndim(), 0), [&] { auto e = x.shape(); e.back() = half; return e; }());
-  auto x2 = mx::slice(x, [&] { mx::Shape s(x.ndim(), 0); s.back() = half; return s; }(), x.shape());
-  auto rotated = mx::concatenate({mx::negative(x2), x1}, -1);
-  return mx::add(mx::multiply(x, cos), mx::multiply(rotated, sin));
-}
-
-mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin) {
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s) {
   if (x.ndim() == 0 || x.shape(-1) % 2 != 0) throw std::invalid_argument("RopeNode: x must be [..., D] with D even");
   for (const auto* t : {&cos, &sin}) {
     if (t->ndim() == 0 || t->ndim() > x.ndim() || t->shape(-1) != x.shape(-1)) {
@@ -107,11 +95,10 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin) {
       }
     }
   }
-  const bool kernel = cpu_kernels_enabled() && x.dtype() == mx::float32 && cos.dtype() == mx::float32 &&
-                      sin.dtype() == mx::float32 && x.size() > 0;
-  if (!kernel) return rope_reference(x, cos, sin);
-  auto prim = std::make_shared<Rope>(mx::default_stream(mx::Device::cpu));
-  return mx::array(x.shape(), mx::float32, prim, {x, cos, sin});
+  const bool supported =
+      x.dtype() == mx::float32 && cos.dtype() == mx::float32 && sin.dtype() == mx::float32 && x.size() > 0;
+  return CpuKernel::build(s, supported, {x, cos, sin}, x.shape(), x.dtype(), rope_ops,
+                          [](mx::Stream s) { return std::make_shared<Rope>(s); });
 }
 
 }  // namespace emlx

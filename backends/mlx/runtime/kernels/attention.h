@@ -11,16 +11,12 @@ namespace emlx {
 
 // q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (H a multiple of Hkv),
 // mask broadcastable to [B, H, L, S]: boolean (true = attend) or additive.
-// float32 without `causal` on the CPU runs our kernel (OpenBLAS GEMMs per
+// float32 without `causal` on a CPU stream runs our kernel (OpenBLAS GEMMs per
 // block of queries, key columns that no query of the block attends skipped);
 // a query that attends no key gets zeros, as in torch (MLX's own path gives
 // NaN). Anything else is mlx::core::fast::scaled_dot_product_attention.
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
-                           float scale, bool causal, const std::optional<mlx::core::array>& mask);
-
-// The MLX-ops path of attention(), always (for tests: both paths must agree).
-mlx::core::array attention_reference(const mlx::core::array& q, const mlx::core::array& k,
-                                     const mlx::core::array& v, float scale, bool causal,
-                                     const std::optional<mlx::core::array>& mask);
+                           float scale, bool causal, const std::optional<mlx::core::array>& mask,
+                           mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx

@@ -12,12 +12,10 @@
 
 namespace emlx {
 
-// int64 [B]: the native kernel on the CPU (unless EMLX_DISABLE_CPU_KERNELS
-// is set), sample_reference() elsewhere. Throws std::invalid_argument on
+// int64 [B], built on the thread's default stream: the native kernel on a
+// CPU stream (unless EMLX_DISABLE_CPU_KERNELS is set), the MLX ops elsewhere
+// (tests hold both to docs/sampling.md). Throws std::invalid_argument on
 // shapes or dtypes that do not fit.
 mlx::core::array sample(const SampleInputs& in);
-
-// The MLX-ops path of sample(), always (tests run both against docs/sampling.md).
-mlx::core::array sample_reference(const SampleInputs& in);
 
 }  // namespace emlx

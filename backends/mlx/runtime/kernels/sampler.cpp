@@ -1,9 +1,5 @@
 #include "sampler.h"
 
-#include <mlx/allocator.h>
-#include <mlx/backend/cpu/encoder.h>
-#include <mlx/primitives.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,6 +15,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernel.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -488,16 +485,18 @@ double element(const mx::array& a, int64_t b, int64_t j = 0) {
 // [B, 2] uint32 (or, kSeeded, seed and position), then the present
 // parameters in Param order, each as given ([] or [B]; history and bias
 // [B, N]). Output: int64 [B].
-class Sampler : public mx::UnaryPrimitive {
+class Sampler : public CpuKernel {
  public:
-  Sampler(mx::Stream s, unsigned present) : mx::UnaryPrimitive(s), present_(present) {}
+  Sampler(mx::Stream s, unsigned present) : CpuKernel(s), present_(present) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& in : inputs) enc.set_input_array(in);
-    enc.set_output_array(out);
-    enc.dispatch([inputs, out, present = present_]() mutable {
+  const char* name() const override { return "EmlxSampler"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return present_ == static_cast<const Sampler&>(other).present_;
+  }
+
+ private:
+  CpuTask task() const override {
+    return [present = present_](const std::vector<mx::array>& inputs, mx::array& out) {
       const mx::array* param[kNumParams] = {};
       for (int k = 0, next = (present & kSeeded) ? 4 : 3; k < kNumParams; ++k) {
         if (present & (1u << k)) param[k] = &inputs[next++];
@@ -552,19 +551,9 @@ class Sampler : public mx::UnaryPrimitive {
         }
         ids[b] = sample_row(x, V, r, p);
       });
-    });
+    };
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("emlx Sampler: no GPU kernel (the graph uses MLX ops there)");
-  }
-
-  const char* name() const override { return "EmlxSampler"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return present_ == static_cast<const Sampler&>(other).present_;
-  }
-
- private:
   unsigned present_;
 };
 
@@ -644,29 +633,8 @@ mx::array ids_or_minus_one(const mx::array& ids, int V) {
   return mx::where(valid, mx::astype(ids, mx::int32), mx::array(-1, mx::int32));
 }
 
-}  // namespace
-
-mx::array sample(const SampleInputs& in) {
-  check(in);
-  if (!cpu_kernels_enabled()) return sample_reference(in);
-  const int B = in.logits.shape(0);
-  std::vector<mx::array> inputs = {mx::astype(in.logits, mx::float32), in.temperature};
-  unsigned present = 0;
-  if (in.seed && in.position) {  // `random` is then never evaluated
-    present |= kSeeded, inputs.push_back(*in.seed), inputs.push_back(*in.position);
-  } else {
-    inputs.push_back(in.random);
-  }
-  const auto params = params_of(in);
-  for (int k = 0; k < kNumParams; ++k) {
-    if (*params[k]) present |= 1u << k, inputs.push_back(**params[k]);
-  }
-  auto prim = std::make_shared<Sampler>(mx::default_stream(mx::Device::cpu), present);
-  return mx::array({B}, mx::int64, prim, inputs);
-}
-
-mx::array sample_reference(const SampleInputs& in) {
-  check(in);
+// The sampler as MLX ops, on the thread's default stream (checked inputs).
+mx::array sample_ops(const SampleInputs& in) {
   const int B = in.logits.shape(0), V = in.logits.shape(1);
   const auto f32 = mx::float32;
   const mx::array ninf(kNegInf), pinf(kPosInf), zero(0.0f);
@@ -738,6 +706,28 @@ mx::array sample_reference(const SampleInputs& in) {
   auto drawn = mx::where(mx::any(past, 1), mx::argmax(mx::astype(past, mx::int32), 1), mx::argmax(z, 1));
   auto token = mx::where(mx::greater(mx::reshape(t, {B}), zero), mx::astype(drawn, mx::int64), greedy);
   return mx::where(mx::greater(mx::reshape(row_max, {B}), ninf), token, mx::array(int64_t{-1}));
+}
+
+}  // namespace
+
+mx::array sample(const SampleInputs& in) {
+  check(in);
+  const int B = in.logits.shape(0);
+  std::vector<mx::array> inputs = {mx::astype(in.logits, mx::float32), in.temperature};
+  unsigned present = 0;
+  if (in.seed && in.position) {  // `random` is then never evaluated
+    present |= kSeeded, inputs.push_back(*in.seed), inputs.push_back(*in.position);
+  } else {
+    inputs.push_back(in.random);
+  }
+  const auto params = params_of(in);
+  for (int k = 0; k < kNumParams; ++k) {
+    if (*params[k]) present |= 1u << k, inputs.push_back(**params[k]);
+  }
+  // The ops read `in` as it came, not the kernel's operands.
+  auto fallback = [&in](const std::vector<mx::array>&, mx::Stream) { return sample_ops(in); };
+  return CpuKernel::build({}, true, std::move(inputs), {B}, mx::int64, fallback,
+                          [&](mx::Stream s) { return std::make_shared<Sampler>(s, present); });
 }
 
 }  // namespace emlx

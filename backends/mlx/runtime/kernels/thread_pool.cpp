@@ -1,7 +1,5 @@
 #include "thread_pool.h"
 
-#include <mlx/mlx.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -111,11 +109,6 @@ void parallel_for(int n, const std::function<void(int)>& fn) {
 }
 
 int pool_size() { return pool().size(); }
-
-bool cpu_kernels_enabled() {
-  static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
-  return !disabled && mlx::core::default_device() == mlx::core::Device::cpu;
-}
 
 bool has_avx2() {
 #if defined(__x86_64__)

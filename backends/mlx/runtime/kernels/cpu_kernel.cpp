@@ -1,0 +1,32 @@
+#include "cpu_kernel.h"
+
+#include <mlx/allocator.h>
+#include <mlx/backend/cpu/encoder.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace emlx {
+
+namespace mx = mlx::core;
+
+bool CpuKernel::serves(const mx::Stream& s) {
+  static const bool disabled = std::getenv("EMLX_DISABLE_CPU_KERNELS") != nullptr;
+  return !disabled && s.device == mx::Device::cpu;
+}
+
+void CpuKernel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) enc.set_input_array(in);
+  enc.set_output_array(out);
+  // The task holds references to its arrays: MLX may drop its own first.
+  enc.dispatch([inputs, out, run = task()]() mutable { run(inputs, out); });
+}
+
+void CpuKernel::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::logic_error(std::string(name()) + ": a CPU kernel built on a GPU stream (CpuKernel::build gives GPUs the MLX ops)");
+}
+
+}  // namespace emlx
