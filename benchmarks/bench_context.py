@@ -52,7 +52,7 @@ def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache:
 def greedy_caller(pte: Path):
     """call(ids, start) -> the greedy next token, through the sampling program."""
     from executorch_mlx.llm.runner import LLMRunner
-    from executorch_mlx.llm.sampling import program_inputs
+    from executorch_mlx.llm.sampler_inputs import program_inputs
 
     runner = LLMRunner(pte)
     names = runner.input_names[2:]

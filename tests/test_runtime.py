@@ -37,6 +37,24 @@ def test_backend_is_registered_in_a_fresh_process():
     assert load().emlx_backend_id().decode() == executorch_mlx.BACKEND_ID
 
 
+def test_running_a_program_needs_no_export_stack(tmp_path):
+    """Importing the package and running a .pte leave ExecuTorch's export
+    stack unimported (it costs seconds of start-up); the export side of the
+    package still imports on first use, after it."""
+    path = tmp_path / "addmul.pte"
+    path.write_bytes(lower(AddMul(), ARGS).to_executorch().buffer)
+    code = f"""
+import sys, torch, executorch_mlx
+from executorch.runtime import Runtime
+method = Runtime.get().load_program({str(path)!r}).load_method("forward")
+print(method.execute([torch.ones(2, 3), torch.full((2, 3), 2.0)])[0].tolist())
+print("executorch.exir" in sys.modules)
+print(executorch_mlx.MLXGraphBackend.__name__ == executorch_mlx.BACKEND_ID, "executorch.exir" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:3] == [str([[3.0] * 3] * 2), "False", "True True"]
+
+
 def _pte_with_blob(mutate) -> bytes:
     """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
     (mutators re-serialize an edited graph)."""

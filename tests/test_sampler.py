@@ -17,7 +17,8 @@ from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB
 from scipy.stats import chisquare
 
 from executorch_mlx.llm.decode import SampledDecoder
-from executorch_mlx.llm.sampling import SamplingHead, export_sampling_head, sampling_inputs
+from executorch_mlx.llm.sampler_inputs import sampling_inputs
+from executorch_mlx.llm.sampling import SamplingHead, export_sampling_head
 
 P_MIN = 1e-3
 

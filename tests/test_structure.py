@@ -45,7 +45,7 @@ def test_the_op_schema_follows_the_table():
 
 
 def test_every_off_value_is_valid_and_turns_its_parameter_off():
-    from executorch_mlx.llm.sampling import sampling_inputs
+    from executorch_mlx.llm.sampler_inputs import sampling_inputs
 
     logits = torch.randn(3, 16)
     history = torch.randint(0, 16, (3, 4))
@@ -62,7 +62,7 @@ def test_every_off_value_is_valid_and_turns_its_parameter_off():
 def test_host_checks_say_the_tables_range():
     import pytest
 
-    from executorch_mlx.llm.sampling import sampling_inputs
+    from executorch_mlx.llm.sampler_inputs import sampling_inputs
 
     for spec in sampler_params.SAMPLER_INPUTS:
         if spec.valid is None or spec.kind == "control":

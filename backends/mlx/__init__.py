@@ -2,39 +2,36 @@
 MLX graph IR and runs them with MLX, token sampling included.
 
 Importing the package loads the runtime plugin, so ExecuTorch's Python
-runtime (`executorch.runtime.Runtime`) lists and runs BACKEND_ID.
+runtime (`executorch.runtime.Runtime`) lists and runs BACKEND_ID, and
+registers our torch ops (`torch.ops.mlx.*`). The export side (MLXPartitioner,
+MLXGraphBackend) is imported on first use: it pulls in ExecuTorch's export
+stack, seconds that running a program does not need.
 """
 
-import logging as _logging
-from contextlib import contextmanager as _contextmanager
+from .third_party_warnings import hide_import_noise as _hide_import_noise
+
+_hide_import_noise()
+
+from ._runtime_library import last_error, memory_budget, reset_state, runner_binary, set_memory_budget  # noqa: E402
+from ._runtime_library import load as _load_runtime  # noqa: E402
+from .custom_kernel_ops import quantized as _quantized_ops  # noqa: E402  registers torch.ops.mlx.quantized_*
+from .custom_kernel_ops import sample as _sample_op  # noqa: E402  registers torch.ops.mlx.sample
+
+# The id the runtime registered; MLXGraphBackend carries the same name.
+BACKEND_ID = _load_runtime().emlx_backend_id().decode()
+
+_EXPORT_SIDE = {"MLXGraphBackend": ".backend", "MLXPartitioner": ".partitioner"}
 
 
-@_contextmanager
-def _quiet(*names):
-    """ExecuTorch's import pulls in torchao, which logs warnings about optional
-    CUDA extensions on every import; hide just those loggers meanwhile."""
-    loggers = [_logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(_logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+def __getattr__(name: str):
+    if name not in _EXPORT_SIDE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
+    value = getattr(importlib.import_module(_EXPORT_SIDE[name], __name__), name)
+    globals()[name] = value
+    return value
 
-with _quiet("torchao", "torch.utils._pytree"):
-    from ._runtime_library import load as _load_runtime
-    from ._runtime_library import last_error, memory_budget, reset_state, runner_binary, set_memory_budget
-    from .backend import MLXGraphBackend
-    from .custom_kernel_ops import quantized as _quantized_ops  # registers torch.ops.mlx.quantized_*
-    from .custom_kernel_ops import sample as _sample_op  # registers torch.ops.mlx.sample
-    from .partitioner import MLXPartitioner
-
-    _load_runtime()
-
-BACKEND_ID = MLXGraphBackend.__name__
 
 __all__ = ["BACKEND_ID", "MLXGraphBackend", "MLXPartitioner", "last_error", "memory_budget", "reset_state",
            "runner_binary", "set_memory_budget"]

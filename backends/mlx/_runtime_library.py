@@ -38,8 +38,11 @@ def runner_binary() -> Path:
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    import executorch.extension.pybindings.portable_lib  # noqa: F401  (libexecutorch.so)
     import mlx.core  # noqa: F401  (libmlx.so)
+
+    from ._executorch_runtime import import_pybindings
+
+    import_pybindings()  # libexecutorch.so
 
     for path in _candidates():
         if path.exists():

@@ -67,10 +67,9 @@ def delegate_blobs(pte: bytes) -> list[tuple[str, int, str, bytes]]:
 
 def delegate_graphs(pte: bytes) -> list[ir.Graph]:
     """The IR graph of every MLXGraphBackend delegate in a .pte."""
-    from .backend import MLXGraphBackend
+    from . import BACKEND_ID
 
-    return [ir.deserialize(blob) for _, _, backend_id, blob in delegate_blobs(pte)
-            if backend_id == MLXGraphBackend.__name__]
+    return [ir.deserialize(blob) for _, _, backend_id, blob in delegate_blobs(pte) if backend_id == BACKEND_ID]
 
 
 # Call nodes around a delegate that are plumbing, not computation.
@@ -98,17 +97,19 @@ def inspect_pte(path: str | Path) -> str:
     """A readable dump of the .pte's MLX delegates. A file that is not a
     readable .pte is a ValueError naming it (the parsers below raise whatever
     a corrupt buffer makes them: struct.error, TypeError, IndexError...)."""
-    from .backend import MLXGraphBackend
+    from . import BACKEND_ID
+    from ._runtime_library import check_program
 
     data = Path(path).read_bytes()
     check_identifier(data[:8], path)
     try:
+        check_program(data)  # our container checks: quick, and no export stack to import for a bad file
         blobs = delegate_blobs(data)
     except Exception as e:  # noqa: BLE001 - any parser failure means a corrupt file
         raise ValueError(f"{path} is not a readable .pte (corrupt or truncated): {type(e).__name__}: {e}") from None
     lines = []
     for method, i, backend_id, blob in blobs:
-        if backend_id != MLXGraphBackend.__name__:
+        if backend_id != BACKEND_ID:
             lines.append(f"method {method}, delegate {i}: {backend_id} (not ours, {len(blob)} bytes)")
             continue
         lines.append(f"method {method}, delegate {i}: {backend_id}, {len(blob)} bytes")

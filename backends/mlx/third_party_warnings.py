@@ -39,13 +39,21 @@ class _DropMatching(logging.Filter):
         return not (record.levelno <= logging.WARNING and self.pattern.match(record.getMessage()))
 
 
+def hide_import_noise() -> None:
+    """Drops the LOG_RECORDS, logged when ExecuTorch's export stack is first
+    imported (whenever that is): the package installs this on import."""
+    for name, message in LOG_RECORDS:
+        logger = logging.getLogger(name)
+        # a logger's own filters see only the records logged on it, not its children's
+        if not any(isinstance(f, _DropMatching) and f.pattern.pattern == message for f in logger.filters):
+            logger.addFilter(_DropMatching(message))
+
+
 def hide_known_warnings() -> None:
-    """Installs the filters for this process. Call before torch is imported:
-    some of these are emitted on import."""
+    """Installs the filters for this process (the CLI's). Call before torch is
+    imported: some of these are emitted on import."""
     for category, module, message in PYTHON_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    for name, message in LOG_RECORDS:
-        # a logger's own filters see only the records logged on it, not its children's
-        logging.getLogger(name).addFilter(_DropMatching(message))
+    hide_import_noise()
     # transformers' "Loading weights" bar: our export reports its own stages
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -14,7 +14,7 @@ import torch
 
 from .program_contract import NoContract
 from .program_runner import ProgramRunner
-from .sampling import SAMPLER_INPUTS, sampling_inputs
+from .sampler_inputs import SAMPLER_INPUTS, sampling_inputs
 
 
 @dataclass

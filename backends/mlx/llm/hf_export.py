@@ -30,10 +30,12 @@ import torch
 
 from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
+from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
-from .sampling import ROW_PARAMS, SAMPLER_INPUTS, SamplingHead, sampler_examples
+from .sampler_inputs import SAMPLER_INPUTS
+from .sampling import SamplingHead, sampler_examples
 
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")

@@ -103,11 +103,14 @@ class Contract:
 def _torch_dtypes() -> dict:
     """ExecuTorch's ScalarType codes -> torch dtypes, from ExecuTorch's own table."""
     import torch
-    from executorch.exir.tensor import scalar_type_enum
 
-    dtypes = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-              torch.float64, torch.bool, torch.bfloat16)
-    return {int(scalar_type_enum(d)): d for d in dtypes}
+    from .._executorch_runtime import scalar_types
+
+    codes = scalar_types()
+    names = {torch.uint8: "BYTE", torch.int8: "CHAR", torch.int16: "SHORT", torch.int32: "INT", torch.int64: "LONG",
+             torch.float16: "HALF", torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.bool: "BOOL",
+             torch.bfloat16: "BFLOAT16"}
+    return {int(codes[name]): dtype for dtype, name in names.items()}
 
 
 class NoContract(ValueError):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import program_contract
-from .sampling import program_inputs
+from .sampler_inputs import program_inputs
 
 # ExecuTorch's load errors reach Python as a bare code ("error: 0x:23"); its
 # reason goes to its log (stderr).

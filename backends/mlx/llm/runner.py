@@ -26,7 +26,8 @@ import torch
 
 from . import program_contract
 from .program_runner import ProgramRunner
-from .sampling import OFF, PENALTIES, ROW_PARAMS, TABLE_PARAMS, logit_bias_tensors, sampling_inputs
+from ..serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
+from .sampler_inputs import OFF, PENALTIES, logit_bias_tensors, sampling_inputs
 
 
 @dataclass
