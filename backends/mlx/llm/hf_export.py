@@ -128,9 +128,6 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     missing. The file is written atomically: a failed export leaves an
     existing `output_path` unchanged, and a process that has it loaded keeps
     running on the old program."""
-    from executorch.exir import to_edge_transform_and_lower
-
-    from ..partitioner import MLXPartitioner
     from .export_checks import (check_config, check_context, check_output_path, load_weights, read_config_json,
                                 write_atomically)
 
@@ -161,6 +158,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         say(f"[{time.perf_counter() - started:6.1f} s] {text}")
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
+    # the export stack is imported after every check: a refused export is quick
+    from executorch.exir import to_edge_transform_and_lower
+
+    from ..partitioner import MLXPartitioner
+
     model = load_weights(model_dir, DTYPES[dtype])
     if quantize is not None:
         layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import inspect
 
-import torch
-from executorch.exir import ExecutorchBackendConfig, ExecutorchProgramManager, to_edge_transform_and_lower
-from executorch.exir.passes import MemoryPlanningPass
+from typing import TYPE_CHECKING
 
-from ..partitioner import MLXPartitioner
+import torch
+
 from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS
 from . import program_contract
 from .sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, param_dtype
+
+if TYPE_CHECKING:
+    from executorch.exir import ExecutorchProgramManager
 
 def last_logits(logits: torch.Tensor) -> torch.Tensor:
     """[B, S, V] -> the last position's [B, V]; [B, V] passes through."""
@@ -173,6 +175,11 @@ def export_greedy_head(model: torch.nn.Module, model_args: tuple, *, strict: boo
 
 
 def _lower(ep: torch.export.ExportedProgram, logprobs: bool) -> ExecutorchProgramManager:
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    from ..partitioner import MLXPartitioner
+
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     meta = program_contract.head_metadata(names, logprobs)
     edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner()], constant_methods=meta)
