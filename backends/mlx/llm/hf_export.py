@@ -158,11 +158,6 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         say(f"[{time.perf_counter() - started:6.1f} s] {text}")
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
-    # the export stack is imported after every check: a refused export is quick
-    from executorch.exir import to_edge_transform_and_lower
-
-    from ..partitioner import MLXPartitioner
-
     model = load_weights(model_dir, DTYPES[dtype])
     if quantize is not None:
         layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
@@ -182,6 +177,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     else:
         module = lm
     stage("exporting (torch.export, strict)")
+    # the export stack is imported after every check (weights included): a refused export is quick
+    from executorch.exir import to_edge_transform_and_lower
+
+    from ..partitioner import MLXPartitioner
+
     with torch.no_grad():
         ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=True)
     attend_written_prefix(ep, max_context)
