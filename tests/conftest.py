@@ -1,5 +1,8 @@
+import fcntl
+import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -11,6 +14,39 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class SharedBuilds:
+    """What several test files use (an exported program and its model
+    folder), built once per run: the xdist workers share one folder, and a
+    lock per build lets one worker build while the others wait for it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def get(self, name: str, build: Callable[[Path], object]):
+        """build(folder) run once per run in an empty folder of its own;
+        every caller gets the folder and what build returned (picklable)."""
+        import pickle
+
+        folder, result = self.root / name, self.root / f"{name}.result"
+        with open(self.root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not result.exists():
+                folder.mkdir()
+                value = build(folder)
+                result.write_bytes(pickle.dumps(value))
+        return pickle.loads(result.read_bytes())
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory) -> SharedBuilds:
+    base = tmp_path_factory.getbasetemp()
+    # xdist gives each worker a basetemp under one folder per run
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    root = base.parent / f"shared-{run}" if run else base / "shared"
+    root.mkdir(exist_ok=True)
+    return SharedBuilds(root)
 
 
 def _cache_cia_op_collection():

@@ -47,15 +47,16 @@ UNCAUGHT = 3  # a Python target's exit code for an exception that escaped
 
 # ---------------------------------------------------------------- program --
 def export_program(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """A tiny Llama folder (seeded weights and tokenizer) exported at max
-    context 64: (the .pte, the folder). Run this in a process that forks no
-    cases (export starts torch's thread pools; see run_python)."""
+    """A tiny Llama folder (seeded weights, an all-bytes tokenizer: sampled
+    text splits UTF-8) exported at max context 64: (the .pte, the folder).
+    tests/test_hardening.py uses the same program. Run this in a process that
+    forks no cases (export starts torch's thread pools; see run_python)."""
     from executorch_mlx.llm.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
 
     root = Path(root)
     folder = write_model_folder(root / "llama", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
-                                intermediate=64, seed=seed)
+                                intermediate=64, seed=seed, all_bytes=True)
     pte = export_llm(folder, root / "llama.pte", max_context=MAX_CONTEXT, progress=None)
     return Path(pte), folder
 

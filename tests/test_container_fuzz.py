@@ -29,8 +29,8 @@ HUGE = 8847360  # the index a one-byte change gave (mutation seed 188 of the fir
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory):
-    return cf.export_program(tmp_path_factory.mktemp("container"))
+def program(shared):
+    return shared.get("tiny-llama", cf.export_program)
 
 
 def _emlx(pte: Path) -> subprocess.CompletedProcess:

@@ -6,23 +6,23 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from llm_programs import family_program
 
 import executorch_mlx
 from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.runner import LLMRunner
 
 PROMPT = [5, 17, 42, 8, 99, 3, 61]
 
 
 @pytest.fixture(scope="module")
-def programs(tmp_path_factory):
+def programs(shared, tmp_path_factory):
+    folder, logits = family_program(shared, "llama", sampling=False)
     tmp = tmp_path_factory.mktemp("cpp_runner")
-    folder = write_model_folder(tmp / "llama", "llama", hidden=64)
     return {
         "sampled-int4": export_llm(folder, tmp / "s.pte", max_context=16, quantize="int4", group_size=32,
                                    progress=None),
-        "logits": export_llm(folder, tmp / "l.pte", max_context=16, sampling=False, progress=None),
+        "logits": logits,
     }
 
 

@@ -15,25 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from container_fuzz import MAX_CONTEXT, export_program
 
 import executorch_mlx
 from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.runner import LLMRunner
 
 PROMPT = "Once upon a time"
-MAX_CONTEXT = 64
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(shared, tmp_path_factory):
     """A tiny Llama with an all-bytes tokenizer (sampled text splits UTF-8),
-    exported sampling and logits-only."""
-    root = tmp_path_factory.mktemp("hardening")
-    folder = write_model_folder(root / "llama", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
-                                intermediate=64, all_bytes=True)
-    sampled = export_llm(folder, root / "s.pte", max_context=MAX_CONTEXT, progress=None)
-    logits = export_llm(folder, root / "l.pte", max_context=MAX_CONTEXT, sampling=False, progress=None)
+    exported sampling (the program tests/test_container_fuzz.py uses too) and
+    logits-only. The shared folder is read, never written."""
+    sampled, folder = shared.get("tiny-llama", export_program)
+    logits = export_llm(folder, tmp_path_factory.mktemp("hardening") / "l.pte", max_context=MAX_CONTEXT,
+                        sampling=False, progress=None)
     return folder, sampled, logits
 
 

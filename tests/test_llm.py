@@ -12,13 +12,13 @@ import sys
 
 import pytest
 import torch
+from llm_programs import family_program
 from transformers import AutoModelForCausalLM
 
 from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.model_folders import FAMILIES, write_model_folder
+from executorch_mlx.llm.model_folders import FAMILIES
 from executorch_mlx.llm.runner import LLMRunner
 
-MAX_CONTEXT = 128
 PROMPT = "Once upon a time"
 
 
@@ -40,22 +40,9 @@ def eager_greedy(folder, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """family -> (folder, .pte path), built once per family on first use."""
-    root = tmp_path_factory.mktemp("llm")
-    cache = {}
-
-    def get(family: str, sampling: bool = True):
-        key = (family, sampling)
-        if key not in cache:
-            folder = root / family
-            if not folder.exists():
-                write_model_folder(folder, family)
-            cache[key] = (folder, export_llm(folder, root / f"{family}_{int(sampling)}.pte", max_context=MAX_CONTEXT,
-                                             sampling=sampling, progress=None))
-        return cache[key]
-
-    return get
+def exported(shared):
+    """(family, sampling) -> (folder, .pte path), built once per run on first use."""
+    return lambda family, sampling=True: family_program(shared, family, sampling)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -197,16 +184,21 @@ def test_context_overflow_is_refused(exported):
         runner.generate(PROMPT, max_new_tokens=0)
 
 
-def test_cli_generate_json(exported):
-    folder, pte = exported("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # exported with and without logprobs
+def test_cli_generate_json(exported, family):
+    folder, pte = exported(family)
     res = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
                           str(folder), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object on stdout
     assert set(out) == {"token_ids", "text", "logprobs", "prefill_tokens_per_s", "decode_tokens_per_s"}
-    assert out["logprobs"] is None  # exported without --logprobs
-    assert out["token_ids"] == LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8).token_ids
+    want = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8)
+    assert out["token_ids"] == want.token_ids
+    if want.logprobs is None:
+        assert out["logprobs"] is None
+    else:
+        assert out["logprobs"] == pytest.approx(want.logprobs) and len(want.logprobs) == 8
     bad = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
                           str(folder), "--prompt", PROMPT, "--max-new-tokens", "500"], capture_output=True, text=True)
     assert bad.returncode == 2 and "max context" in bad.stderr and "Traceback" not in bad.stderr
@@ -243,9 +235,8 @@ def test_bad_sampler_parameters_are_refused_before_running(exported, kwargs, nam
         LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=4, temperature=1.0, **kwargs)
 
 
-def test_logprobs_export(exported, tmp_path):
-    folder, _ = exported("llama")
-    pte = export_llm(folder, tmp_path / "lp.pte", max_context=32, logprobs=True, progress=None)
+def test_logprobs_export(exported):
+    folder, pte = exported("llama")  # exported with logprobs
     result = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=6, temperature=0.8, seed=2)
     assert len(result.logprobs) == len(result.token_ids)
     assert all(-30 < lp <= 0 for lp in result.logprobs)

@@ -159,16 +159,31 @@ def folder(tmp_path_factory):
     return write_model_folder(tmp_path_factory.mktemp("qmodel") / "llama", "llama", hidden=128, intermediate=256)
 
 
+@pytest.fixture(scope="module")
+def logits_program(folder, tmp_path_factory):
+    """(quantize, quantize_embedding) -> the folder exported logits-only at
+    max context 16, group size 64; each built once."""
+    from executorch_mlx.llm.hf_export import export_llm
+
+    root, built = tmp_path_factory.mktemp("qprograms"), {}
+
+    def get(mode: str | None, embedding: bool):
+        if (mode, embedding) not in built:
+            built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte", max_context=16,
+                                                sampling=False, quantize=mode, group_size=64,
+                                                quantize_embedding=embedding, progress=None)
+        return built[mode, embedding]
+
+    return get
+
+
 @pytest.mark.parametrize("mode,embedding", [("int4", True), ("int8", False)])
-def test_quantized_model_logits_equal_its_quantized_reference(folder, tmp_path, mode, embedding):
+def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_program, mode, embedding):
     """Our .pte's logits against the same model run eagerly on the CPU
     references of the quantized ops (which the tests above hold to MLX)."""
     from transformers import AutoModelForCausalLM
 
-    from executorch_mlx.llm.hf_export import export_llm
-
-    pte = export_llm(folder, tmp_path / "q.pte", max_context=16, sampling=False, quantize=mode,
-                     group_size=64, quantize_embedding=embedding, progress=None)
+    pte = logits_program(mode, embedding)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     layers = quantize_model(model, bits=int(mode[3:]), group_size=64, embedding=embedding)
     assert ("model.embed_tokens" in layers) == embedding
@@ -181,15 +196,9 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, tmp_path, 
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_quantized_pte_sizes(folder, tmp_path):
+def test_quantized_pte_sizes(logits_program):
     """int4 at most 30%, int8 at most 55% of the float32 file (everything quantized)."""
-    from executorch_mlx.llm.hf_export import export_llm
-
-    size = {}
-    for mode in (None, "int8", "int4"):
-        pte = export_llm(folder, tmp_path / f"{mode}.pte", max_context=16, quantize=mode,
-                         quantize_embedding=mode is not None, progress=None)
-        size[mode] = pte.stat().st_size
+    size = {mode: logits_program(mode, mode is not None).stat().st_size for mode in (None, "int8", "int4")}
     assert size["int4"] <= 0.30 * size[None] and size["int8"] <= 0.55 * size[None], size
 
 
