@@ -259,8 +259,13 @@ def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, tim
     (a forked child gets no copies of their threads)."""
     if not spawn:
         import executorch_mlx  # noqa: F401  imported once, before any fork
-        from executorch_mlx import cli  # noqa: F401
+        from executorch_mlx import cli, inspector  # noqa: F401
         from executorch_mlx.llm import runner  # noqa: F401
+
+        if target == "inspect":  # it reads a .pte with ExecuTorch's export-side parser
+            from executorch.exir._serialize._program import deserialize_pte_binary  # noqa: F401
+
+            from executorch_mlx.lowering import registry  # noqa: F401
     path = workdir / f"{target}.pte"
     log = workdir / f"{target}.stderr"
     report = Report()
