@@ -44,7 +44,7 @@ class GenerationResult:
     text: str  # cut before a stop string
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
-    stop_reason: str = "max_new_tokens"  # or "eos", "stop" (a stop string), "cancelled" (should_stop)
+    stop_reason: str = "max_new_tokens"  # or "eos", "stop" (a stop string), "cancelled" (by on_token)
     logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
@@ -171,7 +171,7 @@ class LLMRunner(ProgramRunner):
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
                  repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
-                 stop: str | list[str] | None = None, should_stop: Callable[[], bool] | None = None,
+                 stop: str | list[str] | None = None, on_token: Callable[[int, float | None], bool] | None = None,
                  **params) -> GenerationResult:
         """Prefills `prompt` (text, taken as it is, or token ids), then decodes
         on the device until an end-of-generation id, a stop string or
@@ -184,8 +184,10 @@ class LLMRunner(ProgramRunner):
         penalties count the last `repetition_context_size` tokens
         of prompt and output. `logit_bias` maps token ids to values added to
         their logits (-inf bans a token). `stop` strings end the text before
-        them (also across tokens, and never streamed). `should_stop()` is
-        asked after each token: True ends the generation there ("cancelled").
+        them (also across tokens, and never streamed). `on_token(id,
+        logprob)` is called with each generated token (logprob None from a
+        program without logprobs) before its text is streamed; returning True
+        ends the generation there ("cancelled").
         Calls from several threads run one at a time."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
@@ -196,10 +198,10 @@ class LLMRunner(ProgramRunner):
         with self._lock:
             return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
                                   repetition_context_size=repetition_context_size, logit_bias=logit_bias,
-                                  stops=stops, should_stop=should_stop)
+                                  stops=stops, on_token=on_token)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
-                  logit_bias, stops, should_stop) -> GenerationResult:
+                  logit_bias, stops, on_token) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -260,11 +262,12 @@ class LLMRunner(ProgramRunner):
         text = _TextOut(self.tokenizer, stops, on_text)
 
         def finished() -> str | None:
+            cancel = on_token is not None and on_token(out[-1], logprobs[-1])
             if out[-1] in self.eos_ids:
                 return "eos"
             if text.update(out):
                 return "stop"
-            if should_stop is not None and should_stop():
+            if cancel:
                 return "cancelled"
             return "max_new_tokens" if len(out) >= max_new_tokens else None
 
