@@ -92,7 +92,7 @@ class LLMRunner(ProgramRunner):
         self.tokenizer_dir = tokenizer_dir
         if tokenizer_dir is not None:
             self.eos_ids |= end_of_generation_ids(tokenizer_dir, self.tokenizer)
-        self._chat_template = None  # loaded on first use (it imports transformers)
+        self._chat_template = None
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does).
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
@@ -114,15 +114,20 @@ class LLMRunner(ProgramRunner):
     def has_chat_template(self) -> bool:
         return self.tokenizer_dir is not None and has_chat_template(self.tokenizer_dir)
 
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The tokenizer folder's chat template, loaded on first use (it imports transformers)."""
+        if self._chat_template is None and self.has_chat_template:
+            self._chat_template = ChatTemplate(self.tokenizer_dir)
+        return self._chat_template
+
     def chat_prompt(self, messages: list[dict], system_prompt: str | None = None) -> list[int]:
         """The token ids of `messages` under the tokenizer folder's chat
         template, the assistant's turn opened."""
-        if not self.has_chat_template:
+        if self.chat_template is None:
             raise ValueError(f"the tokenizer folder {self.tokenizer_dir} has no chat template "
                              f"(tokenizer_config.json chat_template or chat_template.jinja)")
-        if self._chat_template is None:
-            self._chat_template = ChatTemplate(self.tokenizer_dir)
-        text = self._chat_template.render(messages, system_prompt)
+        text = self.chat_template.render(messages, system_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
 
     def chat(self, messages: list[dict], system_prompt: str | None = None, **kwargs) -> GenerationResult:
