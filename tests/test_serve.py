@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,14 +34,41 @@ MAX_CONTEXT = 256
 HELLO = [{"role": "user", "content": "Once upon a time"}]
 
 
+@dataclass
+class Model:
+    root: Path
+    folder: Path
+    pte: Path
+    server: subprocess.Popen
+    port: int
+    log: object
+    chat: object
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """The README's names: MODEL_DIR (a chat folder) and model.pte (with logprobs)."""
+    """The README's names: MODEL_DIR (a chat folder) and model.pte (with
+    logprobs). The server and the terminal chat start as soon as the program
+    is there, so that they load while the first tests run."""
+    import pexpect
+
     root = tmp_path_factory.mktemp("serve")
     folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
                                 intermediate=64, chat=True)
     pte = export_llm(folder, root / "model.pte", max_context=MAX_CONTEXT, logprobs=True, progress=None)
-    return root, folder, pte
+    port = _free_port()
+    [line] = runnable(README, "serve")  # the README's serve line, run where model.pte and MODEL_DIR are
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    log = open(root / "server.log", "w+")
+    server = subprocess.Popen(["bash", "-c", "exec " + _shell(line, port)], cwd=root, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    chat = pexpect.spawn(sys.executable, ["-m", "executorch_mlx.cli", "chat", str(pte), "--tokenizer", str(folder),
+                                          "--max-new-tokens", "16"], encoding="utf-8", timeout=90)
+    yield Model(root, folder, pte, server, port, log, chat)
+    chat.close(force=True)
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +76,7 @@ def reference(model):
     """transformers' greedy generation under the folder's chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, folder, _ = model
+    folder = model.folder
     tok = AutoTokenizer.from_pretrained(folder)
     lm = AutoModelForCausalLM.from_pretrained(folder).eval()
 
@@ -78,30 +107,19 @@ def _shell(line: str, port: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(model):
-    """The README's serve line, run where model.pte and MODEL_DIR are; its base URL."""
-    root, _, _ = model
-    port = _free_port()
-    [line] = runnable(README, "serve")
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen(["bash", "-c", "exec " + _shell(line, port)], cwd=root, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    """The base URL and port of the README's server, once it answers."""
+    url = f"http://127.0.0.1:{model.port}"
     deadline = time.monotonic() + 120
     while True:
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 assert json.load(r) == {"status": "ok"}
-            break
+            return url, model.port
         except OSError:
-            log.seek(0)
-            assert proc.poll() is None, f"the server exited: {log.read()}"
-            assert time.monotonic() < deadline, f"the server did not start: {log.read()}"
+            model.log.seek(0)
+            assert model.server.poll() is None, f"the server exited: {model.log.read()}"
+            assert time.monotonic() < deadline, f"the server did not start: {model.log.read()}"
             time.sleep(0.2)
-    yield url, port
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +170,7 @@ def test_stop_strings_are_held_back_across_pieces():
 def test_generate_applies_the_chat_template_by_default(model, reference, capsys):
     from executorch_mlx.cli import main
 
-    root, folder, pte = model
+    folder, pte = model.folder, model.pte
     args = ["generate", str(pte), "--tokenizer", str(folder), "--prompt", HELLO[0]["content"],
             "--max-new-tokens", "16", "--json"]
     assert main(args) == 0
@@ -170,10 +188,8 @@ def test_chat_in_a_terminal(model, reference):
     """Streamed answers, multi-turn with the cache reused, /reset and /exit."""
     import pexpect
 
-    root, folder, pte = model
     want, text = reference(HELLO)
-    chat = pexpect.spawn(sys.executable, ["-m", "executorch_mlx.cli", "chat", str(pte), "--tokenizer", str(folder),
-                                          "--max-new-tokens", "16"], encoding="utf-8", timeout=90)
+    chat = model.chat  # started by the fixture
     try:
         chat.expect_exact("> ")
         chat.sendline(HELLO[0]["content"])
@@ -337,7 +353,7 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, referenc
     want, _ = reference(ids=prompt, n=n, suppress_tokens=eos)  # eos banned: it runs to max_tokens
     fields = {"max_tokens": n, "temperature": 0, "logit_bias": {str(t): -100 for t in eos}}
     status, body = _post(server, "/v1/completions", {"prompt": prompt, **fields})
-    assert body["choices"][0]["text"] == reference.tokenizer.decode(want)  # the reference is the server's too
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)  # the reference is the server's too
     conn = http.client.HTTPConnection("127.0.0.1", server[1], timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "stream": True, **fields}),
                  {"Content-Type": "application/json"})
@@ -355,7 +371,7 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, referenc
 def test_readme_curl_and_openai_examples(model, server, capsys):
     """The README's curl and openai-client blocks against the README's server:
     the same request, so the same text (streamed by one, whole from the other)."""
-    root, _, _ = model
+    root = model.root
     curl = subprocess.run(["bash", "-e", "-c", _shell("\n".join(runnable(README, "serve-curl")), server[1])],
                           cwd=root, capture_output=True, text=True, timeout=60)
     assert curl.returncode == 0, curl.stderr
