@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..llm.chat import check_messages, check_stop
 from ..llm.runner import LLMRunner
-from ..llm.sampling import PENALTIES, logit_bias_tensors, sampling_inputs
+from ..llm.sampler_inputs import PENALTIES, logit_bias_tensors, sampling_inputs
 from ..serialization.sampler_params import BY_NAME, ROW_PARAMS, SAMPLER_INPUTS
 
 # OpenAI's logit_bias range; its ends ban a token or force it.
