@@ -217,7 +217,7 @@ def test_models_and_health(server, client):
 
 def test_greedy_chat_equals_transformers(client, reference):
     want, text = reference(HELLO)
-    reply = _chat(client, temperature=0, max_tokens=16)
+    reply = _chat(client, temperature=0, max_tokens=16, extra_body={"an_unknown_field": [1]})  # ignored
     assert reply.choices[0].message.content == text
     assert reply.usage.completion_tokens == len(want)
     eos = {1, reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])}

@@ -115,10 +115,11 @@ class Server:
         job = _Job(plan, self.runner, loop, plan.stream)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
+        future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
         if plan.stream:
-            return StreamingResponse(self._stream(job, head), media_type="text/event-stream")
+            return StreamingResponse(self._stream(job, future, head), media_type="text/event-stream")
         try:
-            result = await loop.run_in_executor(self.worker, job.run)
+            result = await future
         except (RuntimeError, ValueError) as e:
             return error_response(500, f"generation failed: {e}", kind="server_error")
         content = result.text
@@ -132,7 +133,7 @@ class Server:
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [choice], "usage": _usage(result)})
 
-    async def _stream(self, job: _Job, head: dict):
+    async def _stream(self, job: _Job, future: asyncio.Future, head: dict):
         chat = job.plan.chat
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -145,7 +146,6 @@ class Server:
                 choice["text"] = text or ""
             return _sse({**head, "choices": [choice]})
 
-        future = asyncio.get_running_loop().run_in_executor(self.worker, job.run)
         try:
             if chat:
                 yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
