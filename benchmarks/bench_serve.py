@@ -140,10 +140,13 @@ def main() -> int:
 
     runner = LLMRunner(pte, folder)
     eos_ban = {t: float("-inf") for t in runner.eos_ids}
-    prompts = [[{"role": "user", "content": f"Request {i}: {STORY[:200]}"}] for i in range(args.requests)]
+    # Prompts that differ from their first word (the tokenizer knows no digits), ~60 tokens each.
+    words = STORY.split()
+    prompts = [[{"role": "user", "content": " ".join((words[5 * i:] + words[:5 * i])[:40])}]
+               for i in range(args.requests)]
 
     # In-process: the same requests, one after another, the same sampler settings.
-    runner.generate(runner.chat_prompt(prompts[0]), max_new_tokens=4)  # warm-up
+    runner.generate(runner.chat_prompt(prompts[-1]), max_new_tokens=4)  # warm-up
     local = []
     for i, messages in enumerate(prompts[:max(2, args.requests // 2)]):
         ids = runner.chat_prompt(messages)
@@ -172,7 +175,8 @@ def main() -> int:
         bias = {str(t): -100 for t in runner.eos_ids}
         body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
                                     "temperature": 0.8, "seed": i, "logit_bias": bias}
-        stream_chat(port, body(0, prompts[0]), args.timeout)  # warm-up
+        stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
+        single = [stream_chat(port, body(i, messages), args.timeout) for i, messages in enumerate(prompts[:len(local)])]
 
         results: list[dict | None] = [None] * args.requests
         next_request = iter(range(args.requests))
@@ -210,23 +214,27 @@ def main() -> int:
         log.close()
 
     server_decode = statistics.median(r["decode"] for r in done)
+    single_decode = statistics.median(r["decode"] for r in single)
     local_decode = statistics.median(r["decode"] for r in local)
     ttfts = [r["ttft"] for r in done]
-    print(f"\n{len(done)} of {args.requests} requests, {args.clients} clients, {args.max_tokens} tokens each, "
-          f"T=0.8; in-process: {len(local)} requests, one at a time")
+    print(f"\n{len(local)} requests one at a time (server and in-process), then {len(done)} of {args.requests} "
+          f"from {args.clients} concurrent clients; {args.max_tokens} tokens each, T=0.8")
     print("| metric | server | in-process | server / in-process |")
     print("|---|---|---|---|")
-    print(f"| requests/s | {len(done) / wall:.2f} | | |")
-    print(f"| time to first token p50 (s) | {percentile(ttfts, 50):.3f} | "
-          f"{statistics.median(r['ttft'] for r in local):.3f} | |")
-    print(f"| time to first token p99 (s) | {percentile(ttfts, 99):.3f} | "
-          f"{percentile([r['ttft'] for r in local], 99):.3f} | |")
-    print(f"| decode tokens/s per request (median) | {server_decode:.1f} | {local_decode:.1f} | "
+    print(f"| time to first token, one client, median (s) | {statistics.median(r['ttft'] for r in single):.3f} | "
+          f"{statistics.median(r['ttft'] for r in local):.3f} | "
+          f"{statistics.median(r['ttft'] for r in single) / statistics.median(r['ttft'] for r in local):.2f} |")
+    print(f"| decode tokens/s, one client, median | {single_decode:.1f} | {local_decode:.1f} | "
+          f"{single_decode / local_decode:.2f} |")
+    print(f"| requests/s, {args.clients} clients | {len(done) / wall:.2f} | | |")
+    print(f"| time to first token p50 / p99, {args.clients} clients (s; queue included) | "
+          f"{percentile(ttfts, 50):.3f} / {percentile(ttfts, 99):.3f} | | |")
+    print(f"| decode tokens/s per request, {args.clients} clients, median | {server_decode:.1f} | {local_decode:.1f} | "
           f"{server_decode / local_decode:.2f} |")
     print(f"| multi-turn follow-up TTFT (s) | {follow['ttft']:.3f} (cached {follow['cached']} of "
           f"{follow['prompt']}) | cold {cold['ttft']:.3f} (cached {cold['cached']}) | "
           f"{follow['ttft'] / cold['ttft']:.2f} of cold |")
-    ok_decode = server_decode >= 0.9 * local_decode
+    ok_decode = min(server_decode, single_decode) >= 0.9 * local_decode
     ok_turn = follow["ttft"] <= 0.25 * cold["ttft"]
     print(f"\nmust: server decode >= 90% of in-process: {'yes' if ok_decode else 'NO'}; "
           f"follow-up TTFT <= 25% of cold: {'yes' if ok_turn else 'NO'}")
