@@ -1,8 +1,8 @@
 """What a model folder says about conversations: its chat template and its
 end-of-generation ids; and stop strings cut from streamed text.
 
-    template = ChatTemplate.of("model_dir")          # None when the folder has none
-    text = template.render([{"role": "user", "content": "Hi"}])
+    if has_chat_template("model_dir"):
+        text = ChatTemplate("model_dir").render([{"role": "user", "content": "Hi"}])
     eos = end_of_generation_ids("model_dir", tokenizer)
 
 The template is rendered by transformers' `apply_chat_template` (the
@@ -66,10 +66,6 @@ class ChatTemplate:
 
         self.folder = Path(folder)
         self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
-
-    @classmethod
-    def of(cls, folder: str | Path) -> "ChatTemplate | None":
-        return cls(folder) if has_chat_template(folder) else None
 
     def render(self, messages: list[dict], system_prompt: str | None = None) -> str:
         """The prompt text of `messages` (checked), ending with the assistant's
