@@ -9,7 +9,7 @@ One loaded program has one KV cache, so requests run one at a time, in
 arrival order, on one worker thread (the event loop never waits on a
 generation); the runner reuses the cache's common prefix with the last
 request (a conversation's next turn prefills only the new messages). A
-streamed request whose client goes away is cancelled at its next token.
+request whose client goes away is cancelled at its next token.
 Request fields and what they map to: docs/serve.md.
 """
 
@@ -118,10 +118,13 @@ class Server:
         future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
         if plan.stream:
             return StreamingResponse(self._stream(job, future, head), media_type="text/event-stream")
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
         try:
             result = await future
         except (RuntimeError, ValueError) as e:
             return error_response(500, f"generation failed: {e}", kind="server_error")
+        finally:
+            watcher.cancel()
         content = result.text
         choice = {"index": 0, "finish_reason": FINISH_REASONS[result.stop_reason]}
         tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
@@ -132,6 +135,13 @@ class Server:
         choice["logprobs"] = self._logprobs(tokens, chat, 0) if plan.logprobs else None
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [choice], "usage": _usage(result)})
+
+    @staticmethod
+    async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
+        """A whole (not streamed) answer's client that leaves cancels it too."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled.set()
 
     async def _stream(self, job: _Job, future: asyncio.Future, head: dict):
         chat = job.plan.chat
