@@ -125,6 +125,8 @@ class Server:
             return error_response(500, f"generation failed: {e}", kind="server_error")
         finally:
             watcher.cancel()
+        if result is None:  # its client left before it ran: nobody reads this
+            return error_response(499, "the client closed the request")
         content = result.text
         choice = {"index": 0, "finish_reason": FINISH_REASONS[result.stop_reason]}
         tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
