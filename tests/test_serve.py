@@ -242,7 +242,8 @@ def test_seeded_sampling_is_reproducible(client):
     assert runs[0] == runs[1] and runs[0] != runs[2]
     penalized = dict(temperature=1.0, seed=3, max_tokens=24, presence_penalty=0.5, frequency_penalty=0.3,
                      extra_body={"repetition_penalty": 1.3, "repetition_context_size": 32})
-    assert _chat(client, **penalized).choices[0].message.content == _chat(client, **penalized).choices[0].message.content
+    twice = [_chat(client, **penalized).choices[0].message.content for _ in range(2)]
+    assert twice[0] == twice[1]
 
 
 def test_logit_bias_bans_and_forces_tokens(client, reference):
@@ -285,7 +286,8 @@ def test_logprobs(client, server, reference):
                                                      "temperature": 0.9, "seed": 2, "logprobs": 0})
     logprobs = body["choices"][0]["logprobs"]
     assert status == 200 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
-    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"]) and all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"])
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
     assert logprobs["text_offset"][0] == 0
 
 
@@ -353,7 +355,8 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, referenc
     want, _ = reference(ids=prompt, n=n, suppress_tokens=eos)  # eos banned: it runs to max_tokens
     fields = {"max_tokens": n, "temperature": 0, "logit_bias": {str(t): -100 for t in eos}}
     status, body = _post(server, "/v1/completions", {"prompt": prompt, **fields})
-    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)  # the reference is the server's too
+    # the reference is the server's answer too
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)
     conn = http.client.HTTPConnection("127.0.0.1", server[1], timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "stream": True, **fields}),
                  {"Content-Type": "application/json"})

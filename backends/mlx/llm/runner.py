@@ -254,8 +254,8 @@ class LLMRunner(ProgramRunner):
                 given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
             return self.sampler_values(sampler_names, given)
         # What the cache holds past the common prefix is overwritten or never
-        # read: attention never looks past the current position. (reset_state()
-        # would also empty the caches of other programs in this process.)
+        # read: attention never looks past the current position, so no reset
+        # (reset_state() would also empty the caches of other programs).
         cached = self._reusable(ids)
 
         t0 = time.perf_counter()
@@ -285,7 +285,8 @@ class LLMRunner(ProgramRunner):
             logprobs.append(logprob)
             stop = finished()
         text.update(out, final=True)
-        return GenerationResult(token_ids=out, text=text.result(out), prefill_tokens_per_s=(len(ids) - cached) / prefill_s,
+        return GenerationResult(token_ids=out, text=text.result(out),
+                                prefill_tokens_per_s=(len(ids) - cached) / prefill_s,
                                 decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
                                 stop_reason=stop, step_seconds=steps,
                                 logprobs=logprobs if self.logprobs else None,
