@@ -2,8 +2,9 @@
 
 Every fenced shell or Python block of the README is marked `<!-- runnable:
 NAME -->`, and NAME says what runs it: `scripts/dev` (the block names
-scripts/dev's own jobs), `lower-a-model` (test_docs_and_tools.py), or a test
-below, which runs the block verbatim (shell lines in bash)."""
+scripts/dev's own jobs), `lower-a-model` (test_docs_and_tools.py), `serve*`
+(test_serve.py, on a free port), or a test below, which runs the block
+verbatim (shell lines in bash)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_every_readme_command_is_exercised():
     blocks = code_blocks(README)
     assert [name for name, _ in blocks if name is None] == [], "a README code block without a runnable marker"
     assert sorted(name for name, _ in blocks) == ["cpp-build", "export-generate", "lower-a-model",
-                                                  "python-generate", "scripts/dev"]  # each run by a test
+                                                  "python-generate", "scripts/dev", "serve", "serve-curl",
+                                                  "serve-openai"]  # each run by a test (serve*: test_serve.py)
     jobs = re.findall(r"^  (\w+)\)", (ROOT / "scripts" / "dev").read_text(), re.M)
     for line in runnable(README, "scripts/dev"):
         command = line.split("#")[0].split()

@@ -85,9 +85,16 @@ def clear_last_error() -> None:
     load().emlx_clear_last_error()
 
 
+# Counts reset_state() calls: a runner that remembers what its cache holds
+# (llm/runner.py) forgets it when this changes.
+reset_count = 0
+
+
 def reset_state() -> None:
     """Sets the persistent state (KV caches) of every program loaded in this
     process back to its initial value: a new conversation without a reload."""
+    global reset_count
+    reset_count += 1
     if load().emlx_reset_state() != 0:
         raise RuntimeError(last_error())
 

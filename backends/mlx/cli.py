@@ -3,6 +3,8 @@
     executorch-mlx demo                                  a small LLM: build, export, generate
     executorch-mlx export MODEL_DIR -o FILE.pte          Hugging Face folder -> .pte
     executorch-mlx generate FILE.pte --tokenizer MODEL_DIR --prompt TEXT
+    executorch-mlx chat FILE.pte --tokenizer MODEL_DIR   an interactive, multi-turn chat
+    executorch-mlx serve FILE.pte --tokenizer MODEL_DIR  an OpenAI-compatible HTTP server
     executorch-mlx inspect FILE.pte                      print the MLX delegate graphs
     executorch-mlx --version                             versions and the device MLX will use
 
@@ -41,15 +43,25 @@ def cmd_export(args) -> int:
     return 0
 
 
+def sampler_kwargs(args) -> dict:
+    """generate()'s sampling keywords from the sampler flags."""
+    return dict(temperature=args.temperature, seed=args.seed, repetition_context_size=args.repetition_context_size,
+                logit_bias=dict(args.logit_bias) or None, stop=args.stop or None,
+                **{name: getattr(args, name) for name in ROW_PARAMS})
+
+
 def cmd_generate(args) -> int:
     from .llm.runner import LLMRunner
 
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
-    result = runner.generate(args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             seed=args.seed, on_text=stream, repetition_context_size=args.repetition_context_size,
-                             logit_bias=dict(args.logit_bias) or None,
-                             **{name: getattr(args, name) for name in ROW_PARAMS})
+    prompt = args.prompt
+    if runner.has_chat_template and not args.ignore_chat_template:
+        prompt = runner.chat_prompt([{"role": "user", "content": args.prompt}], args.system_prompt)
+    elif args.system_prompt is not None:
+        raise ValueError("--system-prompt needs a chat template: the tokenizer folder has none, or "
+                         "--ignore-chat-template was given")
+    result = runner.generate(prompt, max_new_tokens=args.max_new_tokens, on_text=stream, **sampler_kwargs(args))
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,
@@ -58,6 +70,21 @@ def cmd_generate(args) -> int:
         print()
         print(f"prefill {result.prefill_tokens_per_s:.1f} tokens/s, decode {result.decode_tokens_per_s:.1f} "
               f"tokens/s ({len(result.token_ids)} tokens, stopped at {result.stop_reason})", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .llm.chat_loop import chat_loop
+    from .llm.runner import LLMRunner
+
+    runner = LLMRunner(args.pte, args.tokenizer)
+    return chat_loop(runner, args.system_prompt, args.max_new_tokens, sampler_kwargs(args))
+
+
+def cmd_serve(args) -> int:
+    from .serve.app import serve
+
+    serve(args.pte, args.tokenizer, host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet)
     return 0
 
 
@@ -116,6 +143,20 @@ class _PrintVersions(argparse.Action):
         parser.exit()
 
 
+def _add_sampler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=None, help="64-bit sampling seed (default 0)")
+    for spec in SAMPLER_INPUTS:  # the sampler table's flags: temperature and the row parameters, off by default
+        if spec.cli:
+            p.add_argument(spec.cli, dest=spec.name, type=int if spec.integer else float, default=spec.off,
+                           help=spec.help)
+    p.add_argument("--repetition-context-size", type=int, default=20,
+                   help="recent tokens the penalties count (default 20)")
+    p.add_argument("--logit-bias", type=_bias_entry, action="append", default=[], metavar="ID=VALUE",
+                   help="add VALUE to token ID's logit (-inf bans it); repeatable")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the text before TEXT (never shown); repeatable")
+
+
 def _add_output_options(parser: argparse.ArgumentParser, default) -> None:
     """--verbose/--quiet, before the command or after it. After it they default
     to SUPPRESS: a subparser's default would overwrite the top-level value."""
@@ -162,20 +203,31 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="generate text with a .pte made by `executorch-mlx export`")
     p.add_argument("pte")
     p.add_argument("--tokenizer", required=True, help="the model folder (its tokenizer.json)")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--prompt", required=True,
+                   help="the prompt text (a user message under the folder's chat template, if it has one)")
+    p.add_argument("--system-prompt", default=None, help="a system message before the prompt (chat template)")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="feed the prompt as it is, even when the folder has a chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    p.add_argument("--seed", type=int, default=None, help="64-bit sampling seed (default 0)")
-    for spec in SAMPLER_INPUTS:  # the sampler table's flags: temperature and the row parameters, off by default
-        if spec.cli:
-            p.add_argument(spec.cli, dest=spec.name, type=int if spec.integer else float, default=spec.off,
-                           help=spec.help)
-    p.add_argument("--repetition-context-size", type=int, default=20,
-                   help="recent tokens the penalties count (default 20)")
-    p.add_argument("--logit-bias", type=_bias_entry, action="append", default=[], metavar="ID=VALUE",
-                   help="add VALUE to token ID's logit (-inf bans it); repeatable")
+    _add_sampler_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: token_ids, text, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("chat", help="an interactive chat (streamed, multi-turn, the KV cache reused)")
+    p.add_argument("pte")
+    p.add_argument("--tokenizer", required=True, help="the model folder (tokenizer.json and a chat template)")
+    p.add_argument("--system-prompt", default=None, help="a system message at the start of the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    _add_sampler_flags(p)
+    p.set_defaults(fn=cmd_chat)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    p.add_argument("pte")
+    p.add_argument("--tokenizer", required=True, help="the model folder (tokenizer.json, a chat template)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--model-name", default=None, help="the model's id in requests and /v1/models "
+                                                      "(default: the .pte's file name without .pte)")
+    p.set_defaults(fn=cmd_serve)
     for command in sub.choices.values():
         _add_output_options(command, argparse.SUPPRESS)
     args = parser.parse_args(argv)

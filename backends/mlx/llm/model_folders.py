@@ -23,6 +23,11 @@ engineers measured tokens per second, again and again, until the numbers held.
 """
 
 BOS, EOS = "<s>", "</s>"
+# ChatML, as Qwen's and SmolLM's instruct folders carry it: `<|im_end|>` ends a turn.
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
 
 
 # Multi-byte characters for the all-bytes tokenizer's merges.
@@ -78,16 +83,26 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
 
 def write_model_folder(path: str | Path, family: str = "llama", *, layers: int = 2, hidden: int = 64,
                        heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
-                       all_bytes: bool = False) -> Path:
+                       all_bytes: bool = False, chat: bool = False) -> Path:
     """Writes a random-weight `family` model and a trained tokenizer to `path`
-    (`all_bytes`: see train_tokenizer)."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    (`all_bytes`: see train_tokenizer). `chat`: an instruct folder's extras,
+    the ChatML template with its two special tokens, `<|im_end|>` an eos id
+    of generation_config.json only (as in Llama 3 and Qwen folders)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     path = Path(path)
     tok = train_tokenizer(all_bytes=all_bytes)
+    if chat:
+        tok.add_special_tokens(list(CHAT_TOKENS))
     cfg = _config(family, tok.get_vocab_size(), layers, hidden, heads, kv_heads, intermediate)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
+    if chat:
+        model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[1, tok.token_to_id(CHAT_TOKENS[1])],
+                                                   pad_token_id=1, use_cache=True)
     model.save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS).save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    if chat:
+        fast.chat_template = CHATML
+    fast.save_pretrained(path)
     return path

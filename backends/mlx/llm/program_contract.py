@@ -35,6 +35,7 @@ SAMPLES = "emlx_samples"  # bool: the first output is token ids (else logits)
 LOGPROBS = "emlx_logprobs"  # bool: the second output is their log-probabilities
 MODEL_TYPE = "emlx_model_type"
 QUANTIZATION = "emlx_quantization"
+CACHE_WRAPS = "emlx_cache_wraps"  # bool: a sliding-window cache shorter than the context (it wraps around)
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
 
@@ -59,6 +60,8 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     bos = config.get("bos_token_id")
+    window = config.get("sliding_window")
+    wraps = bool(window) and window < max_context and "sliding_attention" in (config.get("layer_types") or [])
     return {
         MAX_SEQ_LEN: max_chunk,
         MAX_CONTEXT_LEN: max_context,
@@ -73,6 +76,7 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
         INPUT_NAMES: ",".join(LLM_INPUTS + (sampler_inputs if sampling else ())),
         MODEL_TYPE: config["model_type"],
         QUANTIZATION: quantization,
+        CACHE_WRAPS: wraps,
     }
 
 

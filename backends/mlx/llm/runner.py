@@ -3,10 +3,17 @@
     runner = LLMRunner("model.pte", "model_dir")
     result = runner.generate("Once upon a time", max_new_tokens=32, temperature=0.8, seed=42,
                              on_text=lambda s: print(s, end="", flush=True))
+    reply = runner.chat([{"role": "user", "content": "Hi"}], max_new_tokens=32)
 
 The prompt prefills in one call (in chunks of the program's maximum length
 above it); each decode step is one call that returns the next token id,
 sampled on the device. Inputs are found by name from the program's metadata.
+
+The runner remembers the token ids its KV cache holds: a prompt that begins
+with them (the next turn of a conversation) prefills only what follows the
+longest common prefix. Generation ends at any eos id of the program and of
+the tokenizer folder (generation_config.json, config.json, the tokenizer's
+eos token), at a stop string, or after `max_new_tokens`.
 
 Threads: a runner may be loaded in one thread and used from any other. One
 runner shared by several threads serializes their calls (a lock around
@@ -25,6 +32,7 @@ from typing import Callable
 import torch
 
 from . import program_contract
+from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
 from .program_runner import ProgramRunner
 from ..serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
 from .sampler_inputs import OFF, PENALTIES, logit_bias_tensors, sampling_inputs
@@ -33,11 +41,13 @@ from .sampler_inputs import OFF, PENALTIES, logit_bias_tensors, sampling_inputs
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the generated ids only
-    text: str
+    text: str  # cut before a stop string
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
-    stop_reason: str = "max_new_tokens"  # or "eos"
+    stop_reason: str = "max_new_tokens"  # or "eos", "stop" (a stop string), "cancelled" (by on_token)
     logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
     step_seconds: list[float] = field(default_factory=list, repr=False)
 
 
@@ -79,6 +89,15 @@ class LLMRunner(ProgramRunner):
                 raise ValueError(f"this .pte's input '{name}' has shape {list(self.input_shapes[name])}, not "
                                  f"[batch, size]: export it with executorch-mlx export")
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+        self.tokenizer_dir = tokenizer_dir
+        if tokenizer_dir is not None:
+            self.eos_ids |= end_of_generation_ids(tokenizer_dir, self.tokenizer)
+        self._chat_template = None
+        # A sliding-window cache wraps around: positions past a common prefix
+        # may have overwritten what the prefix needs (unknown: assume it does).
+        self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
+        self._cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
+        self._cache_epoch = _reset_epoch()
         # One generation at a time: the steps of two would interleave in the
         # one KV cache and give wrong tokens (see the module's docstring).
         self._lock = threading.Lock()
@@ -88,11 +107,55 @@ class LLMRunner(ProgramRunner):
         import executorch_mlx
 
         with self._lock:
+            self._cached = []
             executorch_mlx.reset_state()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer_dir is not None and has_chat_template(self.tokenizer_dir)
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The tokenizer folder's chat template, loaded on first use (it imports transformers)."""
+        if self._chat_template is None and self.has_chat_template:
+            self._chat_template = ChatTemplate(self.tokenizer_dir)
+        return self._chat_template
+
+    def chat_prompt(self, messages: list[dict], system_prompt: str | None = None) -> list[int]:
+        """The token ids of `messages` under the tokenizer folder's chat
+        template, the assistant's turn opened."""
+        if self.chat_template is None:
+            raise ValueError(f"the tokenizer folder {self.tokenizer_dir} has no chat template "
+                             f"(tokenizer_config.json chat_template or chat_template.jinja)")
+        text = self.chat_template.render(messages, system_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
+
+    def chat(self, messages: list[dict], system_prompt: str | None = None, **kwargs) -> GenerationResult:
+        """generate() on the chat template's rendering of `messages`
+        ([{"role": "user", "content": "..."}, ...]). A follow-up that repeats
+        the conversation so far reuses its cache entries."""
+        return self.generate(self.chat_prompt(messages, system_prompt), **kwargs)
+
+    def _reusable(self, ids: list[int]) -> int:
+        """How many leading ids need no prefill: the common prefix with what
+        the cache holds (at least one id is always run, for its logits)."""
+        epoch = _reset_epoch()
+        if epoch != self._cache_epoch:  # someone emptied every cache
+            self._cached, self._cache_epoch = [], epoch
+        n = 0
+        for a, b in zip(self._cached, ids):
+            if a != b:
+                break
+            n += 1
+        if n < len(self._cached) and self.cache_wraps:
+            n = 0
+        return min(n, len(ids) - 1)
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor]) -> tuple[int, float | None]:
         values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
+        known, self._cached = self._cached[:start], []  # unknown if the call fails
         outputs = self.execute(values + sampling)
+        self._cached = known + ids
         out = outputs[0]
         if self.samples:
             token = int(out.reshape(-1)[0])
@@ -113,9 +176,11 @@ class LLMRunner(ProgramRunner):
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
                  repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
+                 stop: str | list[str] | None = None, on_token: Callable[[int, float | None], bool] | None = None,
                  **params) -> GenerationResult:
-        """Prefills `prompt` (text, or token ids), then decodes on the device
-        until an end-of-sequence id or `max_new_tokens`.
+        """Prefills `prompt` (text, taken as it is, or token ids), then decodes
+        on the device until an end-of-generation id, a stop string or
+        `max_new_tokens`.
 
         temperature <= 0 is greedy. Sampling is seeded: the same seed, prompt
         and settings give the same tokens (seed None means 0). `params` are
@@ -123,17 +188,25 @@ class LLMRunner(ProgramRunner):
         defaults to its off value), as docs/sampling.md defines them; the
         penalties count the last `repetition_context_size` tokens
         of prompt and output. `logit_bias` maps token ids to values added to
-        their logits (-inf bans a token). Calls from several threads run one
-        at a time."""
+        their logits (-inf bans a token). `stop` strings end the text before
+        them (also across tokens, and never streamed). `on_token(id,
+        logprob)` is called with each generated token (logprob None from a
+        program without logprobs) before its text is streamed; returning True
+        ends the generation there ("cancelled").
+        Calls from several threads run one at a time."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
+        stops = check_stop(stop)
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer_dir")
         with self._lock:
             return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
-                                  repetition_context_size=repetition_context_size, logit_bias=logit_bias)
+                                  repetition_context_size=repetition_context_size, logit_bias=logit_bias,
+                                  stops=stops, on_token=on_token)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
-                  logit_bias) -> GenerationResult:
+                  logit_bias, stops, on_token) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -180,49 +253,80 @@ class LLMRunner(ProgramRunner):
             if penalized:
                 given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
             return self.sampler_values(sampler_names, given)
-        # No reset needed: the prompt is written from position 0, and attention
-        # never looks past the current position, so what an earlier
-        # conversation left in the cache is never read. (reset_state() would
-        # also empty the caches of other programs in this process.)
+        # What the cache holds past the common prefix is overwritten or never
+        # read: attention never looks past the current position, so no reset
+        # (reset_state() would also empty the caches of other programs).
+        cached = self._reusable(ids)
 
         t0 = time.perf_counter()
-        for start in range(0, len(ids), self.max_chunk):
+        for start in range(cached, len(ids), self.max_chunk):
             token, logprob = self._step(ids[start:start + self.max_chunk], start, sampling(0, ids))
         prefill_s = time.perf_counter() - t0
 
-        out, steps, printed, logprobs = [token], [], "", [logprob]
-        stop = "eos" if token in self.eos_ids else "max_new_tokens"
-        printed = self._stream(out, printed, on_text)
-        while stop != "eos" and len(out) < max_new_tokens:
+        out, steps, logprobs = [token], [], [logprob]
+        text = _TextOut(self.tokenizer, stops, on_text)
+
+        def finished() -> str | None:
+            cancel = on_token is not None and on_token(out[-1], logprobs[-1])
+            if out[-1] in self.eos_ids:
+                return "eos"
+            if text.update(out):
+                return "stop"
+            if cancel:
+                return "cancelled"
+            return "max_new_tokens" if len(out) >= max_new_tokens else None
+
+        stop = finished()
+        while stop is None:
             t = time.perf_counter()
             token, logprob = self._step([token], len(ids) + len(out) - 1, sampling(len(out), ids + out))
             steps.append(time.perf_counter() - t)
             out.append(token)
             logprobs.append(logprob)
-            if token in self.eos_ids:
-                stop = "eos"
-            printed = self._stream(out, printed, on_text)
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else ""
-        self._stream(out, printed, on_text, final=True)
-        return GenerationResult(token_ids=out, text=text, prefill_tokens_per_s=len(ids) / prefill_s,
+            stop = finished()
+        text.update(out, final=True)
+        return GenerationResult(token_ids=out, text=text.result(out),
+                                prefill_tokens_per_s=(len(ids) - cached) / prefill_s,
                                 decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
                                 stop_reason=stop, step_seconds=steps,
-                                logprobs=logprobs if self.logprobs else None)
+                                logprobs=logprobs if self.logprobs else None,
+                                prompt_tokens=len(ids), cached_tokens=cached)
 
-    def _stream(self, ids: list[int], printed: str, on_text, final: bool = False) -> str:
-        """Emits the new suffix of the decoded text. Pieces of a multi-byte
-        character wait until it is complete; the `final` call emits whatever
-        is left (an unfinished character's U+FFFD included), so the streamed
-        pieces join to the result's text."""
-        if on_text is None or self.tokenizer is None:
-            return printed
+
+def _reset_epoch() -> int:
+    import executorch_mlx._runtime_library as library
+
+    return library.reset_count
+
+
+class _TextOut:
+    """The generated text as it grows: streamed to `on_text` and checked for
+    stop strings. A multi-byte character split across tokens waits until it
+    is complete; the final update emits whatever is left (an unfinished
+    character's U+FFFD included), so the pieces join to the result's text."""
+
+    def __init__(self, tokenizer, stops: list[str], on_text):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.active = tokenizer is not None and (on_text is not None or bool(stops))
+        self.stop = StopText(stops)
+
+    def update(self, ids: list[int], final: bool = False) -> bool:
+        """Emits the new text of `ids` (all generated so far); True at a stop string."""
+        if not self.active or self.stop.stopped:
+            return self.stop.stopped
         text = self.tokenizer.decode(ids)
-        if not text.startswith(printed):
-            # a decoder that rewrote text already emitted (none of the byte-level
-            # ones do): what was streamed cannot be taken back
-            return printed
+        if not text.startswith(self.stop.emitted):
+            # a decoder that rewrote text already emitted (none of the
+            # byte-level ones do): what was streamed cannot be taken back
+            return False
         if text.endswith("\ufffd") and not final:
-            return printed
-        if len(text) > len(printed):
-            on_text(text[len(printed):])
-        return text
+            return False
+        piece = self.stop.update(text, final)
+        if piece and self.on_text is not None:
+            self.on_text(piece)
+        return self.stop.stopped
+
+    def result(self, ids: list[int]) -> str:
+        if self.stop.stopped:
+            return self.stop.emitted
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

@@ -1,0 +1,146 @@
+"""What a model folder says about conversations: its chat template and its
+end-of-generation ids; and stop strings cut from streamed text.
+
+    if has_chat_template("model_dir"):
+        text = ChatTemplate("model_dir").render([{"role": "user", "content": "Hi"}])
+    eos = end_of_generation_ids("model_dir", tokenizer)
+
+The template is rendered by transformers' `apply_chat_template` (the
+folder's `tokenizer_config.json` `chat_template` or `chat_template.jinja`),
+so a prompt is exactly the text transformers would build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def has_chat_template(folder: str | Path) -> bool:
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    return bool(_json(folder / "tokenizer_config.json").get("chat_template")) or \
+        (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+
+
+def check_messages(messages) -> list[dict]:
+    """The messages as the template takes them: a non-empty list of {role,
+    content}; content a string or OpenAI's list of text parts (joined).
+    ValueError naming what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ValueError(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class ChatTemplate:
+    """A folder's chat template, rendered by transformers."""
+
+    def __init__(self, folder: str | Path):
+        from transformers import AutoTokenizer
+
+        self.folder = Path(folder)
+        self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+
+    def render(self, messages: list[dict], system_prompt: str | None = None) -> str:
+        """The prompt text of `messages` (checked), ending with the assistant's
+        turn opened; `system_prompt` goes first unless a system message is there."""
+        messages = check_messages(messages)
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system_prompt}] + messages
+        try:
+            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises its own errors (raise_exception in templates)
+            raise ValueError(f"the chat template of {self.folder} refused these messages: {e}") from None
+
+
+def end_of_generation_ids(folder: str | Path, tokenizer=None) -> set[int]:
+    """Every eos id the folder names: generation_config.json's and
+    config.json's `eos_token_id` (an int or a list), and the tokenizer's eos token."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return set()
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        eos = _json(folder / name).get("eos_token_id")
+        for e in eos if isinstance(eos, list) else [eos]:
+            if isinstance(e, int) and not isinstance(e, bool):
+                ids.add(e)
+    token = _json(folder / "tokenizer_config.json").get("eos_token")
+    if isinstance(token, dict):  # an AddedToken's fields
+        token = token.get("content")
+    if isinstance(token, str) and tokenizer is not None:
+        i = tokenizer.token_to_id(token)
+        if i is not None:
+            ids.add(i)
+    return ids
+
+
+def check_stop(stop) -> list[str]:
+    """OpenAI's `stop`: None, a string, or a list of strings (non-empty each)."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return list(stops)
+
+
+class StopText:
+    """Text as it grows, emitted so that no stop string is ever shown: the
+    tail that could still begin one is held back until it cannot. A stop
+    string may span tokens; once one appears the text ends before it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.emitted = ""
+        self.stopped = False
+
+    def update(self, text: str, final: bool = False) -> str:
+        """`text` is the whole text so far (each call extends the last);
+        returns the new piece to emit. Sets `stopped` on a stop string."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            end, self.stopped = min(hits), True
+        elif final:
+            end = len(text)
+        else:
+            end = len(text) - self._held(text)
+        piece = text[len(self.emitted):end] if end > len(self.emitted) else ""
+        self.emitted += piece
+        return piece
+
+    def _held(self, text: str) -> int:
+        """The longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

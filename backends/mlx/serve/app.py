@@ -1,0 +1,233 @@
+"""`executorch-mlx serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn).
+
+    GET  /health                 {"status": "ok"}
+    GET  /v1/models              the one model
+    POST /v1/chat/completions    messages -> the chat template -> generate
+    POST /v1/completions         prompt (text or token ids) -> generate
+
+One loaded program has one KV cache, so requests run one at a time, in
+arrival order, on one worker thread (the event loop never waits on a
+generation); the runner reuses the cache's common prefix with the last
+request (a conversation's next turn prefills only the new messages). A
+request whose client goes away is cancelled at its next token.
+Request fields and what they map to: docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..llm.runner import GenerationResult, LLMRunner
+from .requests import Plan, RequestError, parse
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+_DONE = object()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+class _Job:
+    """One request's generation on the worker thread; its text pieces and
+    tokens reach the event loop through a queue when streamed."""
+
+    def __init__(self, plan: Plan, runner: LLMRunner, loop: asyncio.AbstractEventLoop, streamed: bool):
+        self.plan, self.runner, self.loop = plan, runner, loop
+        self.cancelled = threading.Event()
+        self.queue: asyncio.Queue | None = asyncio.Queue() if streamed else None
+        self.tokens: list[tuple[int, float | None]] = []  # not yet sent with a piece of text
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _on_token(self, token: int, logprob: float | None) -> bool:
+        self.tokens.append((token, logprob))
+        return self.cancelled.is_set()
+
+    def _on_text(self, piece: str) -> None:
+        tokens, self.tokens = self.tokens, []
+        self._put((piece, tokens))
+
+    def run(self) -> GenerationResult | None:
+        try:
+            if self.cancelled.is_set():  # its client left while it waited
+                return None
+            return self.runner.generate(self.plan.prompt_ids, on_text=self._on_text if self.queue else None,
+                                        on_token=self._on_token, **self.plan.kwargs)
+        finally:
+            if self.queue is not None:
+                if self.tokens:
+                    self._put(("", self.tokens))
+                self._put(_DONE)
+
+
+class Server:
+    def __init__(self, runner: LLMRunner, model_name: str):
+        self.runner, self.model_name = runner, model_name
+        self.created = int(time.time())
+        # One worker: requests run one at a time, in the order they came.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+
+    # ----------------------------------------------------------- routes --
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "executorch-mlx"}]})
+
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_response(400, "the request body is not valid JSON")
+        try:
+            plan = parse(body, self.runner, chat)
+        except RequestError as e:
+            return error_response(400, str(e), e.param, e.code)
+        loop = asyncio.get_running_loop()
+        job = _Job(plan, self.runner, loop, plan.stream)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                "model": self.model_name}
+        future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
+        if plan.stream:
+            return StreamingResponse(self._stream(job, future, head), media_type="text/event-stream")
+        watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
+        try:
+            result = await future
+        except (RuntimeError, ValueError) as e:
+            return error_response(500, f"generation failed: {e}", kind="server_error")
+        finally:
+            watcher.cancel()
+        if result is None:  # its client left before it ran: nobody reads this
+            return error_response(499, "the client closed the request")
+        content = result.text
+        choice = {"index": 0, "finish_reason": FINISH_REASONS[result.stop_reason]}
+        tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        choice["logprobs"] = self._logprobs(tokens, chat, 0) if plan.logprobs else None
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice], "usage": _usage(result)})
+
+    @staticmethod
+    async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
+        """A whole (not streamed) answer's client that leaves cancels it too."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled.set()
+
+    async def _stream(self, job: _Job, future: asyncio.Future, head: dict):
+        chat = job.plan.chat
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def chunk(text: str | None, tokens=(), finish: str | None = None, offset: int = 0) -> str:
+            choice = {"index": 0, "finish_reason": finish,
+                      "logprobs": self._logprobs(tokens, chat, offset) if job.plan.logprobs and tokens else None}
+            if chat:
+                choice["delta"] = {} if text is None else {"content": text}
+            else:
+                choice["text"] = text or ""
+            return _sse({**head, "choices": [choice]})
+
+        try:
+            if chat:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+            offset = 0
+            while (item := await job.queue.get()) is not _DONE:
+                piece, tokens = item
+                yield chunk(piece, tokens, offset=offset)
+                offset += len(piece)
+            try:
+                result = await future
+            except (RuntimeError, ValueError) as e:
+                yield _sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
+                                      "param": None, "code": None}})
+            else:
+                yield chunk(None, finish=FINISH_REASONS[result.stop_reason])
+                if job.plan.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(result)})
+            yield _sse("[DONE]")
+        finally:
+            job.cancelled.set()  # the client left (or all was sent): stop at the next token
+
+    def _logprobs(self, tokens, chat: bool, offset: int) -> dict:
+        """OpenAI's logprobs of the chosen tokens (an eos id has no text and is left out)."""
+        decode = self.runner.tokenizer.decode
+        kept = [(decode([t]), lp) for t, lp in tokens if t not in self.runner.eos_ids]
+        if chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                for s, lp in kept]}
+        offsets = []
+        for s, _ in kept:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": [s for s, _ in kept], "token_logprobs": [lp for _, lp in kept], "top_logprobs": None,
+                "text_offset": offsets}
+
+
+def _usage(result: GenerationResult) -> dict:
+    completion = len(result.token_ids)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": result.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return error_response(exc.status_code, exc.detail or "error", code=str(exc.status_code))
+
+
+def create_app(runner: LLMRunner, model_name: str) -> Starlette:
+    if runner.tokenizer is None:
+        raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
+    runner.chat_template  # loaded now, not by the first request on the event loop
+    server = Server(runner, model_name)
+    return Starlette(routes=[
+        Route("/health", server.health, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+    ], exception_handlers={HTTPException: _http_error})
+
+
+def serve(pte: str, tokenizer_dir: str, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
+          quiet: bool = False) -> None:
+    """Loads the program, then serves it until interrupted."""
+    import uvicorn
+
+    runner = LLMRunner(pte, tokenizer_dir)
+    name = model_name or Path(pte).stem
+    app = create_app(runner, name)
+    if not quiet:
+        print(f"serving {name} on http://{host}:{port}/v1 (chat template: "
+              f"{'yes' if runner.has_chat_template else 'none, /v1/completions only'})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning" if quiet else "info")

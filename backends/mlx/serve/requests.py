@@ -1,0 +1,218 @@
+"""OpenAI-style request bodies -> checked generate() arguments.
+
+Everything is checked here, before a request is queued: an invalid value is
+a `RequestError` naming the field (HTTP 400 with OpenAI's error body).
+Unknown fields are ignored, as OpenAI's server does. The sampler's fields
+are the table's (serialization/sampler_params.py, its `openai` names) and
+are checked by the same function the runner uses (`sampling_inputs`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+
+from ..llm.chat import check_messages, check_stop
+from ..llm.runner import LLMRunner
+from ..llm.sampler_inputs import PENALTIES, logit_bias_tensors, sampling_inputs
+from ..serialization.sampler_params import BY_NAME, ROW_PARAMS, SAMPLER_INPUTS
+
+# OpenAI's logit_bias range; its ends ban a token or force it.
+BIAS_LIMIT = 100.0
+DEFAULT_REPETITION_CONTEXT = 20
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass
+class Plan:
+    """What one request runs: generate(prompt_ids, **kwargs), and how to answer."""
+
+    chat: bool
+    prompt_ids: list[int]
+    kwargs: dict = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def _int(body: dict, name: str, lo: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}", name)
+    if lo is not None and value < lo:
+        raise RequestError(f"{name} must be >= {lo}, got {value}", name)
+    return value
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _sampler_fields(body: dict, runner: LLMRunner) -> dict:
+    """The table's fields of the request, each checked as the runner checks it."""
+    kwargs = {}
+    for spec in SAMPLER_INPUTS:
+        if spec.openai is None or spec.openai == "logit_bias" or body.get(spec.openai) is None:
+            continue
+        value = body[spec.openai]
+        try:
+            if spec.name == "seed":
+                sampling_inputs(1, 1.0, seed=value)
+            else:
+                sampling_inputs(1, **{spec.name: value})
+        except (TypeError, ValueError) as e:
+            raise RequestError(str(e), spec.openai) from None
+        if spec.name in ROW_PARAMS and value == BY_NAME[spec.name].off:
+            continue
+        kwargs[spec.name] = value
+    if not runner.samples:
+        used = [BY_NAME[n].openai for n in kwargs if n != "seed" and not (n == "temperature" and kwargs[n] <= 0)]
+        if used:
+            raise RequestError(f"this program returns logits (exported with --no-sampling): only greedy "
+                               f"decoding, not {used[0]}", used[0])
+    return kwargs
+
+
+def _logit_bias(body: dict, runner: LLMRunner) -> dict[int, float] | None:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias must be an object {token id: value}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+            raise RequestError(f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}", "logit_bias")
+        out[token] = math.copysign(math.inf, value) if abs(value) == BIAS_LIMIT else float(value)
+    if not out:
+        return None
+    if not runner.samples:
+        raise RequestError("this program returns logits (exported with --no-sampling): no logit_bias",
+                           "logit_bias")
+    try:
+        logit_bias_tensors(out, runner.input_shapes.get("logit_bias_ids", (1, 0))[1], runner.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e), "logit_bias") from None
+    return out
+
+
+def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
+    if chat:
+        try:
+            messages = check_messages(body.get("messages"))
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        if not runner.has_chat_template:
+            raise RequestError("this model's tokenizer folder has no chat template: use /v1/completions",
+                               "messages")
+        try:
+            ids = runner.chat_prompt(messages)
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+        name = "messages"
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a batch of one
+        if isinstance(prompt, str) and prompt:
+            ids = runner.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
+                                                         for i in prompt):
+            if not all(0 <= i < runner.vocab_size for i in prompt):
+                raise RequestError(f"prompt token ids must be in [0, {runner.vocab_size})", "prompt")
+            ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a non-empty string or a list of token ids (one prompt; "
+                               "batches are not implemented)", "prompt")
+        name = "prompt"
+    if not ids:
+        raise RequestError(f"the {name} encode to no tokens", name)
+    if len(ids) >= runner.max_context:
+        raise RequestError(f"the {name} take {len(ids)} tokens; this model's context is {runner.max_context} "
+                           f"tokens (room for at least one generated token is needed)", name,
+                           "context_length_exceeded")
+    return ids
+
+
+def parse(body, runner: LLMRunner, chat: bool) -> Plan:
+    """A request body -> its Plan; RequestError for the first invalid field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    n = _int(body, "n", 1)
+    if n is not None and n > 1:
+        raise RequestError("n > 1 is not implemented: one choice per request", "n")
+    plan = Plan(chat=chat, prompt_ids=_prompt(body, runner, chat))
+    kwargs = _sampler_fields(body, runner)
+    bias = _logit_bias(body, runner)
+    if bias:
+        kwargs["logit_bias"] = bias
+    context = _int(body, "repetition_context_size", 1)
+    if context is not None:
+        kwargs["repetition_context_size"] = context
+    history = runner.input_shapes.get("history", (1, 0))[1]
+    if any(name in PENALTIES for name in kwargs):
+        context = context or min(DEFAULT_REPETITION_CONTEXT, history)
+        if context > history:
+            raise RequestError(f"repetition_context_size {context} exceeds this program's history of {history} "
+                               f"tokens", "repetition_context_size")
+        kwargs["repetition_context_size"] = context
+    try:
+        kwargs["stop"] = check_stop(body.get("stop")) or None
+    except ValueError as e:
+        raise RequestError(str(e), "stop") from None
+    # OpenAI's newer name first; the older one is still sent by many clients
+    limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    room = runner.max_context - len(plan.prompt_ids)
+    limit = _int(body, limit_name, 1)
+    if limit is not None and limit > room:
+        raise RequestError(f"{limit_name} {limit} + the prompt's {len(plan.prompt_ids)} tokens exceed this "
+                           f"model's context of {runner.max_context} tokens", limit_name, "context_length_exceeded")
+    kwargs["max_new_tokens"] = limit or room
+    plan.logprobs = _logprobs(body, runner, chat)
+    plan.stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError("stream_options must be an object", "stream_options")
+        plan.include_usage = _bool(options, "include_usage")
+    # OpenAI's defaults: temperature 1, and a different sample each time
+    kwargs.setdefault("temperature", 1.0 if runner.samples else 0.0)
+    kwargs.setdefault("seed", secrets.randbits(63))
+    plan.kwargs = kwargs
+    return plan
+
+
+def _logprobs(body: dict, runner: LLMRunner, chat: bool) -> bool:
+    if chat:
+        wanted = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0)
+        if top:
+            raise RequestError("top_logprobs > 0 is not implemented: logprobs gives the chosen token's",
+                               "top_logprobs")
+    else:  # the legacy field is the number of top logprobs; 0 gives the chosen token's only
+        top = _int(body, "logprobs", 0)
+        if top:
+            raise RequestError("logprobs > 0 (top logprobs) is not implemented: 0 gives the chosen token's",
+                               "logprobs")
+        wanted = top == 0
+    if wanted and not runner.logprobs:
+        raise RequestError("this program was exported without logprobs (executorch-mlx export --logprobs)",
+                           "logprobs")
+    return wanted

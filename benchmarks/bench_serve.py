@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server under streaming clients, next to LLMRunner in
+this process on the same .pte, in the same run.
+
+    .venv/bin/python benchmarks/bench_serve.py                       # ~104M Llama, int4, 4 clients
+    .venv/bin/python benchmarks/bench_serve.py --clients 8 --requests 16 --quantize none
+
+The model: the ~104M config of bench_llm.py (8 layers, hidden 1024, GQA
+16/4, vocab 32000, tied embeddings; random weights) with a ChatML template
+and a tokenizer padded to the vocabulary. The server (`executorch-mlx
+serve`) runs as a subprocess on 127.0.0.1 (a free port, never another
+address); every client streams, with the eos ids banned so that each
+answer has exactly --max-tokens tokens. The counts and the wall time are
+bounded (--clients <= 16, --requests <= 64, --timeout).
+
+Printed: requests/s; time to first token p50/p99 (with C clients, the queue
+is part of it: requests run one at a time); decode tokens/s per request
+through the server and in-process; a multi-turn follow-up's time to first
+token against a cold request of the same conversation (its prefix reused).
+Musts: server decode >= 90% of in-process; follow-up <= 25% of cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+# A long first message, so that the cold prefill dominates its time to first token.
+STORY = ("The quick brown fox jumps over the lazy dog. A small model runs on the device and writes one token at a "
+         "time. The sun rose over the hills, the river ran to the sea, and the engineers measured tokens per "
+         "second, again and again, until the numbers held. ") * 4
+
+
+def write_folder(path: Path) -> Path:
+    """bench_llm.py's large config with a ChatML tokenizer of 32000 tokens."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+    from executorch_mlx.llm.model_folders import BOS, CHAT_TOKENS, CHATML, EOS, train_tokenizer
+
+    vocab = 32000
+    tok = train_tokenizer()
+    tok.add_special_tokens(list(CHAT_TOKENS))
+    tok.add_tokens([f"<w{i}>" for i in range(vocab - tok.get_vocab_size())])  # random ids decode to text
+    hidden = 1024
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=[1, tok.token_to_id(CHAT_TOKENS[1])], use_cache=True)
+    model.save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({path})", flush=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_chat(port: int, body: dict, timeout: float) -> dict:
+    """One streamed request: time to first token, decode tokens/s, tokens."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    first = last = None
+    usage, text = None, []
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        pieces = [c.get("delta", {}).get("content") or "" for c in event.get("choices", [])]
+        if any(pieces):
+            last = time.perf_counter()
+            first = first or last
+            text += pieces
+    conn.close()
+    tokens = usage["completion_tokens"]
+    return {"ttft": first - t0, "tokens": tokens, "end": last, "text": "".join(text),
+            "decode": (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan"),
+            "cached": usage["prompt_tokens_details"]["cached_tokens"], "prompt": usage["prompt_tokens"]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (<= 16)")
+    ap.add_argument("--requests", type=int, default=8, help="requests in all (<= 64)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    ap.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"])
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds the server part may take at most")
+    ap.add_argument("--pte", type=Path, help="reuse this .pte and --folder instead of exporting")
+    ap.add_argument("--folder", type=Path)
+    args = ap.parse_args()
+    if not (1 <= args.clients <= 16 and 1 <= args.requests <= 64 and 2 <= args.max_tokens <= 512):
+        ap.error("--clients must be in [1, 16], --requests in [1, 64], --max-tokens in [2, 512]")
+
+    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.runner import LLMRunner
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    folder, pte = args.folder, args.pte
+    if pte is None:
+        folder = write_folder(tmp / "model")
+        t = time.perf_counter()
+        pte = export_llm(folder, tmp / "model.pte", max_context=args.max_context,
+                         quantize=None if args.quantize == "none" else args.quantize, progress=None)
+        print(f"exported {pte.stat().st_size / 2**20:.1f} MiB ({args.quantize}) in {time.perf_counter() - t:.0f} s",
+              flush=True)
+    with open("/proc/loadavg") as f:
+        print(f"{os.cpu_count()} cores; load average {f.read().split()[0]} before measuring", flush=True)
+
+    runner = LLMRunner(pte, folder)
+    eos_ban = {t: float("-inf") for t in runner.eos_ids}
+    # Prompts that differ from their first word (the tokenizer knows no digits), ~60 tokens each.
+    words = STORY.split()
+    prompts = [[{"role": "user", "content": " ".join((words[5 * i:] + words[:5 * i])[:40])}]
+               for i in range(args.requests)]
+
+    # In-process: the same requests, one after another, the same sampler settings.
+    runner.generate(runner.chat_prompt(prompts[-1]), max_new_tokens=4)  # warm-up
+    local = []
+    for i, messages in enumerate(prompts[:max(2, args.requests // 2)]):
+        ids = runner.chat_prompt(messages)
+        t = time.perf_counter()
+        first = []
+        r = runner.generate(ids, max_new_tokens=args.max_tokens, temperature=0.8, seed=i, logit_bias=eos_ban,
+                            on_text=lambda s: first or first.append(time.perf_counter()))
+        local.append({"ttft": first[0] - t, "decode": r.decode_tokens_per_s})
+
+    port = free_port()
+    log = open(tmp / "server.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "executorch_mlx.cli", "serve", str(pte), "--tokenizer",
+                               str(folder), "--host", "127.0.0.1", "--port", str(port), "--quiet"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.timeout
+    try:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the server did not start: {log.read()[-2000:]}")
+                time.sleep(0.2)
+        bias = {str(t): -100 for t in runner.eos_ids}
+        body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
+                                    "temperature": 0.8, "seed": i, "logit_bias": bias}
+        stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
+        single = [stream_chat(port, body(i, messages), args.timeout) for i, messages in enumerate(prompts[:len(local)])]
+
+        results: list[dict | None] = [None] * args.requests
+        next_request = iter(range(args.requests))
+        lock = threading.Lock()
+
+        def client():
+            while time.monotonic() < deadline:
+                with lock:
+                    i = next(next_request, None)
+                if i is None:
+                    return
+                results[i] = stream_chat(port, body(i, prompts[i]), max(1.0, deadline - time.monotonic()))
+
+        t = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        done = [r for r in results if r is not None]
+        wall = max(r["end"] for r in done) - t
+
+        # Multi-turn: a cold request of a conversation (the cache holds another one),
+        # then the same request as the follow-up of its first turn (the cache holds that turn).
+        first_turn = [{"role": "user", "content": STORY}]
+        answer = stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)["text"]
+        conversation = first_turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+        stream_chat(port, body(98, [{"role": "user", "content": "Something else entirely."}]), args.timeout)
+        cold = stream_chat(port, {**body(97, conversation), "max_tokens": 8}, args.timeout)
+        stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)  # the first turn again
+        follow = stream_chat(port, {**body(97, conversation), "max_tokens": 8}, args.timeout)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+    server_decode = statistics.median(r["decode"] for r in done)
+    single_decode = statistics.median(r["decode"] for r in single)
+    local_decode = statistics.median(r["decode"] for r in local)
+    ttfts = [r["ttft"] for r in done]
+    print(f"\n{len(local)} requests one at a time (server and in-process), then {len(done)} of {args.requests} "
+          f"from {args.clients} concurrent clients; {args.max_tokens} tokens each, T=0.8")
+    print("| metric | server | in-process | server / in-process |")
+    print("|---|---|---|---|")
+    print(f"| time to first token, one client, median (s) | {statistics.median(r['ttft'] for r in single):.3f} | "
+          f"{statistics.median(r['ttft'] for r in local):.3f} | "
+          f"{statistics.median(r['ttft'] for r in single) / statistics.median(r['ttft'] for r in local):.2f} |")
+    print(f"| decode tokens/s, one client, median | {single_decode:.1f} | {local_decode:.1f} | "
+          f"{single_decode / local_decode:.2f} |")
+    print(f"| requests/s, {args.clients} clients | {len(done) / wall:.2f} | | |")
+    print(f"| time to first token p50 / p99, {args.clients} clients (s; queue included) | "
+          f"{percentile(ttfts, 50):.3f} / {percentile(ttfts, 99):.3f} | | |")
+    print(f"| decode tokens/s per request, {args.clients} clients, median | {server_decode:.1f} | {local_decode:.1f} | "
+          f"{server_decode / local_decode:.2f} |")
+    print(f"| multi-turn follow-up TTFT (s) | {follow['ttft']:.3f} (cached {follow['cached']} of "
+          f"{follow['prompt']}) | cold {cold['ttft']:.3f} (cached {cold['cached']}) | "
+          f"{follow['ttft'] / cold['ttft']:.2f} of cold |")
+    ok_decode = min(server_decode, single_decode) >= 0.9 * local_decode
+    ok_turn = follow["ttft"] <= 0.25 * cold["ttft"]
+    print(f"\nmust: server decode >= 90% of in-process: {'yes' if ok_decode else 'NO'}; "
+          f"follow-up TTFT <= 25% of cold: {'yes' if ok_turn else 'NO'}")
+    return 0 if ok_decode and ok_turn else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""Issue 18 (chat and serve): chat templates, stop strings, multi-turn with
+the KV cache reused, `executorch-mlx chat` in a pseudo-terminal, and the
+OpenAI-compatible server driven by the official `openai` client.
+
+One tiny Qwen2 instruct folder (ChatML template, `<|im_end|>` an eos id of
+generation_config.json only) is exported once; one server, started from the
+README's own command line on a free port of 127.0.0.1, serves every server
+test and is stopped at the end. Greedy answers are held to transformers'
+greedy generation under the same chat template."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from executorch_mlx.llm.chat import StopText
+from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.model_folders import CHAT_TOKENS, write_model_folder
+from test_documented_commands import README, runnable
+
+MAX_CONTEXT = 256
+HELLO = [{"role": "user", "content": "Once upon a time"}]
+
+
+@dataclass
+class Model:
+    root: Path
+    folder: Path
+    pte: Path
+    server: subprocess.Popen
+    port: int
+    log: object
+    chat: object
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The README's names: MODEL_DIR (a chat folder) and model.pte (with
+    logprobs). The server and the terminal chat start as soon as the program
+    is there, so that they load while the first tests run."""
+    import pexpect
+
+    root = tmp_path_factory.mktemp("serve")
+    folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
+                                intermediate=64, chat=True)
+    pte = export_llm(folder, root / "model.pte", max_context=MAX_CONTEXT, logprobs=True, progress=None)
+    port = _free_port()
+    [line] = runnable(README, "serve")  # the README's serve line, run where model.pte and MODEL_DIR are
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    log = open(root / "server.log", "w+")
+    server = subprocess.Popen(["bash", "-c", "exec " + _shell(line, port)], cwd=root, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    chat = pexpect.spawn(sys.executable, ["-m", "executorch_mlx.cli", "chat", str(pte), "--tokenizer", str(folder),
+                                          "--max-new-tokens", "16"], encoding="utf-8", timeout=90)
+    yield Model(root, folder, pte, server, port, log, chat)
+    chat.close(force=True)
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """transformers' greedy generation under the folder's chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = model.folder
+    tok = AutoTokenizer.from_pretrained(folder)
+    lm = AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def prompt(messages) -> list[int]:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    def greedy(messages=None, n: int = 16, ids: list[int] | None = None, **kw) -> tuple[list[int], str]:
+        if ids is None:
+            ids = prompt(messages)
+        with torch.no_grad():
+            out = lm.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n, **kw)[0, len(ids):].tolist()
+        return out, tok.decode(out, skip_special_tokens=True)
+
+    greedy.tokenizer, greedy.prompt = tok, prompt
+    return greedy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shell(line: str, port: int) -> str:
+    """A README line with its port made this test's."""
+    return line.replace("8080", str(port))
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """The base URL and port of the README's server, once it answers."""
+    url = f"http://127.0.0.1:{model.port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                assert json.load(r) == {"status": "ok"}
+            return url, model.port
+        except OSError:
+            model.log.seek(0)
+            assert model.server.poll() is None, f"the server exited: {model.log.read()}"
+            assert time.monotonic() < deadline, f"the server did not start: {model.log.read()}"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _post(server, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server[0] + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def _chat(client, messages=HELLO, **kw):
+    return client.chat.completions.create(model="model", messages=messages, **kw)
+
+
+def _streamed(client, messages=HELLO, **kw) -> tuple[str, str, list]:
+    """(joined content, finish reason, logprob entries) of a streamed chat."""
+    text, finish, logprobs = [], None, []
+    for chunk in _chat(client, messages, stream=True, **kw):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+            if choice.logprobs and choice.logprobs.content:
+                logprobs += [(e.token, e.logprob) for e in choice.logprobs.content]
+    return "".join(text), finish, logprobs
+
+
+# ------------------------------------------------------------- stop text --
+def test_stop_strings_are_held_back_across_pieces():
+    stop = StopText(["<end>", "xyz"])
+    pieces = [stop.update(t) for t in ("ab<", "ab<e", "ab<en", "ab<en!x")]
+    assert pieces == ["ab", "", "", "<en!"] and not stop.stopped  # "<en!" can begin no stop string
+    assert stop.update("ab<en!xy") == "" and stop.update("ab<en!xyz tail") == "" and stop.stopped
+    assert stop.emitted == "ab<en!"
+    done = StopText(["<end>"])
+    assert done.update("a<e") == "a" and done.update("a<e", final=True) == "<e"  # the end flushes what waits
+
+
+# ------------------------------------------------- generate and chat (CLI) --
+def test_generate_applies_the_chat_template_by_default(model, reference, capsys):
+    from executorch_mlx.cli import main
+
+    folder, pte = model.folder, model.pte
+    args = ["generate", str(pte), "--tokenizer", str(folder), "--prompt", HELLO[0]["content"],
+            "--max-new-tokens", "16", "--json"]
+    assert main(args) == 0
+    want, _ = reference(HELLO)
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main(args + ["--ignore-chat-template"]) == 0  # the raw prompt: another answer
+    raw = reference.tokenizer(HELLO[0]["content"])["input_ids"]
+    assert json.loads(capsys.readouterr().out)["token_ids"] == reference(ids=raw)[0]
+    assert main(args + ["--system-prompt", "The fox"]) == 0
+    with_system, _ = reference([{"role": "system", "content": "The fox"}] + HELLO)
+    assert json.loads(capsys.readouterr().out)["token_ids"] == with_system
+
+
+def test_chat_in_a_terminal(model, reference):
+    """Streamed answers, multi-turn with the cache reused, /reset and /exit."""
+    import pexpect
+
+    want, text = reference(HELLO)
+    chat = model.chat  # started by the fixture
+    try:
+        chat.expect_exact("> ")
+        chat.sendline(HELLO[0]["content"])
+        chat.expect(r"\[(\d+) tokens, [\d.]+ tokens/s; (\d+) of (\d+) prompt tokens reused\]")
+        assert chat.before.replace("\r\n", "\n").strip().endswith(text.strip())
+        assert int(chat.match.group(1)) == len(want) and chat.match.group(2) == "0"
+        chat.expect_exact("> ")
+        chat.sendline("The fox")
+        chat.expect(r"(\d+) of (\d+) prompt tokens reused\]")
+        assert int(chat.match.group(1)) > int(chat.match.group(2)) // 2  # the first turn was not prefilled again
+        chat.expect_exact("> ")
+        chat.sendline("/reset")
+        chat.expect_exact("(a new conversation)")
+        chat.sendline("/exit")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close()
+    assert chat.exitstatus == 0
+
+
+# ---------------------------------------------------------------- server --
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["model"]
+
+
+def test_greedy_chat_equals_transformers(client, reference):
+    want, text = reference(HELLO)
+    reply = _chat(client, temperature=0, max_tokens=16, extra_body={"an_unknown_field": [1]})  # ignored
+    assert reply.choices[0].message.content == text
+    assert reply.usage.completion_tokens == len(want)
+    eos = {1, reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])}
+    assert reply.choices[0].finish_reason == ("stop" if want[-1] in eos else "length")
+    prompt = reference.prompt(HELLO)
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.total_tokens == len(prompt) + len(want)
+
+
+def test_stream_equals_whole(client):
+    for kw in (dict(temperature=0), dict(temperature=1.1, seed=5, top_p=0.9, logprobs=True),
+               dict(temperature=1.3, seed=9, stop=["e", "o"], extra_body={"top_k": 20, "min_p": 0.01})):
+        whole = _chat(client, max_tokens=24, **kw)
+        text, finish, logprobs = _streamed(client, max_tokens=24, **kw)
+        assert text == whole.choices[0].message.content and finish == whole.choices[0].finish_reason
+        if kw.get("logprobs"):
+            assert logprobs == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    runs = [_chat(client, temperature=1.2, seed=s, max_tokens=24).choices[0].message.content for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    penalized = dict(temperature=1.0, seed=3, max_tokens=24, presence_penalty=0.5, frequency_penalty=0.3,
+                     extra_body={"repetition_penalty": 1.3, "repetition_context_size": 32})
+    twice = [_chat(client, **penalized).choices[0].message.content for _ in range(2)]
+    assert twice[0] == twice[1]
+
+
+def test_logit_bias_bans_and_forces_tokens(client, reference):
+    want, _ = reference(HELLO)
+    banned = sorted(set(want[:6]) - {1, 230})
+    reply = _chat(client, temperature=0, max_tokens=16, logprobs=True, logit_bias={str(t): -100 for t in banned})
+    tokens = [e.token for e in reply.choices[0].logprobs.content]
+    assert tokens and not {reference.tokenizer.decode([t]) for t in banned} & set(tokens)
+    # +100 forces <|im_end|>, an eos id of generation_config.json only: the answer ends at once
+    end = reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])
+    forced = _chat(client, temperature=0.7, seed=1, max_tokens=16, logit_bias={str(end): 100})
+    assert forced.choices[0].message.content == "" and forced.choices[0].finish_reason == "stop"
+    assert forced.usage.completion_tokens == 1
+
+
+def test_stop_strings_cut_across_tokens(client, reference):
+    want, text = reference(HELLO)
+    tok = reference.tokenizer
+    pieces = [tok.decode([t]) for t in want]
+    i = next(k for k in range(1, len(pieces)) if pieces[k - 1] and pieces[k])
+    stop = pieces[i - 1][-1] + pieces[i][0]  # spans two tokens
+    cut = text[:text.find(stop)]
+    for stream in (False, True):
+        if stream:
+            got, finish, _ = _streamed(client, temperature=0, max_tokens=16, stop=[stop, "never seen"])
+        else:
+            reply = _chat(client, temperature=0, max_tokens=16, stop=stop)
+            got, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert (got, finish) == (cut, "stop")
+
+
+def test_logprobs(client, server, reference):
+    reply = _chat(client, temperature=0, max_tokens=12, logprobs=True)
+    entries = reply.choices[0].logprobs.content
+    vocab = len(reference.tokenizer)
+    assert "".join(e.token for e in entries) == reply.choices[0].message.content
+    assert all(-torch.log(torch.tensor(float(vocab))) <= e.logprob <= 0 for e in entries)  # greedy: the top token
+    assert all(bytes(e.bytes) == e.token.encode() for e in entries)
+    status, body = _post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6,
+                                                     "temperature": 0.9, "seed": 2, "logprobs": 0})
+    logprobs = body["choices"][0]["logprobs"]
+    assert status == 200 and "".join(logprobs["tokens"]) == body["choices"][0]["text"]
+    assert len(logprobs["token_logprobs"]) == len(logprobs["tokens"])
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert logprobs["text_offset"][0] == 0
+
+
+def test_multi_turn_equals_transformers_and_reuses_the_cache(client, reference):
+    _, first = reference(HELLO)
+    assert _chat(client, temperature=0, max_tokens=16).choices[0].message.content == first
+    conversation = HELLO + [{"role": "assistant", "content": first}, {"role": "user", "content": "The fox"}]
+    want, text = reference(conversation)
+    reply = _chat(client, conversation, temperature=0, max_tokens=16)
+    assert reply.choices[0].message.content == text
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert len(reference.prompt(HELLO)) <= cached
+    assert cached < reply.usage.prompt_tokens
+
+
+def test_concurrent_clients_equal_serial(client):
+    requests = [dict(temperature=1.1, seed=s, max_tokens=16, messages=[{"role": "user", "content": p}])
+                for s, p in ((1, "The fox"), (2, "Once upon a time"), (3, "The sun rose"), (4, "The fox"))]
+    serial = [_chat(client, **r).choices[0].message.content for r in requests]
+    results = [None] * len(requests)
+
+    def ask(i):
+        if i % 2:
+            results[i] = _streamed(client, **requests[i])[0]
+        else:
+            results[i] = _chat(client, **requests[i]).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == serial
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": HELLO, "top_p": 1.5}, "top_p"),
+    ({"messages": HELLO, "logit_bias": {"12": 500}}, "logit_bias"),
+    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "max_tokens": 10_000}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": HELLO, "temperature": -1}, "temperature"),
+    ({"messages": HELLO, "stop": 3}, "stop"),
+])
+def test_malformed_requests_get_400_naming_the_field(server, client, body, param):
+    status, reply = _post(server, "/v1/chat/completions", {**body, "unknown_field": "ignored"})
+    assert status == 400 and reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+    assert param in reply["error"]["message"] or param == "messages"
+    assert _chat(client, temperature=0, max_tokens=2).usage.completion_tokens >= 1  # still answering
+
+
+def test_invalid_json_and_unknown_routes(server):
+    assert _post(server, "/v1/chat/completions", b"{not json")[0] == 400
+    status, body = _post(server, "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "error" in body
+
+
+def test_a_client_that_disconnects_stops_its_generation(server, client, reference):
+    """The server stops at the next token: the cache then holds less than the
+    whole generation (cached_tokens of a request that repeats it says so)."""
+    prompt = reference.tokenizer("Once upon a time")["input_ids"]
+    n = MAX_CONTEXT - len(prompt) - 1
+    eos = [1, reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])]
+    want, _ = reference(ids=prompt, n=n, suppress_tokens=eos)  # eos banned: it runs to max_tokens
+    fields = {"max_tokens": n, "temperature": 0, "logit_bias": {str(t): -100 for t in eos}}
+    status, body = _post(server, "/v1/completions", {"prompt": prompt, **fields})
+    # the reference is the server's answer too
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)
+    conn = http.client.HTTPConnection("127.0.0.1", server[1], timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "stream": True, **fields}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.fp.readline()  # the first event
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    follow = _post(server, "/v1/completions", {"prompt": prompt + want[:-1], "max_tokens": 1, "temperature": 0})[1]
+    cached = follow["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert len(prompt) <= cached < len(prompt) + n - 2, cached  # stopped well before the end
+    assert _chat(client, temperature=0, max_tokens=16).choices[0].message.content == reference(HELLO)[1]
+
+
+def test_readme_curl_and_openai_examples(model, server, capsys):
+    """The README's curl and openai-client blocks against the README's server:
+    the same request, so the same text (streamed by one, whole from the other)."""
+    root = model.root
+    curl = subprocess.run(["bash", "-e", "-c", _shell("\n".join(runnable(README, "serve-curl")), server[1])],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert curl.returncode == 0, curl.stderr
+    whole = json.loads(curl.stdout)["choices"][0]["message"]["content"]
+    code = _shell("\n".join(runnable(README, "serve-openai")), server[1])
+    exec(compile(code, "README.md", "exec"), {})
+    assert capsys.readouterr().out == whole and whole
