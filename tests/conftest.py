@@ -28,11 +28,13 @@ class SharedBuilds:
         """build(folder) run once per run in an empty folder of its own;
         every caller gets the folder and what build returned (picklable)."""
         import pickle
+        import shutil
 
         folder, result = self.root / name, self.root / f"{name}.result"
         with open(self.root / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not result.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed build left: each caller tries anew
                 folder.mkdir()
                 value = build(folder)
                 result.write_bytes(pickle.dumps(value))
