@@ -51,6 +51,10 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu}"
 
 
+def load_average() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"
+
+
 def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -236,12 +240,14 @@ def main() -> int:
         return 2
     torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
     print("command: " + " ".join(sys.argv))
-    print(f"machine: {machine()}", flush=True)
+    # on a loaded machine every contender slows, unevenly: say how loaded it was
+    print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     import executorch_mlx  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs:
             bench_config(config, args, Path(tmp))
+    print(f"load average at end: {load_average()}")
     return 0
 
 
