@@ -55,13 +55,14 @@ def cmd_generate(args) -> int:
 
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
-    prompt = args.prompt
+    options = dict(max_new_tokens=args.max_new_tokens, on_text=stream, **sampler_kwargs(args))
     if runner.has_chat_template and not args.ignore_chat_template:
-        prompt = runner.chat_prompt([{"role": "user", "content": args.prompt}], args.system_prompt)
+        result = runner.chat([{"role": "user", "content": args.prompt}], args.system_prompt, **options)
     elif args.system_prompt is not None:
         raise ValueError("--system-prompt needs a chat template: the tokenizer folder has none, or "
                          "--ignore-chat-template was given")
-    result = runner.generate(prompt, max_new_tokens=args.max_new_tokens, on_text=stream, **sampler_kwargs(args))
+    else:
+        result = runner.generate(args.prompt, **options)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,

@@ -52,11 +52,19 @@ def describe_graph(g: ir.Graph) -> str:
     return "\n".join(lines)
 
 
-def delegate_blobs(pte: bytes) -> list[tuple[str, int, str, bytes]]:
-    """(method, delegate index, backend id, processed bytes) for every delegate."""
+def _read_program(pte: bytes):
+    """The .pte's Program table, parsed by ExecuTorch's serializer."""
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    program = deserialize_pte_binary(pte).program
+    return deserialize_pte_binary(pte).program
+
+
+def delegate_blobs(pte: bytes) -> list[tuple[str, int, str, bytes]]:
+    """(method, delegate index, backend id, processed bytes) for every delegate."""
+    return _blobs(_read_program(pte))
+
+
+def _blobs(program) -> list[tuple[str, int, str, bytes]]:
     found = []
     for plan in program.execution_plan:
         for i, d in enumerate(plan.delegates):
@@ -104,7 +112,8 @@ def inspect_pte(path: str | Path) -> str:
     check_identifier(data[:8], path)
     try:
         check_program(data)  # our container checks: quick, and no export stack to import for a bad file
-        blobs = delegate_blobs(data)
+        program = _read_program(data)
+        blobs = _blobs(program)
     except Exception as e:  # noqa: BLE001 - any parser failure means a corrupt file
         raise ValueError(f"{path} is not a readable .pte (corrupt or truncated): {type(e).__name__}: {e}") from None
     lines = []
@@ -119,22 +128,20 @@ def inspect_pte(path: str | Path) -> str:
             lines.append(f"  (this delegate's graph cannot be read: {type(e).__name__}: {e})")
     if not blobs:
         lines.append("no delegates: the whole program runs on ExecuTorch's portable kernels")
-    lines += _outside_lines(data)
+    lines += _outside_lines(program)
     return "\n".join(lines)
 
 
-def _outside_lines(pte: bytes) -> list[str]:
+def _outside_lines(program) -> list[str]:
     """The operators each method runs outside the delegates, and why. The
     .pte keeps only their names: an op with no handler says so; one whose
     handler refused this use (a dtype, an argument) was reported by export,
     with the partitioner's reason (MLXPartitioner.outside)."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
     from .lowering.registry import registered_ops
 
     handled = {str(op).rsplit(".", 1)[0] for op in registered_ops()}  # "aten.add"
     lines = []
-    for plan in deserialize_pte_binary(pte).program.execution_plan:
+    for plan in program.execution_plan:
         for op in plan.operators:
             why = ("an MLX handler refused this use; export printed why" if op.name.replace("::", ".") in handled
                    else "no MLX handler for this op")
