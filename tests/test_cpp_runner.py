@@ -1,29 +1,25 @@
 """The C++ runner (runtime/llm_runner.cpp, installed as emlx_runner) gives
-exactly the ids of the Python LLMRunner on the same .pte, prompt and seed."""
+exactly the ids of the Python LLMRunner on the same .pte, prompt and seed.
+(The README's C++ test runs it on an int4 program: tests/test_documented_commands.py.)"""
 
 from __future__ import annotations
 
 import subprocess
 
 import pytest
-from llm_programs import family_program
+from llm_programs import MAX_CONTEXT, family_program
 
 import executorch_mlx
-from executorch_mlx.llm.hf_export import export_llm
 from executorch_mlx.llm.runner import LLMRunner
 
 PROMPT = [5, 17, 42, 8, 99, 3, 61]
 
 
 @pytest.fixture(scope="module")
-def programs(shared, tmp_path_factory):
-    folder, logits = family_program(shared, "llama", sampling=False)
-    tmp = tmp_path_factory.mktemp("cpp_runner")
-    return {
-        "sampled-int4": export_llm(folder, tmp / "s.pte", max_context=16, quantize="int4", group_size=32,
-                                   progress=None),
-        "logits": logits,
-    }
+def programs(shared):
+    """The Llama family programs tests/test_llm.py runs too (the sampled one
+    also returns log-probabilities, which the C++ runner reads past)."""
+    return {"sampled": family_program(shared, "llama")[1], "logits": family_program(shared, "llama", False)[1]}
 
 
 def cpp(pte, *args: str) -> subprocess.CompletedProcess:
@@ -39,8 +35,8 @@ def cpp_ids(pte, prompt, new, temperature=0.0, seed=0, *flags: str) -> list[int]
     return [int(i) for i in lines[0].split()[1:]]
 
 
-@pytest.mark.parametrize("case,temperature,seed", [("sampled-int4", 0.9, 7), ("sampled-int4", 0.9, 2**64 - 5),
-                                                   ("sampled-int4", 0.0, 0), ("logits", 0.0, 0)])
+@pytest.mark.parametrize("case,temperature,seed", [("sampled", 0.9, 7), ("sampled", 0.9, 2**64 - 5),
+                                                   ("sampled", 0.0, 0), ("logits", 0.0, 0)])
 def test_cpp_runner_ids_equal_python_runner(programs, case, temperature, seed):
     want = LLMRunner(programs[case]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=seed)
     assert cpp_ids(programs[case], PROMPT, 8, temperature, seed) == want.token_ids
@@ -59,9 +55,9 @@ SAMPLERS = [
 @pytest.mark.parametrize("kwargs,flags", SAMPLERS, ids=["top-k+top-p", "min-p+repetition", "penalties+bias"])
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, temperature):
-    want = LLMRunner(programs["sampled-int4"]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=3,
+    want = LLMRunner(programs["sampled"]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=3,
                                                        **kwargs)
-    assert cpp_ids(programs["sampled-int4"], PROMPT, 8, temperature, 3, *flags) == want.token_ids
+    assert cpp_ids(programs["sampled"], PROMPT, 8, temperature, 3, *flags) == want.token_ids
     if "logit_bias" in kwargs:
         assert 17 not in want.token_ids
 
@@ -72,7 +68,7 @@ def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, t
     (["--prompt-ids", "1", "--temperature", "-1"], "--temperature must be >= 0"),
     (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     (["--prompt-ids", "1", "--bogus"], "unknown option --bogus"),
-    (["--prompt-ids", "1", "--max-new-tokens", "16"], "exceeds the max context of 16"),
+    (["--prompt-ids", "1", "--max-new-tokens", str(MAX_CONTEXT)], f"exceeds the max context of {MAX_CONTEXT}"),
     (["--prompt-ids", "100000", "--max-new-tokens", "2"], "prompt token ids must be in [0, "),
     (["--prompt-ids", "1", "--temperature", "0.5", "--seed", "1.5"], "--seed: expected a 64-bit integer"),
     (["--prompt-ids", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
@@ -86,7 +82,7 @@ def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, t
     (["--prompt-ids", "1", "--memory-budget-kib", "0"], "--memory-budget-kib must be in [1, 2^31)"),
 ])
 def test_cpp_runner_bad_arguments(programs, args, message):
-    done = cpp(programs["sampled-int4"], *args)
+    done = cpp(programs["sampled"], *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
