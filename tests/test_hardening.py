@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from container_fuzz import MAX_CONTEXT, export_program
+from llm_programs import family_program
 
 import executorch_mlx
 from executorch_mlx.llm.hf_export import export_llm
@@ -25,14 +26,18 @@ PROMPT = "Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def llm(shared, tmp_path_factory):
+def llm(shared):
     """A tiny Llama with an all-bytes tokenizer (sampled text splits UTF-8),
-    exported sampling (the program tests/test_container_fuzz.py uses too) and
-    logits-only. The shared folder is read, never written."""
+    exported sampling (the program tests/test_container_fuzz.py uses too).
+    The shared folder is read, never written."""
     sampled, folder = shared.get("tiny-llama", export_program)
-    logits = export_llm(folder, tmp_path_factory.mktemp("hardening") / "l.pte", max_context=MAX_CONTEXT,
-                        sampling=False, progress=None)
-    return folder, sampled, logits
+    return folder, sampled
+
+
+@pytest.fixture(scope="module")
+def logits_llm(shared):
+    """(folder, logits-only .pte): the Llama family program tests/test_llm.py uses."""
+    return family_program(shared, "llama", sampling=False)
 
 
 def in_thread(fn):
@@ -59,7 +64,7 @@ def test_load_in_main_thread_generate_in_worker(llm, temperature):
     """MLX streams are per thread: a program loaded here and first run in a
     worker used to fail ("There is no Stream(cpu, 0) in current thread",
     reported as a reset KV cache)."""
-    folder, pte, _ = llm
+    folder, pte = llm
     want = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=16, temperature=temperature, seed=3)
     runner = LLMRunner(pte, folder)  # loaded in this thread, never run here
     got = in_thread(lambda: runner.generate(PROMPT, max_new_tokens=16, temperature=temperature, seed=3))
@@ -68,8 +73,8 @@ def test_load_in_main_thread_generate_in_worker(llm, temperature):
     assert runner.generate(PROMPT, max_new_tokens=16, temperature=temperature, seed=3).token_ids == want.token_ids
 
 
-def test_logits_program_loaded_in_main_runs_in_worker(llm):
-    folder, _, pte = llm
+def test_logits_program_loaded_in_main_runs_in_worker(logits_llm):
+    folder, pte = logits_llm
     want = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8)
     runner = LLMRunner(pte, folder)
     assert in_thread(lambda: runner.generate(PROMPT, max_new_tokens=8)).token_ids == want.token_ids
@@ -80,7 +85,7 @@ def _generations(runner, seeds):
 
 
 def test_two_runners_in_two_threads_equal_serial(llm):
-    folder, pte, _ = llm
+    folder, pte = llm
     runners = [LLMRunner(pte, folder), LLMRunner(pte, folder)]
     seeds = [[1, 2, 3, 4], [5, 6, 7, 8]]
     serial = [_generations(LLMRunner(pte, folder), s) for s in seeds]
@@ -100,7 +105,7 @@ def test_two_runners_in_two_threads_equal_serial(llm):
 def test_one_runner_shared_by_threads_serializes(llm):
     """One runner, one KV cache: concurrent generate calls take turns (a
     lock), each giving the tokens it gives alone."""
-    folder, pte, _ = llm
+    folder, pte = llm
     runner = LLMRunner(pte, folder)
     seeds = [[11, 12, 13], [14, 15, 16], [17, 18, 19]]
     serial = [_generations(runner, s) for s in seeds]
@@ -121,7 +126,7 @@ def test_one_runner_shared_by_threads_serializes(llm):
 def test_streamed_text_equals_the_result_over_100_seeds(llm):
     """Pieces of a multi-byte character wait until it is complete; whatever
     is left (an unfinished character's U+FFFD) is emitted at the end."""
-    folder, pte, _ = llm
+    folder, pte = llm
     runner = LLMRunner(pte, folder)
     broken = 0
     for seed in range(100):
@@ -138,7 +143,7 @@ def nan_logits_pte(llm, tmp_path_factory):
     """The llm folder with a NaN final norm (every logit NaN), logits-only."""
     from safetensors.torch import load_file, save_file
 
-    folder, _, _ = llm
+    folder, _ = llm
     root = tmp_path_factory.mktemp("nan")
     nan_folder = root / "nan"
     shutil.copytree(folder, nan_folder)
@@ -164,7 +169,7 @@ def test_nan_logits_program_is_an_error_in_cpp(nan_logits_pte):
 
 # ------------------------------------------------------------ runner inputs --
 def test_cpp_runner_max_new_tokens_cannot_overflow(llm):
-    _, pte, _ = llm
+    _, pte = llm
     done = subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6,7",
                            "--max-new-tokens", str(2**63 - 1)], capture_output=True, text=True)
     assert done.returncode == 2, done.stdout
@@ -175,7 +180,7 @@ def test_cpp_runner_max_new_tokens_cannot_overflow(llm):
                                         ({384: 5.0}, r"logit_bias: token id 384 is outside \[0, 384\)"),
                                         ({50: 1e40}, r"logit_bias\[50\] = 1e\+40 does not fit in float32")])
 def test_python_runner_refuses_logit_bias_like_cpp(llm, bias, match):
-    folder, pte, _ = llm
+    folder, pte = llm
     with pytest.raises(ValueError, match=match):
         LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=2, logit_bias=bias)
 
@@ -183,7 +188,7 @@ def test_python_runner_refuses_logit_bias_like_cpp(llm, bias, match):
 @pytest.mark.parametrize("flag,message", [("-1=5", "token ids must be in [0, 384)"),
                                           ("50=1e40", "--logit-bias: 1e40 does not fit in float32")])
 def test_cpp_runner_refuses_logit_bias(llm, flag, message):
-    _, pte, _ = llm
+    _, pte = llm
     done = subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6",
                            f"--logit-bias={flag}"], capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -195,7 +200,7 @@ def test_tokenizer_smaller_than_the_model_is_an_error(llm, tmp_path):
     tokenizer's, e.g. Qwen2.5 and Phi-3)."""
     from executorch_mlx.llm.model_folders import train_tokenizer
 
-    folder, pte, _ = llm
+    folder, pte = llm
     small = tmp_path / "small"
     small.mkdir()
     train_tokenizer(vocab_size=300, all_bytes=True).save(str(small / "tokenizer.json"))
@@ -282,7 +287,7 @@ def test_failed_export_leaves_the_old_file_and_reexport_under_a_loaded_program(l
     loaded, which keeps working (it used to be truncated in place: SIGSEGV)."""
     from executorch_mlx.llm import export_checks
 
-    folder, pte, _ = llm
+    folder, pte = llm
     target = tmp_path / "model.pte"
     shutil.copy(pte, target)
     old = target.read_bytes()
@@ -430,7 +435,7 @@ def bad_files(llm, tmp_path_factory):
     """Files a careless user or an attacker hands the runners."""
     from executorch_mlx.llm.sampling import export_greedy_head
 
-    _, pte, _ = llm
+    _, pte = llm
     root = tmp_path_factory.mktemp("bad")
     data = pte.read_bytes()
     files = {"zero": b"", "random": bytes(torch.randint(0, 256, (300,), dtype=torch.uint8).tolist()),
@@ -486,7 +491,7 @@ def test_inspect_refuses_bad_files_with_one_line(bad_files, name, fragment):
 
 
 def test_a_tokenizer_that_is_not_json_is_an_error(llm, tmp_path):
-    _, pte, _ = llm
+    _, pte = llm
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"tokenizer\.json is not a valid tokenizer\.json"):
         LLMRunner(pte, tmp_path)
@@ -496,7 +501,7 @@ def test_cli_shows_the_runtimes_reason_for_a_load_failure(llm):
     """A memory-budget refusal used to end with ExecuTorch's "error 0x:23"."""
     import sys
 
-    folder, pte, _ = llm
+    folder, pte = llm
     done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
                            str(folder), "--prompt", "hi"], capture_output=True, text=True,
                           env={**os.environ, "EMLX_MEMORY_BUDGET": "10000"})
