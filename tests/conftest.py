@@ -11,8 +11,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 
-# Test files, longest first (seconds on a fresh clone of the 2-core machine,
-# `--durations`). xdist hands a worker the next file when it is nearly done
+# Test files, longest first (by `--durations` on a fresh clone of the 2-core
+# machine). xdist hands a worker the next file when it is nearly done
 # with its last (scripts/dev runs --dist loadfile --no-loadscope-reorder), so
 # starting with the long files keeps both workers busy to the end: a long
 # file started last kept one worker alone for the final ~100 s.
