@@ -20,7 +20,6 @@ same run: the before/after of that change.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_llm import GROUP_SIZE, machine, write_folder  # noqa: E402
+from bench_llm import GROUP_SIZE, load_average, machine, write_folder  # noqa: E402
 
 
 def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache: bool) -> Path:
@@ -80,7 +79,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("command: " + " ".join(sys.argv))
-    print(f"machine: {machine()}; load average at start: {os.getloadavg()}", flush=True)
+    print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     import executorch_mlx  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +124,7 @@ def main() -> int:
         long_ratio = "-" if m["prefill_long"] is None else f"{m['prefill_long'] / m['prefill64']:.2f}"
         print(f"| {label} | {m['prefill64']:.1f} | {long_rate} | {long_ratio} | {m['decode']:.1f} | "
               f"{m['decode'] / base['decode']:.2f} |")
-    print(f"\nload average at end: {os.getloadavg()}")
+    print(f"\nload average at end: {load_average()}")
     return 0
 
 

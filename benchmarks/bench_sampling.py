@@ -26,7 +26,6 @@ mlx-lm is a benchmark-only dependency: pip install -e '.[bench]'.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
@@ -37,6 +36,8 @@ import torch
 import executorch_mlx  # noqa: F401  (registers the backend)
 from executorch.runtime import Runtime
 from executorch_mlx.llm.sampling import export_greedy_head, export_sampling_head
+
+from bench_llm import load_average  # beside this script
 
 TEMPERATURE = 0.8
 HISTORY = 64
@@ -151,7 +152,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
     torch.set_num_threads(1)  # the host column's best case on few cores; MLX keeps its threads
-    print(f"load average at start: {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+    print(f"load average at start: {load_average()}")
     print(f"V={args.vocab}, float32 logits, temperature {TEMPERATURE}, median of {args.repeats} interleaved runs; "
           "ratios to MLX argmax on the same logits (lower is faster)\n")
     results = {batch: bench(args.vocab, batch, args.repeats) for batch in args.batch}
@@ -168,7 +169,7 @@ def main() -> None:
               f"{' / '.join(map(str, args.batch))})")
     tk = [results[b]["ours top-k 50 + top-p 0.9"] / results[b]["torch host topk+topp"] for b in args.batch]
     print(f"top-k + top-p: ours / torch host = {' / '.join(f'{r:.2f}' for r in tk)}")
-    print(f"load average at end: {' / '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+    print(f"load average at end: {load_average()}")
 
 
 if __name__ == "__main__":
