@@ -13,9 +13,6 @@ import warnings
 
 # (category, module that raises it, message): Python warnings
 PYTHON_WARNINGS = [
-    # torch.export (strict) of a transformers model: a global of transformers'
-    # output capturing is touched while tracing; harmless for inference
-    (UserWarning, r"torch\._dynamo\.", r"While compiling, we found certain side effects happened in the model\.forward"),
     # torch's own pytree code, pickled/deep-copied through copyreg
     (FutureWarning, r"copyreg$", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
     (FutureWarning, r"torch\.", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
