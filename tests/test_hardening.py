@@ -364,15 +364,27 @@ def test_weights_load_from_safetensors_only(folder_copy, tmp_path, monkeypatch):
     assert not loads, "torch.load was called"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated shard"])
 def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage):
+    """Found from the header, before the model is built (the CLI refuses in
+    seconds), in model.safetensors or in a shard that the index names."""
     path = folder_copy / "model.safetensors"
+    if damage == "truncated shard":
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            names = list(f.keys())
+        path = path.rename(folder_copy / "model-00001-of-00001.safetensors")
+        (folder_copy / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {name: path.name for name in names}}))
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x07" * 100)
-    with pytest.raises(ValueError, match=r"cannot load the weights of"):
+    path.write_bytes(b"\x07" * 100 if damage == "garbage" else data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cannot load the weights of .*: corrupt safetensors \(Error while "
+                                         r"deserializing header"):
         export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
-    _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte")), "export",
-                    "cannot load the weights of")
+    if damage != "truncated shard":
+        _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte")), "export",
+                        "cannot load the weights of")
 
 
 # ------------------------------------------------------------------- config --

@@ -167,15 +167,38 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _check_safetensors_headers(model_dir: Path) -> None:
+    """A weights file that transformers would read (model.safetensors, or the
+    shards its index names) whose header does not parse or does not fit the
+    file (a cut-off download) is refused in a second, before transformers
+    builds the model."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        names = sorted(set(index["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = ["model.safetensors"]  # no usable index: transformers says what is wrong
+    for name in names:
+        path = model_dir / name
+        if path.is_file():
+            try:
+                with safe_open(path, "pt"):
+                    pass
+            except SafetensorError as e:
+                raise ValueError(f"cannot load the weights of {model_dir}: corrupt safetensors ({e})") from e
+
+
 def load_weights(model_dir: str | Path, dtype):
     """The model with every weight from the folder's safetensors, or an error
     naming the missing, unexpected or mis-shaped tensors."""
+    model_dir = Path(model_dir)
+    _check_safetensors_headers(model_dir)
     from transformers import AutoModelForCausalLM
 
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
-    model_dir = Path(model_dir)
     try:
         # use_safetensors=True: never pytorch_model.bin (pickle), even when
         # a safetensors file of another name is beside it.

@@ -184,7 +184,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         module = lm
     stage("exporting (torch.export)")
     # the export stack is imported after every check (weights included): a refused export is quick
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     from ..partitioner import MLXPartitioner
 
@@ -193,7 +193,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     attend_written_prefix(ep, max_context)
     stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
     partitioner = MLXPartitioner()
+    # ExecuTorch re-validates every edge op's dtypes against its portable
+    # kernels after each pass (about a tenth of the lowering); an LLM lowers
+    # whole into our delegate, whose handlers check what they accept.
     edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                  quantization, logprobs and sampling))
     for op, why in partitioner.outside:
