@@ -269,8 +269,11 @@ def sample():
     seed, position = s.lit(7, I64), s.lit(3, I64)
     bits = s.op(ir.RandomBitsNode, shape=sizes(2, 2), seed=seed, position=position, width=4)
     params = {name: s.lit(_on(BY_NAME[name]), I64 if BY_NAME[name].integer else F32) for name in ROW_PARAMS}
-    # the [2, 3] tables: ids from i (one of them -1 padding), values -1
-    params.update({name: s.i if BY_NAME[name].integer else s.full([2, 3], -1.0) for name in TABLE_PARAMS})
+    # the tables: [2, 3] ids from i (one of them -1 padding), [2, 3] values -1,
+    # and a one-word token bitmask that allows 8 of the 12 tokens
+    tables = {"int64": lambda: s.i, "float32": lambda: s.full([2, 3], -1.0),
+              "int32": lambda: s.full([2, 1], 0x0F0F, ir.DType.int32)}
+    params.update({name: tables[BY_NAME[name].dtype]() for name in TABLE_PARAMS})
     token = s.op(ir.SampleNode, logits=logits, temperature=s.lit(0.8), random=bits, seed=seed, position=position,
                  **params)
     return s.finish(token, 1)

@@ -39,13 +39,21 @@ CASES = {
     "all three+penalties+bias": (dict(temperature=1.0, top_k=6, top_p=0.85, min_p=0.1, **_PENALTIES, bias=_BIAS),
                                  dict(temperature=0.9, top_k=7, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
                                       frequency_penalty=0.5, presence_penalty=0.3, bias={2: 1.0})),
+    # a token mask (the allowed ids): applied after the bias, before every filter
+    "mask": (dict(temperature=1.0, mask={0, 2, 4, 5, 9, 11}),
+             dict(temperature=0.7, top_k=3, mask={1, 3, 6, 7, 8, 10})),
+    "mask+all three+penalties+bias": (
+        dict(temperature=1.0, top_k=6, top_p=0.85, min_p=0.1, **_PENALTIES, bias=_BIAS, mask={0, 1, 2, 3, 5, 6, 8, 11}),
+        dict(temperature=0.9, top_k=4, top_p=0.9, min_p=0.02, repetition_penalty=1.1, frequency_penalty=0.5,
+             presence_penalty=0.3, bias={2: 1.0}, mask={2, 3, 4, 5, 7, 9, 11})),
 }
 BIAS_SLOTS = 3
 
 
 def penalized(logits: list[float], history=(), repetition_penalty=1.0, frequency_penalty=0.0,
-              presence_penalty=0.0, bias=None) -> list[float]:
-    """docs/sampling.md step 1 in float64, one token at a time."""
+              presence_penalty=0.0, bias=None, mask=None) -> list[float]:
+    """docs/sampling.md step 1 in float64, one token at a time (`mask`: the
+    allowed ids, None for all)."""
     x = [-INF if math.isnan(v) else v for v in logits]
     counts = {}
     for t in history:
@@ -56,7 +64,17 @@ def penalized(logits: list[float], history=(), repetition_penalty=1.0, frequency
         x[t] = v - frequency_penalty * c - presence_penalty
     for t, v in (bias or {}).items():
         x[t] = -INF if x[t] == INF and v == -INF else x[t] + v
+    if mask is not None:
+        x = [v if t in mask else -INF for t, v in enumerate(x)]
     return x
+
+
+def mask_words(allowed, vocab: int = VOCAB) -> list[int]:
+    """The int32 words of a token bitmask allowing `allowed` (None: every bit set)."""
+    words = [0] * ((vocab + 31) // 32)
+    for t in range(32 * len(words)) if allowed is None else allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]
 
 
 def oracle(logits: list[float], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, history=(), margin=False,
@@ -88,7 +106,7 @@ def oracle(logits: list[float], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, 
     return [v / sum(p) for v in p]
 
 
-def program_inputs(params: list[dict], seeds: torch.Tensor, position: int) -> list[torch.Tensor]:
+def program_inputs(params: list[dict], seeds: torch.Tensor, position: int, vocab: int = VOCAB) -> list[torch.Tensor]:
     """Inputs of the all-parameter program (after the logits) for rows with `params`."""
     rows = len(params)
 
@@ -100,10 +118,11 @@ def program_inputs(params: list[dict], seeds: torch.Tensor, position: int) -> li
     for r, p in enumerate(params):
         for j, (t, v) in enumerate((p.get("bias") or {}).items()):
             ids[r, j], values[r, j] = t, v
+    masks = torch.tensor([mask_words(p.get("mask"), vocab) for p in params], dtype=torch.int32)
     return [col("temperature", 1.0), seeds, torch.full((rows,), position, dtype=torch.int64),
             col("top_k", 0, torch.int64), col("top_p", 1.0), col("min_p", 0.0), col("repetition_penalty", 1.0),
             col("frequency_penalty", 0.0), col("presence_penalty", 0.0),
-            torch.tensor([HISTORY] * rows, dtype=torch.int64), ids, values]
+            torch.tensor([HISTORY] * rows, dtype=torch.int64), ids, values, masks]
 
 
 @functools.cache
@@ -117,7 +136,7 @@ def all_parameters_pte(rows: int = ROWS, vocab: int = VOCAB) -> bytes:
     return export_sampling_head(
         Logits(), (torch.zeros(rows, vocab),), per_row=True, top_k=True, top_p=True, min_p=True,
         repetition_penalty=True, frequency_penalty=True, presence_penalty=True, history_size=len(HISTORY),
-        logit_bias_size=BIAS_SLOTS).buffer
+        logit_bias_size=BIAS_SLOTS, token_mask=True).buffer
 
 
 @functools.cache
@@ -132,9 +151,10 @@ def all_parameters_method(rows: int = ROWS, vocab: int = VOCAB):
 
 def reference_tokens(logits: torch.Tensor, params: list[dict]) -> torch.Tensor:
     """torch.ops.mlx.sample (the CPU reference, unseeded) over rows with `params`."""
-    inputs = program_inputs(params, torch.zeros(len(params), dtype=torch.int64), 0)
+    inputs = program_inputs(params, torch.zeros(len(params), dtype=torch.int64), 0, logits.shape[1])
     names = ["temperature", None, None, "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-             "presence_penalty", "history", "logit_bias_ids", "logit_bias_values"]  # program_inputs' order
+             "presence_penalty", "history", "logit_bias_ids", "logit_bias_values",
+             "token_bitmask"]  # program_inputs' order
     return torch.ops.mlx.sample(logits, **{n: t for n, t in zip(names, inputs) if n})
 
 
@@ -160,12 +180,13 @@ def shared_word_draws() -> torch.Tensor:
     method = all_parameters_method(rows, vocab)[1]
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 2
     params = [dict(temperature=1.0, top_k=200, top_p=0.95, min_p=0.001)] * rows
-    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(rows) * 977, c)])[0]
+    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(rows) * 977, c, vocab)])[0]
                         for c in range(10)])
 
 
-# The two silent wrong results issue #6 found, as rows of one batch:
-# (logits, temperature, the tokens that may be drawn).
+# The two silent wrong results issue #6 found, and token masks that allow no
+# finite token, as rows of one batch: (logits, temperature, the tokens that
+# may be drawn, the token mask's allowed ids or None).
 EDGE_ROWS = [
     # T = +inf makes the finite tokens uniform; -inf / inf is NaN, which an
     # argmax-based draw would take: masked tokens must never be drawn
@@ -173,6 +194,11 @@ EDGE_ROWS = [
     # logits / T overflows float32 (tiny T; logits near the float32 limit)
     ([1.0, 3.0, 2.0, 3.0 - 1e-6, 0.0, 0.5], 1e-45, {1}),
     ([-3.0e38, 3.0e38, 2.9e38, 3.1e38, 1.0, 0.0], 0.5, {3}),
+    # the mask allows only a -inf token, or only bits past the vocabulary: id -1
+    ([0.5, 1.0, -INF, 2.0, 0.0, 0.0], 1.0, {-1}, {2}),
+    ([0.5, 1.0, 3.0, 2.0, 0.0, 0.0], 0.0, {-1}, set(range(VOCAB, 32))),
+    # a +inf token masked out: the draw is among the allowed finite ones
+    ([INF, 1.0, 0.0, INF, 0.0, 0.0], 1.0, {1, 2}, {1, 2}),
 ]
 
 
@@ -180,8 +206,8 @@ def edge_draws(calls: int = 20) -> torch.Tensor:
     """[calls, ROWS] tokens for EDGE_ROWS repeated down the batch (padded with -inf)."""
     method = all_parameters_method()[1]
     kinds = [EDGE_ROWS[r % len(EDGE_ROWS)] for r in range(ROWS)]
-    logits = torch.tensor([row + [-INF] * (VOCAB - len(row)) for row, _, _ in kinds])
-    params = [dict(temperature=t) for _, t, _ in kinds]
+    logits = torch.tensor([row + [-INF] * (VOCAB - len(row)) for row, *_ in kinds])
+    params = [dict(temperature=t, mask=mask[0] if mask else None) for _, t, _, *mask in kinds]
     return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(ROWS) + 7 * c, c)])[0]
                         for c in range(calls)])
 

@@ -8,7 +8,8 @@
   each is a tensor or `None` (off): a row parameter is [] (all rows) or [B],
   a table [B, N] (-1 pads ids). `history` holds the token ids the penalties
   count; `logit_bias_ids` and `logit_bias_values` (-inf bans a token) come
-  together.
+  together; `token_bitmask` [B, ceil(V/32)] int32 allows token 32w + j
+  where bit j of word w is set (a grammar's mask).
 * temperature <= 0 or NaN selects greedy decoding (argmax of the penalized
   logits, lowest index on ties) for that row, at run time; temperature None
   is greedy for every row (no randomness in the program at all).
@@ -64,14 +65,17 @@ def check_args(logits, temperature, seed, position, params: dict) -> None:
         t, spec = params.get(name), BY_NAME[name]
         if t is None:
             continue
-        if spec.integer and t.dtype != torch.int64:
-            raise ValueError(f"mlx::sample: {name} must be int64, got {t.dtype}")
+        if spec.integer and t.dtype != getattr(torch, spec.dtype):
+            raise ValueError(f"mlx::sample: {name} must be {spec.dtype}, got {t.dtype}")
         if not spec.integer and not t.dtype.is_floating_point:
             raise ValueError(f"mlx::sample: {name} must be a float tensor, got {t.dtype}")
         if spec.kind == "row":
             _per_row(t, rows, name)
         elif t.dim() != 2 or t.shape[0] != rows:
             raise ValueError(f"mlx::sample: {name} must be [{rows}, N], got {list(t.shape)}")
+        elif name == "token_bitmask" and t.shape[1] != mask_words(logits.shape[1]):
+            raise ValueError(f"mlx::sample: token_bitmask must be [{rows}, {mask_words(logits.shape[1])}] "
+                             f"(32 tokens a word), got {list(t.shape)}")
         if spec.needs and params.get(spec.needs) is None:
             raise ValueError(f"mlx::sample: parameters that need a {spec.needs} were given without one ({name})")
         other = params.get(spec.together) if spec.together else t
@@ -80,6 +84,18 @@ def check_args(logits, temperature, seed, position, params: dict) -> None:
         if other.shape != t.shape:
             raise ValueError(f"mlx::sample: {name} {list(t.shape)} and {spec.together} {list(other.shape)} "
                              f"must have one shape")
+
+
+def mask_words(vocab: int) -> int:
+    """The int32 words of a token bitmask over `vocab` tokens."""
+    return (vocab + 31) // 32
+
+
+def allowed_by(token_bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] bool: bit j of word w allows token 32w + j (bits past V ignored)."""
+    ids = torch.arange(vocab)
+    words = token_bitmask.to(torch.int64)[:, ids // 32]  # as unsigned 32-bit words
+    return ((words >> (ids % 32)) & 1).bool()
 
 
 def _uniforms(rows: int, seeds, positions) -> torch.Tensor:
@@ -105,8 +121,9 @@ def _scatter_rows(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.
 
 
 def penalized_logits(logits, history=None, repetition_penalty=None, frequency_penalty=None,
-                     presence_penalty=None, logit_bias_ids=None, logit_bias_values=None) -> torch.Tensor:
-    """docs/sampling.md step 1, in float32: NaN as -inf, penalties, then the bias."""
+                     presence_penalty=None, logit_bias_ids=None, logit_bias_values=None,
+                     token_bitmask=None) -> torch.Tensor:
+    """docs/sampling.md step 1, in float32: NaN as -inf, penalties, the bias, then the mask."""
     rows, vocab = logits.shape
     x = _nan_to_neg_inf(logits.float())
     if history is not None:
@@ -122,6 +139,8 @@ def penalized_logits(logits, history=None, repetition_penalty=None, frequency_pe
         x = _nan_to_neg_inf(x)
     if logit_bias_ids is not None:
         x = _nan_to_neg_inf(x + _scatter_rows(logit_bias_ids, logit_bias_values, vocab))
+    if token_bitmask is not None:
+        x = torch.where(allowed_by(token_bitmask, vocab), x, float("-inf"))
     return x
 
 
@@ -167,7 +186,8 @@ def sample_reference(logits, temperature, seed=None, position=None, *param_value
     if temperature is None:
         temperature = torch.zeros(())
     x = penalized_logits(logits, p.get("history"), p.get("repetition_penalty"), p.get("frequency_penalty"),
-                         p.get("presence_penalty"), p.get("logit_bias_ids"), p.get("logit_bias_values"))
+                         p.get("presence_penalty"), p.get("logit_bias_ids"), p.get("logit_bias_values"),
+                         p.get("token_bitmask"))
     z = filtered_z(x, temperature, p.get("top_k"), p.get("top_p"), p.get("min_p"))
     has_candidate = x.amax(dim=1) > float("-inf")
     # rows without candidates get a harmless uniform distribution, masked below

@@ -35,6 +35,9 @@ from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS
+
+TOKEN_MASK = "token_bitmask"
+assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's only optional input, last
 from .sampling import SamplingHead, sampler_examples
 
 # config.json model_type -> what we export and test
@@ -88,7 +91,8 @@ class CachedLM(torch.nn.Module):
 
 class SampledLM(torch.nn.Module):
     """CachedLM behind a SamplingHead, taking every sampler input by position
-    (the program contract's order) for export."""
+    (the program contract's order) for export; the token mask comes last and
+    may be left out (a program without a grammar input)."""
 
     def __init__(self, lm: CachedLM, logprobs: bool):
         super().__init__()
@@ -99,21 +103,22 @@ class SampledLM(torch.nn.Module):
 
     # The inputs by name, for torch.export (dynamic shapes and input names follow them).
     forward.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           default=None if name == TOKEN_MASK else inspect.Parameter.empty)
          for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
 
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
-             logprobs: bool = False) -> dict:
+             logprobs: bool = False, token_mask: bool = True) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
-    return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs,
-                                         SAMPLER_INPUTS)
+    names = SAMPLER_INPUTS if token_mask else tuple(n for n in SAMPLER_INPUTS if n != TOKEN_MASK)
+    return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names)
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
                sampling: bool = True, quantize: str | None = None, group_size: int = 64,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
-               logprobs: bool = False, progress: Callable[[str], None] | None = print,
+               logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
@@ -125,7 +130,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
-    chosen token's log-probability as a second output. `max_context` above
+    chosen token's log-probability as a second output. `token_mask` (the
+    default) adds the token bitmask input that structured output fills with
+    a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
     the model's max_position_embeddings needs `allow_longer_context`.
 
     Checked before any work (llm/export_checks.py): the output path (not a
@@ -177,7 +184,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if sampling:
         module = SampledLM(lm, logprobs)
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
-                                   logit_bias_size=logit_bias_size)
+                                   logit_bias_size=logit_bias_size,
+                                   mask_words=(int(config["vocab_size"]) + 31) // 32 if token_mask else 0)
         example += tuple(sampler.values())
         dynamic.update({name: None for name in sampler})
     else:
@@ -199,7 +207,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                        constant_methods=metadata(config, max_context, max_chunk, sampling,
-                                                                 quantization, logprobs and sampling))
+                                                                 quantization, logprobs and sampling, token_mask))
     for op, why in partitioner.outside:
         stage(f"left to ExecuTorch's kernels: {op}: {why}")
     program = edge.to_executorch()

@@ -20,7 +20,7 @@ PENALTIES = tuple(name for name in PARAMS if BY_NAME[name].needs == "history")
 
 
 def param_dtype(name: str) -> torch.dtype:
-    return torch.int64 if BY_NAME[name].integer else torch.float32
+    return getattr(torch, BY_NAME[name].dtype)
 
 
 # ------------------------------------------------------ host-side checks --
@@ -74,6 +74,9 @@ def _table(name: str, value, batch: int, dtype: torch.dtype, vocab: int | None) 
         raise ValueError(f"{name} must be [{batch}, N] (one row per batch row), got {list(value.shape)}")
     if dtype == torch.int64 and vocab is not None and bool(((value < -1) | (value >= vocab)).any()):
         raise ValueError(f"{name} must hold token ids in [0, {vocab}) or -1 (padding)")
+    if name == "token_bitmask" and vocab is not None and value.shape[1] > (vocab + 31) // 32:
+        raise ValueError(f"token_bitmask has {value.shape[1]} words per row; {vocab} tokens take "
+                         f"{(vocab + 31) // 32}")
     if dtype.is_floating_point and bool(torch.isnan(value).any()):
         raise ValueError(f"{name} must not contain NaN")
     return value
@@ -167,6 +170,8 @@ def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, 
                     raise ValueError(f"{name} has {value.shape[1]} entries per row; this program takes {shape[1]}")
                 value = value[:, -shape[1]:]  # the most recent tokens
             if value.shape[1] < shape[1]:
+                # ids pad with -1, bias values with 0, and a mask for fewer
+                # tokens than the model has (a tokenizer's) with 0: not allowed
                 fill = torch.full((shape[0], shape[1] - value.shape[1]), -1 if value.dtype == torch.int64 else 0,
                                   dtype=value.dtype)
                 value = torch.cat([value, fill], dim=1)

@@ -13,7 +13,8 @@ llm/program_contract.py):
     seed, position       int64 [] or [B]     seeded exports only
     the row parameters   [] or [B]           the table's dtype; its off value: off
     the tables           [B, N]              history (ids the penalties count),
-                                             logit_bias_ids (-1 pads), logit_bias_values
+                                             logit_bias_ids (-1 pads), logit_bias_values,
+                                             token_bitmask (int32 [B, ceil(V/32)])
 
 `seed` is one 64-bit seed per request (or one for the batch); `position` is
 the decode step of that row: pass 0 for the first generated token and add
@@ -109,16 +110,18 @@ def _check_model_args(model_args) -> int:
 
 
 def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[str, ...] = (),
-                     history_size: int = 0, logit_bias_size: int = 0) -> dict[str, torch.Tensor]:
-    """Example values of the sampler inputs a program takes, in input order."""
+                     history_size: int = 0, logit_bias_size: int = 0,
+                     mask_words: int = 0) -> dict[str, torch.Tensor]:
+    """Example values of the sampler inputs a program takes, in input order
+    (`mask_words` > 0: a token bitmask input of that many words per row)."""
     for name in params:
         if name not in ROW_PARAMS:
             raise ValueError(f"unknown sampling parameter {name!r}; known: {', '.join(ROW_PARAMS)}")
     if any(p in params for p in PENALTIES) != (history_size > 0):
         raise ValueError("the penalties (repetition, frequency, presence) count tokens in a history: give "
                          "history_size > 0 with at least one of them, and not without")
-    if history_size < 0 or logit_bias_size < 0:
-        raise ValueError("history_size and logit_bias_size must be >= 0")
+    if history_size < 0 or logit_bias_size < 0 or mask_words < 0:
+        raise ValueError("history_size, logit_bias_size and mask_words must be >= 0")
     shape = (batch,) if per_row else ()
     examples = {"temperature": torch.ones(shape)}
     if seeded:
@@ -127,7 +130,8 @@ def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[s
     for name in ROW_PARAMS:
         if name in params:
             examples[name] = torch.full(shape, OFF[name], dtype=param_dtype(name))
-    sizes = {"history": history_size, "logit_bias_ids": logit_bias_size, "logit_bias_values": logit_bias_size}
+    sizes = {"history": history_size, "logit_bias_ids": logit_bias_size, "logit_bias_values": logit_bias_size,
+             "token_bitmask": mask_words}
     for name in TABLE_PARAMS:
         if sizes[name]:
             examples[name] = torch.full((batch, sizes[name]), BY_NAME[name].off, dtype=param_dtype(name))
@@ -143,6 +147,7 @@ def export_sampling_head(
     strict: bool = False,
     history_size: int = 0,
     logit_bias_size: int = 0,
+    token_mask: bool = False,
     logprobs: bool = False,
     **params: bool,
 ) -> ExecutorchProgramManager:
@@ -151,8 +156,9 @@ def export_sampling_head(
     Each row parameter of the table set True (`<name>=True`) becomes a
     runtime input (see the module doc for the order); `history_size` H > 0
     adds the [B, H] history the penalties count, `logit_bias_size` N > 0 the
-    [B, N] logit bias. `per_row` makes the per-row parameters [B] inputs
-    instead of scalars. Returns the ExecuTorch program (`.buffer` is the
+    [B, N] logit bias, `token_mask` the token bitmask (a grammar's mask,
+    docs/sampling.md step 1). `per_row` makes the per-row parameters [B]
+    inputs instead of scalars. Returns the ExecuTorch program (`.buffer` is the
     .pte); its metadata (llm/program_contract.py) names every input.
     """
     unknown = sorted(set(params) - set(ROW_PARAMS))
@@ -160,9 +166,13 @@ def export_sampling_head(
         raise TypeError(f"export_sampling_head got unknown parameter(s) {', '.join(unknown)}; "
                         f"known: {', '.join(ROW_PARAMS)}")
     batch = _check_model_args(model_args)
+    mask_words = 0
+    if token_mask:  # the words follow the vocabulary: the model's logits say how large it is
+        with torch.no_grad():
+            mask_words = (last_logits(model(*model_args)).shape[-1] + 31) // 32
     kwargs = sampler_examples(batch, seeded=seeded, per_row=per_row,
                               params=tuple(name for name in ROW_PARAMS if params.get(name)),
-                              history_size=history_size, logit_bias_size=logit_bias_size)
+                              history_size=history_size, logit_bias_size=logit_bias_size, mask_words=mask_words)
     head = SamplingHead(model, logprobs=logprobs).eval()
     ep = torch.export.export(head, tuple(model_args), kwargs, strict=strict)
     return _lower(ep, logprobs)

@@ -364,6 +364,10 @@ class Generator {
       inputs_["logit_bias_ids"] = make_tensor_ptr(b, std::move(ids));
       inputs_["logit_bias_values"] = make_tensor_ptr(b, std::move(values));
     }
+    if (has("token_bitmask")) {  // every bit set: no grammar constrains this runner's output
+      const Sizes m = shape("token_bitmask");
+      inputs_["token_bitmask"] = make_tensor_ptr(m, std::vector<int32_t>(m.at(0) * m.at(1), -1));
+    }
   }
 
   // `context`: prompt and output so far (the penalties count its tail).

@@ -639,8 +639,8 @@ def sampler_inputs(s: Schema) -> tuple[FObject, list[SamplerInput]]:
         if "sampler" not in a:
             continue
         where = f"SampleNode.{f.name}"
-        if a["sampler"] not in ("control", "row", "table") or a.get("dtype") not in ("int64", "float32"):
-            raise SystemExit(f"{where}: sampler must be control|row|table and dtype int64|float32")
+        if a["sampler"] not in ("control", "row", "table") or a.get("dtype") not in ("int64", "int32", "float32"):
+            raise SystemExit(f"{where}: sampler must be control|row|table and dtype int64|int32|float32")
         rows.append(SamplerInput(
             f.name, a["sampler"], a["dtype"], float(a["off"]) if "off" in a else None, a.get("off_means", "off"),
             _interval(a["valid"], where) if "valid" in a else None, a.get("needs"), a.get("together"),
@@ -678,7 +678,7 @@ class SamplerGen:
                "class SamplerInput:",
                "    name: str",
                "    kind: str  # control (temperature, seed, position) | row ([] or [B]) | table ([B, N])",
-               "    dtype: str  # int64 | float32",
+               "    dtype: str  # int64 | int32 | float32",
                "    off: int | float | None  # the value that turns it off (a table's padding)",
                "    valid: tuple[float, bool, float, bool] | None  # (lo, lo closed, hi, hi closed)",
                "    expect: str | None  # `valid` in words, for messages",
@@ -689,12 +689,12 @@ class SamplerGen:
                "    openai: str | None  # the field of an OpenAI-style request\n",
                "    @property",
                "    def integer(self) -> bool:",
-               '        return self.dtype == "int64"\n\n',
+               '        return self.dtype != "float32"\n\n',
                "SAMPLER_INPUTS = ("]
         for r in self.rows:
             valid = "None" if r.valid is None else \
                 f"({_py_value(r.valid[0])}, {r.valid[1]}, {_py_value(r.valid[2])}, {r.valid[3]})"
-            off = None if r.off is None else int(r.off) if r.dtype == "int64" else float(r.off)
+            off = None if r.off is None else float(r.off) if r.dtype == "float32" else int(r.off)
             out.append(f"    SamplerInput({r.name!r}, {r.kind!r}, {r.dtype!r}, {off!r}, {valid}, "
                        f"{r.expect!r}, {r.needs!r}, {r.together!r}, {r.help!r}, {r.cli!r}, {r.openai!r}),")
         out += [")",
@@ -749,7 +749,7 @@ class SamplerGen:
                 "struct SamplerInputInfo {",
                 "  const char* name;",
                 "  char kind;  // 'c'ontrol, 'r'ow ([] or [B]), 't'able ([B, N])",
-                "  bool integer;  // int64, else float32",
+                "  bool integer;  // int64 or int32, else float32",
                 "  double off;  // the value that turns it off (NaN: none)",
                 "  double lo, hi;  // valid values (NaN: any)",
                 "  bool lo_closed, hi_closed;",
@@ -774,7 +774,7 @@ class SamplerGen:
         out.append("inline const SamplerInputInfo kSamplerInputs[] = {")
         for r in self.rows:
             lo, lo_c, hi, hi_c = r.valid or (None, False, None, False)
-            out.append(f"    {{{text(r.name)}, '{r.kind[0]}', {str(r.dtype == 'int64').lower()}, {num(r.off)}, "
+            out.append(f"    {{{text(r.name)}, '{r.kind[0]}', {str(r.dtype != 'float32').lower()}, {num(r.off)}, "
                        f"{num(lo)}, {num(hi)}, {str(lo_c).lower()}, {str(hi_c).lower()}, {text(r.expect)}, "
                        f"{index.get(r.needs, -1)}, {index.get(r.together, -1)}, {text(r.help)}, {text(r.cli)}, "
                        f"{text(r.openai)}}},")

@@ -563,6 +563,7 @@ class SampleNode:
     logit_bias_ids: Tid | None = None
     logit_bias_values: Tid | None = None
     out: Tid | None = None
+    token_bitmask: Tid | None = None
 
 
 @dataclass
@@ -780,7 +781,7 @@ FIELD_TYPES = {
     'RmsNormNode': {'a': 'Tid required', 'weight': 'Tid', 'eps': 'Float', 'out': 'Tid required'},
     'RopeNode': {'x': 'Tid required', 'cos': 'Tid required', 'sin': 'Tid required', 'out': 'Tid required'},
     'RsqrtNode': {'a': 'Tid required', 'out': 'Tid required'},
-    'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required'},
+    'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required', 'token_bitmask': 'Tid'},
     'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required'},
     'ScatterNode': {'a': 'Tid required', 'indices': '[Tid] required', 'updates': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
     'SigmoidNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -1918,11 +1919,13 @@ def _pack_SampleNode(b, v):
         fb.SampleNodeAddLogitBiasValues(b, _pack_Tid(b, v.logit_bias_values))
     if v.out is not None:
         fb.SampleNodeAddOut(b, _pack_Tid(b, v.out))
+    if v.token_bitmask is not None:
+        fb.SampleNodeAddTokenBitmask(b, _pack_Tid(b, v.token_bitmask))
     return fb.SampleNodeEnd(b)
 
 
 def _unpack_SampleNode(r):
-    return SampleNode(logits=_opt(_unpack_Tid, r.Logits()), temperature=_opt(_unpack_Tid, r.Temperature()), random=_opt(_unpack_Tid, r.Random()), seed=_opt(_unpack_Tid, r.Seed()), position=_opt(_unpack_Tid, r.Position()), top_k=_opt(_unpack_Tid, r.TopK()), top_p=_opt(_unpack_Tid, r.TopP()), min_p=_opt(_unpack_Tid, r.MinP()), repetition_penalty=_opt(_unpack_Tid, r.RepetitionPenalty()), frequency_penalty=_opt(_unpack_Tid, r.FrequencyPenalty()), presence_penalty=_opt(_unpack_Tid, r.PresencePenalty()), history=_opt(_unpack_Tid, r.History()), logit_bias_ids=_opt(_unpack_Tid, r.LogitBiasIds()), logit_bias_values=_opt(_unpack_Tid, r.LogitBiasValues()), out=_opt(_unpack_Tid, r.Out()))
+    return SampleNode(logits=_opt(_unpack_Tid, r.Logits()), temperature=_opt(_unpack_Tid, r.Temperature()), random=_opt(_unpack_Tid, r.Random()), seed=_opt(_unpack_Tid, r.Seed()), position=_opt(_unpack_Tid, r.Position()), top_k=_opt(_unpack_Tid, r.TopK()), top_p=_opt(_unpack_Tid, r.TopP()), min_p=_opt(_unpack_Tid, r.MinP()), repetition_penalty=_opt(_unpack_Tid, r.RepetitionPenalty()), frequency_penalty=_opt(_unpack_Tid, r.FrequencyPenalty()), presence_penalty=_opt(_unpack_Tid, r.PresencePenalty()), history=_opt(_unpack_Tid, r.History()), logit_bias_ids=_opt(_unpack_Tid, r.LogitBiasIds()), logit_bias_values=_opt(_unpack_Tid, r.LogitBiasValues()), out=_opt(_unpack_Tid, r.Out()), token_bitmask=_opt(_unpack_Tid, r.TokenBitmask()))
 
 
 def _pack_ScaledDotProductAttentionNode(b, v):

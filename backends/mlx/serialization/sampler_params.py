@@ -15,7 +15,7 @@ from dataclasses import dataclass
 class SamplerInput:
     name: str
     kind: str  # control (temperature, seed, position) | row ([] or [B]) | table ([B, N])
-    dtype: str  # int64 | float32
+    dtype: str  # int64 | int32 | float32
     off: int | float | None  # the value that turns it off (a table's padding)
     valid: tuple[float, bool, float, bool] | None  # (lo, lo closed, hi, hi closed)
     expect: str | None  # `valid` in words, for messages
@@ -27,7 +27,7 @@ class SamplerInput:
 
     @property
     def integer(self) -> bool:
-        return self.dtype == "int64"
+        return self.dtype != "float32"
 
 
 SAMPLER_INPUTS = (
@@ -43,6 +43,7 @@ SAMPLER_INPUTS = (
     SamplerInput('history', 'table', 'int64', -1, None, None, None, None, None, None, None),
     SamplerInput('logit_bias_ids', 'table', 'int64', -1, None, None, None, 'logit_bias_values', None, None, 'logit_bias'),
     SamplerInput('logit_bias_values', 'table', 'float32', 0.0, None, None, None, 'logit_bias_ids', None, None, 'logit_bias'),
+    SamplerInput('token_bitmask', 'table', 'int32', -1, None, None, None, None, None, None, None),
 )
 BY_NAME = {p.name: p for p in SAMPLER_INPUTS}
 # The optional parameters of mlx::sample after seed and position, in SampleNode's order.

@@ -6415,8 +6415,18 @@ class SampleNode(object):
             return obj
         return None
 
+    # SampleNode
+    def TokenBitmask(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(34))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def SampleNodeStart(builder):
-    builder.StartObject(15)
+    builder.StartObject(16)
 
 def SampleNodeAddLogits(builder, logits):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(logits), 0)
@@ -6462,6 +6472,9 @@ def SampleNodeAddLogitBiasValues(builder, logitBiasValues):
 
 def SampleNodeAddOut(builder, out):
     builder.PrependStructSlot(14, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SampleNodeAddTokenBitmask(builder, tokenBitmask):
+    builder.PrependStructSlot(15, flatbuffers.number_types.UOffsetTFlags.py_type(tokenBitmask), 0)
 
 def SampleNodeEnd(builder):
     return builder.EndObject()

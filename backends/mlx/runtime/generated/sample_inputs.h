@@ -27,11 +27,12 @@ struct SampleInputs {
   std::optional<mlx::core::array> history;
   std::optional<mlx::core::array> logit_bias_ids;
   std::optional<mlx::core::array> logit_bias_values;
+  std::optional<mlx::core::array> token_bitmask;
 };
 
 // The parameters in Param order.
 inline std::array<const std::optional<mlx::core::array>*, kNumParams> params_of(const SampleInputs& in) {
-  return {&in.top_k, &in.top_p, &in.min_p, &in.repetition_penalty, &in.frequency_penalty, &in.presence_penalty, &in.history, &in.logit_bias_ids, &in.logit_bias_values};
+  return {&in.top_k, &in.top_p, &in.min_p, &in.repetition_penalty, &in.frequency_penalty, &in.presence_penalty, &in.history, &in.logit_bias_ids, &in.logit_bias_values, &in.token_bitmask};
 }
 
 // Reads a SampleNode's values from the interpreter.
@@ -49,6 +50,7 @@ SampleInputs read_sample_inputs(const State& st, const Node* n) {
   in.history = st.get_optional(n->history());
   in.logit_bias_ids = st.get_optional(n->logit_bias_ids());
   in.logit_bias_values = st.get_optional(n->logit_bias_values());
+  in.token_bitmask = st.get_optional(n->token_bitmask());
   return in;
 }
 

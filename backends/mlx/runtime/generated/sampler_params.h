@@ -10,12 +10,12 @@
 namespace emlx {
 
 // The optional parameters, in SampleNode's order.
-enum Param { kTopK, kTopP, kMinP, kRepetitionPenalty, kFrequencyPenalty, kPresencePenalty, kHistory, kLogitBiasIds, kLogitBiasValues, kNumParams };
+enum Param { kTopK, kTopP, kMinP, kRepetitionPenalty, kFrequencyPenalty, kPresencePenalty, kHistory, kLogitBiasIds, kLogitBiasValues, kTokenBitmask, kNumParams };
 
 struct SamplerInputInfo {
   const char* name;
   char kind;  // 'c'ontrol, 'r'ow ([] or [B]), 't'able ([B, N])
-  bool integer;  // int64, else float32
+  bool integer;  // int64 or int32, else float32
   double off;  // the value that turns it off (NaN: none)
   double lo, hi;  // valid values (NaN: any)
   bool lo_closed, hi_closed;
@@ -41,6 +41,7 @@ inline const SamplerInputInfo kSamplerInputs[] = {
     {"history", 't', true, -1.0, NAN, NAN, false, false, nullptr, -1, -1, nullptr, nullptr, nullptr},
     {"logit_bias_ids", 't', true, -1.0, NAN, NAN, false, false, nullptr, -1, 11, nullptr, nullptr, "logit_bias"},
     {"logit_bias_values", 't', false, 0.0, NAN, NAN, false, false, nullptr, -1, 10, nullptr, nullptr, "logit_bias"},
+    {"token_bitmask", 't', true, -1.0, NAN, NAN, false, false, nullptr, -1, -1, nullptr, nullptr, nullptr},
 };
 constexpr int kNumSamplerInputs = sizeof(kSamplerInputs) / sizeof(kSamplerInputs[0]);
 

@@ -7090,7 +7090,8 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_HISTORY = 26,
     VT_LOGIT_BIAS_IDS = 28,
     VT_LOGIT_BIAS_VALUES = 30,
-    VT_OUT = 32
+    VT_OUT = 32,
+    VT_TOKEN_BITMASK = 34
   };
   const emlx::ir::Tid *logits() const {
     return GetStruct<const emlx::ir::Tid *>(VT_LOGITS);
@@ -7137,6 +7138,9 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  const emlx::ir::Tid *token_bitmask() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_TOKEN_BITMASK);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7155,6 +7159,7 @@ struct SampleNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<emlx::ir::Tid>(verifier, VT_LOGIT_BIAS_IDS, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_LOGIT_BIAS_VALUES, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_TOKEN_BITMASK, 4) &&
            verifier.EndTable();
   }
 };
@@ -7208,6 +7213,9 @@ struct SampleNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(SampleNode::VT_OUT, out);
   }
+  void add_token_bitmask(const emlx::ir::Tid *token_bitmask) {
+    fbb_.AddStruct(SampleNode::VT_TOKEN_BITMASK, token_bitmask);
+  }
   explicit SampleNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7239,8 +7247,10 @@ inline ::flatbuffers::Offset<SampleNode> CreateSampleNode(
     const emlx::ir::Tid *history = nullptr,
     const emlx::ir::Tid *logit_bias_ids = nullptr,
     const emlx::ir::Tid *logit_bias_values = nullptr,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    const emlx::ir::Tid *token_bitmask = nullptr) {
   SampleNodeBuilder builder_(_fbb);
+  builder_.add_token_bitmask(token_bitmask);
   builder_.add_out(out);
   builder_.add_logit_bias_values(logit_bias_values);
   builder_.add_logit_bias_ids(logit_bias_ids);

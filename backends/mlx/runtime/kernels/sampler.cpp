@@ -250,10 +250,12 @@ struct Row {
   const int32_t* bias_ids;
   const float* bias_values;
   int bias_len;
+  const uint32_t* mask;  // token bitmask, ceil(V/32) words, or nullptr
   double u;  // uniform in [0, 1) from the row's random words
 };
 
-// docs/sampling.md step 1, on the few tokens the history and the bias name.
+// docs/sampling.md step 1, on the few tokens the history and the bias name,
+// then the token mask on every token.
 void penalize(float* x, int V, const Row& r, std::vector<int32_t>& ids) {
   if (r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f)) {
     ids.assign(r.history, r.history + r.history_len);
@@ -276,6 +278,15 @@ void penalize(float* x, int V, const Row& r, std::vector<int32_t>& ids) {
     if (id < 0 || id >= V) continue;
     const float v = x[id] + r.bias_values[j];
     x[id] = v != v ? kNegInf : v;  // +inf logit with a -inf bias: banned
+  }
+  if (r.mask) {
+    for (int w = 0; w * 32 < V; ++w) {
+      const uint32_t word = r.mask[w];
+      if (word == ~0u) continue;
+      for (int i = w * 32; i < std::min(V, w * 32 + 32); ++i) {
+        if (!((word >> (i - w * 32)) & 1u)) x[i] = kNegInf;
+      }
+    }
   }
 }
 
@@ -314,10 +325,10 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
   thread_local std::vector<double> sums, mass;
   thread_local std::vector<int> cand;
   thread_local std::vector<int32_t> ids;
-  // The row is only read, except when penalties or a bias rewrite a few
+  // The row is only read, except when penalties, a bias or a mask rewrite
   // tokens: then a copy (NaN as -inf) takes them.
   const float* x = logits;
-  if (r.history_len || r.bias_len) {
+  if (r.history_len || r.bias_len || r.mask) {
     copy.resize(V);
     p.load(logits, copy.data(), V);
     penalize(copy.data(), V, r, ids);
@@ -511,6 +522,7 @@ class Sampler : public CpuKernel {
         thread_local std::vector<float> row;
         thread_local std::vector<int32_t> history, bias_ids;
         thread_local std::vector<float> bias_values;
+        thread_local std::vector<uint32_t> mask;
         Row r{};
         r.temperature = static_cast<float>(element(inputs[1], b));
         const double k = get(kTopK, b);
@@ -533,6 +545,13 @@ class Sampler : public CpuKernel {
           }
           r.bias_ids = bias_ids.data(), r.bias_values = bias_values.data();
           r.bias_len = static_cast<int>(bias_ids.size());
+        }
+        if (param[kTokenBitmask]) {
+          mask.resize(param[kTokenBitmask]->shape(1));
+          for (size_t j = 0; j < mask.size(); ++j) {
+            mask[j] = static_cast<uint32_t>(static_cast<int64_t>(element(*param[kTokenBitmask], b, j)));
+          }
+          r.mask = mask.data();
         }
         uint64_t w0, w1;
         if (present & kSeeded) {  // random::bits({2}, 4, random::key(stream_seed(seed, position)))
@@ -599,6 +618,9 @@ void check(const SampleInputs& in) {
     throw std::invalid_argument("SampleNode: seed and position come together");
   }
   const auto params = params_of(in);
+  if (in.token_bitmask && in.token_bitmask->shape(1) != (l.shape(1) + 31) / 32) {
+    throw std::invalid_argument("SampleNode: token_bitmask must be [B, ceil(V/32)]");
+  }
   auto given = [&](int input) { return input >= kNumControls && params[input - kNumControls]->has_value(); };
   for (int k = 0; k < kNumParams; ++k) {
     const SamplerInputInfo& info = kSamplerInputs[kNumControls + k];
@@ -665,6 +687,14 @@ mx::array sample_ops(const SampleInputs& in) {
     x = clean(x);
   }
   if (in.logit_bias_ids) x = clean(mx::add(x, scatter_rows(*in.logit_bias_ids, *in.logit_bias_values)));
+  if (in.token_bitmask) {  // bit j of word w allows token 32w + j
+    auto ids = mx::arange(V, mx::uint32);
+    auto words = mx::take(mx::view(mx::astype(*in.token_bitmask, mx::int32), mx::uint32),
+                          mx::right_shift(ids, mx::array(5u, mx::uint32)), 1);
+    auto bit = mx::bitwise_and(mx::right_shift(words, mx::bitwise_and(ids, mx::array(31u, mx::uint32))),
+                               mx::array(1u, mx::uint32));
+    x = mx::where(mx::greater(bit, mx::array(0u, mx::uint32)), x, ninf);
+  }
 
   auto row_max = mx::max(x, 1, true);
   auto greedy = mx::astype(mx::argmax(x, 1), mx::int64);
