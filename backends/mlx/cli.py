@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from .serialization.sampler_params import ROW_PARAMS, SAMPLER_INPUTS
 
@@ -38,7 +39,7 @@ def cmd_export(args) -> int:
         export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
                    sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
                    quantize_embedding=args.quantize_embedding, history_size=args.history_size,
-                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
+                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, token_mask=not args.no_grammar,
                    allow_longer_context=args.allow_longer_context, progress=display and display.line)
     return 0
 
@@ -55,7 +56,8 @@ def cmd_generate(args) -> int:
 
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
-    options = dict(max_new_tokens=args.max_new_tokens, on_text=stream, **sampler_kwargs(args))
+    options = dict(max_new_tokens=args.max_new_tokens, on_text=stream, json_schema=args.json_schema,
+                   regex=args.regex, grammar=args.grammar and Path(args.grammar), **sampler_kwargs(args))
     if runner.has_chat_template and not args.ignore_chat_template:
         result = runner.chat([{"role": "user", "content": args.prompt}], args.system_prompt, **options)
     elif args.system_prompt is not None:
@@ -65,6 +67,7 @@ def cmd_generate(args) -> int:
         result = runner.generate(args.prompt, **options)
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
+                          "stop_reason": result.stop_reason,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,
                           "decode_tokens_per_s": result.decode_tokens_per_s}))
     else:
@@ -195,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logit-bias-size", type=int, default=16,
                    help="tokens a generate call can give a logit bias (default 16)")
     p.add_argument("--logprobs", action="store_true", help="also return each token's log-probability")
+    p.add_argument("--no-grammar", action="store_true",
+                   help="leave out the token mask input that structured output (generate --json-schema, "
+                        "--regex, --grammar) fills")
     p.add_argument("--allow-longer-context", action="store_true",
                    help="allow --max-context above the model's max_position_embeddings (positions never trained)")
     p.set_defaults(fn=cmd_export)
@@ -211,8 +217,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="feed the prompt as it is, even when the folder has a chat template")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     _add_sampler_flags(p)
+    structured = p.add_mutually_exclusive_group()
+    structured.add_argument("--json-schema", default=None, metavar="FILE_OR_JSON",
+                            help="output JSON that matches this schema (compact, no free whitespace)")
+    structured.add_argument("--regex", default=None, metavar="PATTERN", help="output that fully matches PATTERN")
+    structured.add_argument("--grammar", default=None, metavar="FILE",
+                            help="output in the language of this Lark grammar (a .lark file)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: token_ids, text, prefill/decode tokens per second")
+                   help="print one JSON object: token_ids, text, stop_reason, prefill/decode tokens per second")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("chat", help="an interactive chat (streamed, multi-turn, the KV cache reused)")
     p.add_argument("pte")

@@ -44,7 +44,8 @@ class GenerationResult:
     text: str  # cut before a stop string
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
-    stop_reason: str = "max_new_tokens"  # or "eos", "stop" (a stop string), "cancelled" (by on_token)
+    # or "eos", "stop" (a stop string), "cancelled" (by on_token), "grammar" (it allows nothing more)
+    stop_reason: str = "max_new_tokens"
     logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
@@ -151,7 +152,8 @@ class LLMRunner(ProgramRunner):
             n = 0
         return min(n, len(ids) - 1)
 
-    def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor]) -> tuple[int, float | None]:
+    def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor],
+              constrained: bool = False) -> tuple[int, float | None]:
         values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
         known, self._cached = self._cached[:start], []  # unknown if the call fails
         outputs = self.execute(values + sampling)
@@ -164,6 +166,9 @@ class LLMRunner(ProgramRunner):
             row = torch.where(torch.isnan(row), float("-inf"), row)
             token = int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1
         if not 0 <= token < self.vocab_size:
+            if constrained:
+                raise RuntimeError(f"the model produced no valid token (id {token}): the grammar allows no token "
+                                   f"whose logit is finite here")
             raise RuntimeError(f"the model produced no valid token (id {token}): its logits are all NaN or -inf")
         if self.tokenizer is not None and token >= self.tokenizer.get_vocab_size():
             # (a model's vocabulary may be padded beyond its tokenizer's, as
@@ -177,6 +182,7 @@ class LLMRunner(ProgramRunner):
                  seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
                  repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
                  stop: str | list[str] | None = None, on_token: Callable[[int, float | None], bool] | None = None,
+                 json_schema=None, regex: str | None = None, grammar: str | None = None,
                  **params) -> GenerationResult:
         """Prefills `prompt` (text, taken as it is, or token ids), then decodes
         on the device until an end-of-generation id, a stop string or
@@ -193,6 +199,11 @@ class LLMRunner(ProgramRunner):
         logprob)` is called with each generated token (logprob None from a
         program without logprobs) before its text is streamed; returning True
         ends the generation there ("cancelled").
+        Structured output: `json_schema` (a dict, JSON text or a .json path),
+        `regex` or `grammar` (Lark text or a .lark path) constrains every
+        generated token on the device (llm/grammar.py); the generation ends
+        when the model ends it where the grammar accepts ("eos") or when the
+        grammar allows nothing more ("grammar"). JSON comes out compact.
         Calls from several threads run one at a time."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
@@ -200,13 +211,27 @@ class LLMRunner(ProgramRunner):
         stops = check_stop(stop)
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer_dir")
+        constraint = self._constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         with self._lock:
             return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
                                   repetition_context_size=repetition_context_size, logit_bias=logit_bias,
-                                  stops=stops, on_token=on_token)
+                                  stops=stops, on_token=on_token, constraint=constraint)
+
+    def _constraint(self, **grammar):
+        from .grammar import TokenConstraint, grammar_text
+
+        text = grammar_text(**grammar)
+        if text is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer: pass tokenizer_dir")
+        if not self.samples or "token_bitmask" not in self.input_names:
+            raise ValueError("this program takes no token mask (exported with --no-sampling or --no-grammar, or "
+                             "before structured output): re-export it for json_schema, regex or grammar")
+        return TokenConstraint(text, self.tokenizer, self.vocab_size, self.eos_ids)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
-                  logit_bias, stops, on_token) -> GenerationResult:
+                  logit_bias, stops, on_token, constraint) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -252,6 +277,8 @@ class LLMRunner(ProgramRunner):
             given["position"] = torch.tensor(position, dtype=torch.int64)
             if penalized:
                 given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
+            if constraint is not None:
+                given["token_bitmask"] = constraint.mask()
             return self.sampler_values(sampler_names, given)
         # What the cache holds past the common prefix is overwritten or never
         # read: attention never looks past the current position, so no reset
@@ -260,7 +287,8 @@ class LLMRunner(ProgramRunner):
 
         t0 = time.perf_counter()
         for start in range(cached, len(ids), self.max_chunk):
-            token, logprob = self._step(ids[start:start + self.max_chunk], start, sampling(0, ids))
+            token, logprob = self._step(ids[start:start + self.max_chunk], start, sampling(0, ids),
+                                        constraint is not None)
         prefill_s = time.perf_counter() - t0
 
         out, steps, logprobs = [token], [], [logprob]
@@ -270,16 +298,21 @@ class LLMRunner(ProgramRunner):
             cancel = on_token is not None and on_token(out[-1], logprobs[-1])
             if out[-1] in self.eos_ids:
                 return "eos"
+            if constraint is not None:
+                constraint.advance(out[-1])
             if text.update(out):
                 return "stop"
             if cancel:
                 return "cancelled"
+            if constraint is not None and constraint.finished:
+                return "grammar"
             return "max_new_tokens" if len(out) >= max_new_tokens else None
 
         stop = finished()
         while stop is None:
             t = time.perf_counter()
-            token, logprob = self._step([token], len(ids) + len(out) - 1, sampling(len(out), ids + out))
+            token, logprob = self._step([token], len(ids) + len(out) - 1, sampling(len(out), ids + out),
+                                        constraint is not None)
             steps.append(time.perf_counter() - t)
             out.append(token)
             logprobs.append(logprob)
