@@ -237,6 +237,18 @@ def test_stream_equals_whole(client):
             assert logprobs == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
 
 
+def test_response_format_json_schema_is_enforced_streamed_or_not(client):
+    """The schema's mask is applied in the program's sampler (this tiny
+    tokenizer spells no braces or quotes: a boolean schema, letters only)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": {"type": "boolean"}, "strict": True}}
+    for seed in range(3):
+        whole = _chat(client, temperature=1.0, seed=seed, max_tokens=16, response_format=fmt)
+        assert json.loads(whole.choices[0].message.content) in (True, False)
+        assert whole.choices[0].finish_reason == "stop"
+        text, finish, _ = _streamed(client, temperature=1.0, seed=seed, max_tokens=16, response_format=fmt)
+        assert (text, finish) == (whole.choices[0].message.content, "stop")
+
+
 def test_seeded_sampling_is_reproducible(client):
     runs = [_chat(client, temperature=1.2, seed=s, max_tokens=24).choices[0].message.content for s in (7, 7, 8)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
@@ -332,6 +344,12 @@ def test_concurrent_clients_equal_serial(client):
     ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": HELLO, "temperature": -1}, "temperature"),
     ({"messages": HELLO, "stop": 3}, "stop"),
+    ({"messages": HELLO, "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format"),
+    ({"messages": HELLO, "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
 ])
 def test_malformed_requests_get_400_naming_the_field(server, client, body, param):
     status, reply = _post(server, "/v1/chat/completions", {**body, "unknown_field": "ignored"})

@@ -211,13 +211,15 @@ class LLMRunner(ProgramRunner):
         stops = check_stop(stop)
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer_dir")
-        constraint = self._constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         with self._lock:
             return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
                                   repetition_context_size=repetition_context_size, logit_bias=logit_bias,
                                   stops=stops, on_token=on_token, constraint=constraint)
 
-    def _constraint(self, **grammar):
+    def constraint(self, **grammar):
+        """A fresh TokenConstraint for json_schema, regex or grammar (None
+        for none); ValueError for a bad grammar or a program without a mask."""
         from .grammar import TokenConstraint, grammar_text
 
         text = grammar_text(**grammar)

@@ -33,7 +33,9 @@ from starlette.routing import Route
 from ..llm.runner import GenerationResult, LLMRunner
 from .requests import Plan, RequestError, parse
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop"}
+# (the grammar allowing nothing more ends the answer as the model's end would)
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop",
+                  "grammar": "stop"}
 _DONE = object()
 
 

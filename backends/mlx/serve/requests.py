@@ -185,6 +185,9 @@ def parse(body, runner: LLMRunner, chat: bool) -> Plan:
         raise RequestError(f"{limit_name} {limit} + the prompt's {len(plan.prompt_ids)} tokens exceed this "
                            f"model's context of {runner.max_context} tokens", limit_name, "context_length_exceeded")
     kwargs["max_new_tokens"] = limit or room
+    schema = _response_format(body, runner)
+    if schema is not None:
+        kwargs["json_schema"] = schema
     plan.logprobs = _logprobs(body, runner, chat)
     plan.stream = _bool(body, "stream")
     options = body.get("stream_options")
@@ -197,6 +200,35 @@ def parse(body, runner: LLMRunner, chat: bool) -> Plan:
     kwargs.setdefault("seed", secrets.randbits(63))
     plan.kwargs = kwargs
     return plan
+
+
+def _response_format(body: dict, runner: LLMRunner):
+    """The JSON schema that `response_format` asks for (None: free text).
+    {"type": "json_object"}: any JSON object; {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}: that schema, always enforced."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise RequestError('response_format json_schema must be an object with a "name" and a "schema"',
+                               "response_format")
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("response_format json_schema.schema must be a JSON schema object", "response_format")
+    else:
+        raise RequestError('response_format type must be "text", "json_object" or "json_schema"', "response_format")
+    try:  # compiled here, so that a bad schema is a 400 before the request is queued
+        runner.constraint(json_schema=schema)
+    except ValueError as e:
+        raise RequestError(f"response_format: {e}", "response_format") from None
+    return schema
 
 
 def _logprobs(body: dict, runner: LLMRunner, chat: bool) -> bool:
