@@ -31,15 +31,20 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength
 def train_tokenizer(folder: Path, vocab: int = 32000) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:1500]
+    texts = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:1500]:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):  # a few test files are not UTF-8 on purpose
+            pass
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=["<s>", "</s>"])
-    tok.train([str(p) for p in sources], trainer)
+    tok.train_from_iterator(texts, trainer)
     tok.save(str(folder / "tokenizer.json"))
-    print(f"tokenizer: {tok.get_vocab_size()} tokens, trained on {len(sources)} stdlib files", flush=True)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens, trained on {len(texts)} stdlib files", flush=True)
 
 
 def main() -> int:

@@ -118,3 +118,19 @@ def test_cli_generate_with_a_json_schema(program):
     out = json.loads(done.stdout)
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
     assert out["stop_reason"] in ("grammar", "eos")
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(program, tmp_path):
+    """A model vocabulary padded beyond its tokenizer's (as Qwen2.5's is): the
+    mask never allows an id the tokenizer does not have."""
+    import shutil
+
+    from executorch_mlx.custom_kernel_ops.sample import allowed_by
+    from executorch_mlx.llm.model_folders import train_tokenizer
+
+    pte, folder = program
+    small = shutil.copytree(folder, tmp_path / "small")
+    train_tokenizer(vocab_size=300, all_bytes=True).save(str(small / "tokenizer.json"))
+    runner = LLMRunner(pte, small)
+    allowed = allowed_by(runner.constraint(regex=r"(?s:.{1,8})").mask(), runner.vocab_size)[0]
+    assert runner.vocab_size == 384 and allowed[:300].sum() > 100 and not allowed[300:].any()
