@@ -134,3 +134,20 @@ def test_ids_past_the_tokenizer_are_never_allowed(program, tmp_path):
     runner = LLMRunner(pte, small)
     allowed = allowed_by(runner.constraint(regex=r"(?s:.{1,8})").mask(), runner.vocab_size)[0]
     assert runner.vocab_size == 384 and allowed[:300].sum() > 100 and not allowed[300:].any()
+
+
+def test_response_format_json_object_gives_an_object(runner):
+    """The server's mapping (serve/requests.py), run in process on this
+    tokenizer, which spells braces (test_serve.py's does not)."""
+    from executorch_mlx.serve.requests import parse
+
+    for seed in range(4):
+        plan = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": seed,
+                      "max_tokens": MAX_CONTEXT - 4}, runner, chat=False)
+        assert plan.kwargs["json_schema"] == {"type": "object"}
+        result = runner.generate(plan.prompt_ids, **plan.kwargs)
+        # an object without a schema may outgrow max_tokens: then it is one cut short
+        if result.stop_reason == "max_new_tokens":
+            assert result.text.startswith("{"), result.text
+        else:
+            assert isinstance(json.loads(result.text), dict), result.text

@@ -63,18 +63,23 @@ def _read(path, what: str) -> str:
         raise ValueError(f"cannot read the {what} file {path}: {e.strerror or e}") from None
 
 
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
+    """llguidance's view of a `tokenizers.Tokenizer` for a model of
+    `vocab_size` tokens (ids the tokenizer does not have are never allowed)
+    ending at `eos_ids`. Built once per runner: it indexes every token."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_ids) or None)
+
+
 class TokenConstraint:
     """One generation's grammar state: the mask of the next token, advanced
-    by each token generated. `vocab_size` is the model's: ids the tokenizer
-    does not have are never allowed."""
+    by each token generated."""
 
-    def __init__(self, grammar: str, tokenizer, vocab_size: int, eos_ids: set[int]):
+    def __init__(self, grammar: str, lltok):
         import llguidance
 
-        self.vocab_size = vocab_size
-        self.words = (vocab_size + 31) // 32
-        lltok = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
-                                       eos_token=sorted(eos_ids) or None)
+        self.words = (lltok.vocab_size + 31) // 32
         error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if error:
             raise ValueError(f"the grammar is not valid: {error}")

@@ -35,10 +35,11 @@ from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS
-
-TOKEN_MASK = "token_bitmask"
-assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's only optional input, last
 from .sampling import SamplingHead, sampler_examples
+
+# The one sampler input an LLM export may leave out (--no-grammar); the last.
+TOKEN_MASK = "token_bitmask"
+assert SAMPLER_INPUTS[-1] == TOKEN_MASK
 
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")

@@ -94,6 +94,7 @@ class LLMRunner(ProgramRunner):
         if tokenizer_dir is not None:
             self.eos_ids |= end_of_generation_ids(tokenizer_dir, self.tokenizer)
         self._chat_template = None
+        self._grammar_tokenizer = None  # built on the first structured generation
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does).
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
@@ -220,7 +221,7 @@ class LLMRunner(ProgramRunner):
     def constraint(self, **grammar):
         """A fresh TokenConstraint for json_schema, regex or grammar (None
         for none); ValueError for a bad grammar or a program without a mask."""
-        from .grammar import TokenConstraint, grammar_text
+        from .grammar import TokenConstraint, grammar_text, grammar_tokenizer
 
         text = grammar_text(**grammar)
         if text is None:
@@ -230,7 +231,9 @@ class LLMRunner(ProgramRunner):
         if not self.samples or "token_bitmask" not in self.input_names:
             raise ValueError("this program takes no token mask (exported with --no-sampling or --no-grammar, or "
                              "before structured output): re-export it for json_schema, regex or grammar")
-        return TokenConstraint(text, self.tokenizer, self.vocab_size, self.eos_ids)
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+        return TokenConstraint(text, self._grammar_tokenizer)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
                   logit_bias, stops, on_token, constraint) -> GenerationResult:

@@ -548,10 +548,12 @@ class Sampler : public CpuKernel {
         }
         if (param[kTokenBitmask]) {
           mask.resize(param[kTokenBitmask]->shape(1));
+          bool all_set = true;
           for (size_t j = 0; j < mask.size(); ++j) {
             mask[j] = static_cast<uint32_t>(static_cast<int64_t>(element(*param[kTokenBitmask], b, j)));
+            all_set = all_set && mask[j] == ~0u;
           }
-          r.mask = mask.data();
+          r.mask = all_set ? nullptr : mask.data();  // every token allowed: the row is read in place
         }
         uint64_t w0, w1;
         if (present & kSeeded) {  // random::bits({2}, 4, random::key(stream_seed(seed, position)))
