@@ -220,6 +220,11 @@ def rms_norm():
     return s.finish(s.op(ir.RmsNormNode, a=s.x, weight=s.full([4], 1.5), eps=1e-5), 3)
 
 
+def layer_norm():
+    s = Sketch()
+    return s.finish(s.op(ir.LayerNormNode, a=s.x, weight=s.full([4], 1.5), bias=s.full([4], -0.5), eps=1e-5), 3)
+
+
 def rope():
     s = Sketch()
     return s.finish(s.op(ir.RopeNode, x=s.x, cos=s.full([4], 0.5), sin=s.full([1, 4], 0.25)), 3)
@@ -312,7 +317,7 @@ GRAPHS = {
     "TakeNode": take, "ConcatenateNode": concatenate, "FullNode": full, "ArangeNode": arange,
     "RandomBitsNode": random_bits, "CumsumNode": cumsum, "SymIntNode": sym_int, "DynArangeNode": dyn_arange,
     "DynSliceNode": dyn_slice, "ScatterNode": scatter, "ScaledDotProductAttentionNode": attention,
-    "RmsNormNode": rms_norm, "RopeNode": rope, "LinearNode": linear, "SliceUpdateNode": slice_update,
+    "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "RopeNode": rope, "LinearNode": linear, "SliceUpdateNode": slice_update,
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,

@@ -263,6 +263,29 @@ def test_rms_norm_is_fused(dtype):
     assert not {"PowerNode", "MeanNode", "RsqrtNode"} & types, f"the decomposed norm is left in the IR: {types}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "none"])
+def test_layer_norm_is_one_node(dtype, affine):
+    model = torch.nn.LayerNorm(48, eps=1e-5, elementwise_affine=affine != "none", bias=affine == "weight+bias")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1.5, 1.5)
+    model = model.to(dtype).eval()
+    x = rand((2, 5, 48), dtype)
+    assert_matches_eager(model, (x,), expect_nodes={"LayerNormNode"})
+    assert not {"MeanNode", "RsqrtNode"} & node_types(lower(model, (x,)))
+
+
+def test_layer_norm_whose_statistics_are_used_stays_outside_and_runs():
+    """native_layer_norm's mean and rstd (training outputs) are not computed by
+    LayerNormNode: a graph that reads them leaves the op to ExecuTorch."""
+    fn = lambda x: torch.ops.aten.native_layer_norm(x, [16], None, None, 1e-5)[1] + 1  # noqa: E731
+    x = rand((3, 16))
+    edge = lower(Fn(fn), (x,))
+    assert "aten.native_layer_norm.default" in str(undelegated_ops(edge))
+    torch.testing.assert_close(run(edge.to_executorch().buffer, [x])[0], fn(x))
+
+
 def test_attention_we_do_not_lower_decomposes_and_runs():
     """is_causal with fewer queries than keys (torch aligns the mask top-left,
     MLX bottom-right): kept off MLX's kernel, decomposed into ops we lower."""

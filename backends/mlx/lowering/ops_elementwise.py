@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -319,3 +320,22 @@ def copy(b: GraphBuilder, node: torch.fx.Node) -> None:
     if tuple(src.shape) != tuple(out.shape):
         src = b.emit(ir.BroadcastToNode, out.dtype, out.shape, a=src.tid, shape=b.dims(out.shape))
     b.bind(node, src)
+
+
+@handles(aten.native_layer_norm.default)
+def layer_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """LayerNorm over the last axis, one LayerNormNode (MLX's fast kernel).
+    Only the normalized output may be used: the mean and rstd outputs (for
+    training) are not computed."""
+    x, shape, weight, bias, eps = node.args[:5]
+    value = b.get(x)
+    if len(shape) != 1 or not value.shape or shape[0] != value.shape[-1]:
+        raise Unsupported("layer_norm over more than the last axis")
+    if any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users):
+        raise Unsupported("layer_norm's mean or rstd output is used")
+    out = meta_val(node)[0]
+    args = {name: b.get(t).tid for name, t in (("weight", weight), ("bias", bias)) if t is not None}
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and meta_val(t).dtype != out.dtype:
+            raise Unsupported(f"layer_norm {name} of another dtype than its input")
+    b.bind(node, [b.emit(ir.LayerNormNode, out.dtype, out.shape, a=value.tid, eps=float(eps), **args)])

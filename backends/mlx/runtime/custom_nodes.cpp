@@ -217,6 +217,18 @@ void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {
   st.set(n->out(), rms_norm(a, weight, n->eps()));
 }
 
+void exec_LayerNormNode(Interpreter& st, const ir::LayerNormNode* n) {
+  const auto& a = st.get(n->a());
+  if (a.ndim() == 0) throw std::invalid_argument("LayerNormNode: input must have an axis");
+  auto weight = st.get_optional(n->weight()), bias = st.get_optional(n->bias());
+  for (const auto* p : {&weight, &bias}) {
+    if (*p && ((*p)->ndim() != 1 || (*p)->shape(0) != a.shape(-1))) {
+      throw std::invalid_argument("LayerNormNode: weight and bias must be [last dim]");
+    }
+  }
+  st.set(n->out(), mx::fast::layer_norm(a, weight, bias, n->eps()));
+}
+
 void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
   st.set(n->out(), rope(st.get(n->x()), st.get(n->cos()), st.get(n->sin())));
 }

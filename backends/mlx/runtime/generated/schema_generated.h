@@ -236,6 +236,9 @@ struct LinearNodeBuilder;
 struct RmsNormNode;
 struct RmsNormNodeBuilder;
 
+struct LayerNormNode;
+struct LayerNormNodeBuilder;
+
 struct RopeNode;
 struct RopeNodeBuilder;
 
@@ -471,11 +474,12 @@ enum class Op : uint8_t {
   QuantizedEmbeddingNode = 68,
   SampleNode = 69,
   RopeNode = 70,
+  LayerNormNode = 71,
   MIN = NONE,
-  MAX = RopeNode
+  MAX = LayerNormNode
 };
 
-inline const Op (&EnumValuesOp())[71] {
+inline const Op (&EnumValuesOp())[72] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -547,13 +551,14 @@ inline const Op (&EnumValuesOp())[71] {
     Op::QuantizedLinearNode,
     Op::QuantizedEmbeddingNode,
     Op::SampleNode,
-    Op::RopeNode
+    Op::RopeNode,
+    Op::LayerNormNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[72] = {
+  static const char * const names[73] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -625,13 +630,14 @@ inline const char * const *EnumNamesOp() {
     "QuantizedEmbeddingNode",
     "SampleNode",
     "RopeNode",
+    "LayerNormNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RopeNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::LayerNormNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -918,6 +924,10 @@ template<> struct OpTraits<emlx::ir::SampleNode> {
 
 template<> struct OpTraits<emlx::ir::RopeNode> {
   static const Op enum_value = Op::RopeNode;
+};
+
+template<> struct OpTraits<emlx::ir::LayerNormNode> {
+  static const Op enum_value = Op::LayerNormNode;
 };
 
 template <bool B = false>
@@ -6740,6 +6750,98 @@ struct RmsNormNode::Traits {
   static auto constexpr Create = CreateRmsNormNode;
 };
 
+/// mlx::core::fast::layer_norm over the last axis:
+/// (x - mean) * rsqrt(var + eps) * weight + bias (weight and bias optional).
+struct LayerNormNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef LayerNormNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_WEIGHT = 6,
+    VT_BIAS = 8,
+    VT_EPS = 10,
+    VT_OUT = 12
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *bias() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIAS);
+  }
+  float eps() const {
+    return GetField<float>(VT_EPS, 0.0f);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyField<float>(verifier, VT_EPS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct LayerNormNodeBuilder {
+  typedef LayerNormNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(LayerNormNode::VT_A, a);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(LayerNormNode::VT_WEIGHT, weight);
+  }
+  void add_bias(const emlx::ir::Tid *bias) {
+    fbb_.AddStruct(LayerNormNode::VT_BIAS, bias);
+  }
+  void add_eps(float eps) {
+    fbb_.AddElement<float>(LayerNormNode::VT_EPS, eps, 0.0f);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(LayerNormNode::VT_OUT, out);
+  }
+  explicit LayerNormNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<LayerNormNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<LayerNormNode>(end);
+    fbb_.Required(o, LayerNormNode::VT_A);
+    fbb_.Required(o, LayerNormNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<LayerNormNode> CreateLayerNormNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *bias = nullptr,
+    float eps = 0.0f,
+    const emlx::ir::Tid *out = nullptr) {
+  LayerNormNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_eps(eps);
+  builder_.add_bias(bias);
+  builder_.add_weight(weight);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct LayerNormNode::Traits {
+  using type = LayerNormNode;
+  static auto constexpr Create = CreateLayerNormNode;
+};
+
 /// Rotary position embedding as transformers applies it:
 /// x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])
 /// on the last axis (D even); cos and sin broadcast to x, last axis D.
@@ -7498,6 +7600,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::RopeNode *op_as_RopeNode() const {
     return op_type() == emlx::ir::Op::RopeNode ? static_cast<const emlx::ir::RopeNode *>(op()) : nullptr;
   }
+  const emlx::ir::LayerNormNode *op_as_LayerNormNode() const {
+    return op_type() == emlx::ir::Op::LayerNormNode ? static_cast<const emlx::ir::LayerNormNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7786,6 +7891,10 @@ template<> inline const emlx::ir::SampleNode *Node::op_as<emlx::ir::SampleNode>(
 
 template<> inline const emlx::ir::RopeNode *Node::op_as<emlx::ir::RopeNode>() const {
   return op_as_RopeNode();
+}
+
+template<> inline const emlx::ir::LayerNormNode *Node::op_as<emlx::ir::LayerNormNode>() const {
+  return op_as_LayerNormNode();
 }
 
 struct NodeBuilder {
@@ -8282,6 +8391,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::RopeNode: {
       auto ptr = reinterpret_cast<const emlx::ir::RopeNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::LayerNormNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::LayerNormNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
