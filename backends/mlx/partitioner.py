@@ -101,9 +101,35 @@ def tag_owned_buffers(ep: ExportedProgram) -> None:
             node.meta["delegation_tag"] = tags.pop()
 
 
+# Why partition() kept a lowerable node outside all the same.
+DERIVED_SIZE_INPUT = ("reads a tensor whose size is an expression of the dynamic sizes (like 2*s) from outside "
+                      "the delegate (a delegate's input sizes must be the program's own)")
+
+
 class _Support(OperatorSupportBase):
+    def __init__(self, excluded: set[torch.fx.Node] = frozenset()):
+        super().__init__()
+        self.excluded = excluded
+
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        if node in self.excluded or (node.target is operator.getitem and node.args[0] in self.excluded):
+            return False
         return can_lower(node)
+
+
+def _reads_derived_sizes(partitions) -> set[torch.fx.Node]:
+    """Nodes that read, from outside their partition, a tensor sized by an
+    expression such as 2*s: the delegate could not define that size from its
+    inputs, so such a node stays outside (and the partitions are redrawn)."""
+    found = set()
+    for partition in partitions:
+        for node in partition.nodes:
+            for arg in node.all_input_nodes:
+                val = arg.meta.get("val")
+                if arg not in partition.nodes and isinstance(val, torch.Tensor) and any(
+                        isinstance(d, torch.SymInt) and not d.node.expr.is_Symbol for d in val.shape):
+                    found.add(node)
+    return found
 
 
 class MLXPartitioner(Partitioner):
@@ -128,9 +154,15 @@ class MLXPartitioner(Partitioner):
         return [op for op in KEEP_WHOLE if all(can_lower(n) for n in used if n.target == op)], None
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        partitions = generate_partitions_from_list_of_nodes(
-            exported_program.graph_module, op_support=_Support()
-        )
+        excluded: set[torch.fx.Node] = set()
+        while True:
+            partitions = generate_partitions_from_list_of_nodes(
+                exported_program.graph_module, op_support=_Support(excluded)
+            )
+            derived = _reads_derived_sizes(partitions)
+            if not derived:
+                break
+            excluded |= derived
         tags = {}
         for partition in partitions:
             tag = f"mlx_{partition.id}"
@@ -140,17 +172,17 @@ class MLXPartitioner(Partitioner):
         untag_shared_sizes(exported_program)
         tag_constant_data(exported_program)
         tag_owned_buffers(exported_program)
-        self.outside = _outside(exported_program)
+        self.outside = _outside(exported_program, excluded)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
-def _outside(ep: ExportedProgram) -> list[tuple[str, str]]:
+def _outside(ep: ExportedProgram, excluded: set[torch.fx.Node] = frozenset()) -> list[tuple[str, str]]:
     """(op, reason) of every compute node left outside the delegates."""
     found = {}
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.meta.get("delegation_tag") or node.target is operator.getitem:
             continue
-        reason = why_not_lowered(node)
+        reason = DERIVED_SIZE_INPUT if node in excluded else why_not_lowered(node)
         if reason is None:  # lowerable, but its size is needed outside its partition
             reason = "a size used outside the delegate (sizes stay with ExecuTorch)"
         op = aten_op(node.target)
