@@ -317,7 +317,8 @@ GRAPHS = {
     "TakeNode": take, "ConcatenateNode": concatenate, "FullNode": full, "ArangeNode": arange,
     "RandomBitsNode": random_bits, "CumsumNode": cumsum, "SymIntNode": sym_int, "DynArangeNode": dyn_arange,
     "DynSliceNode": dyn_slice, "ScatterNode": scatter, "ScaledDotProductAttentionNode": attention,
-    "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "RopeNode": rope, "LinearNode": linear, "SliceUpdateNode": slice_update,
+    "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "RopeNode": rope, "LinearNode": linear,
+    "SliceUpdateNode": slice_update,
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..custom_kernel_ops.sample import mask_words
+
 # No free whitespace: {"a":1,"b":[2,3]}
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -79,12 +81,11 @@ class TokenConstraint:
     def __init__(self, grammar: str, lltok):
         import llguidance
 
-        self.words = (lltok.vocab_size + 31) // 32
         error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if error:
             raise ValueError(f"the grammar is not valid: {error}")
         self.matcher = llguidance.LLMatcher(lltok, grammar)
-        self._mask = torch.zeros(1, self.words, dtype=torch.int32)
+        self._mask = torch.zeros(1, mask_words(lltok.vocab_size), dtype=torch.int32)
 
     def mask(self) -> torch.Tensor:
         """[1, ceil(V/32)] int32: the tokens allowed next."""

@@ -34,12 +34,10 @@ from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
-from .sampler_inputs import SAMPLER_INPUTS
+from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import SamplingHead, sampler_examples
 
-# The one sampler input an LLM export may leave out (--no-grammar); the last.
-TOKEN_MASK = "token_bitmask"
-assert SAMPLER_INPUTS[-1] == TOKEN_MASK
+assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
 # config.json model_type -> what we export and test
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
@@ -186,7 +184,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         module = SampledLM(lm, logprobs)
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
                                    logit_bias_size=logit_bias_size,
-                                   mask_words=(int(config["vocab_size"]) + 31) // 32 if token_mask else 0)
+                                   mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
         example += tuple(sampler.values())
         dynamic.update({name: None for name in sampler})
     else:

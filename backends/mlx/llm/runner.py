@@ -35,7 +35,7 @@ from . import program_contract
 from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
 from .program_runner import ProgramRunner
 from ..serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
-from .sampler_inputs import OFF, PENALTIES, logit_bias_tensors, sampling_inputs
+from .sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
 
 
 @dataclass
@@ -228,7 +228,7 @@ class LLMRunner(ProgramRunner):
             return None
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer: pass tokenizer_dir")
-        if not self.samples or "token_bitmask" not in self.input_names:
+        if not self.samples or TOKEN_MASK not in self.input_names:
             raise ValueError("this program takes no token mask (exported with --no-sampling or --no-grammar, or "
                              "before structured output): re-export it for json_schema, regex or grammar")
         if self._grammar_tokenizer is None:
@@ -283,7 +283,7 @@ class LLMRunner(ProgramRunner):
             if penalized:
                 given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
             if constraint is not None:
-                given["token_bitmask"] = constraint.mask()
+                given[TOKEN_MASK] = constraint.mask()
             return self.sampler_values(sampler_names, given)
         # What the cache holds past the common prefix is overwritten or never
         # read: attention never looks past the current position, so no reset

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ..custom_kernel_ops.sample import mask_words
 from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, SAMPLER_INPUTS as _TABLE, TABLE_PARAMS
 
 # Sampler inputs of a program, in order (model inputs come first).
@@ -17,6 +18,8 @@ SAMPLER_INPUTS = tuple(p.name for p in _TABLE)
 OFF = {name: BY_NAME[name].off for name in ROW_PARAMS}
 # Parameters that count tokens in the history (the penalties).
 PENALTIES = tuple(name for name in PARAMS if BY_NAME[name].needs == "history")
+# The grammar's token mask (docs/sampling.md step 1): an LLM export may leave it out.
+TOKEN_MASK = "token_bitmask"
 
 
 def param_dtype(name: str) -> torch.dtype:
@@ -74,9 +77,8 @@ def _table(name: str, value, batch: int, dtype: torch.dtype, vocab: int | None) 
         raise ValueError(f"{name} must be [{batch}, N] (one row per batch row), got {list(value.shape)}")
     if dtype == torch.int64 and vocab is not None and bool(((value < -1) | (value >= vocab)).any()):
         raise ValueError(f"{name} must hold token ids in [0, {vocab}) or -1 (padding)")
-    if name == "token_bitmask" and vocab is not None and value.shape[1] > (vocab + 31) // 32:
-        raise ValueError(f"token_bitmask has {value.shape[1]} words per row; {vocab} tokens take "
-                         f"{(vocab + 31) // 32}")
+    if name == TOKEN_MASK and vocab is not None and value.shape[1] > mask_words(vocab):
+        raise ValueError(f"{TOKEN_MASK} has {value.shape[1]} words per row; {vocab} tokens take {mask_words(vocab)}")
     if dtype.is_floating_point and bool(torch.isnan(value).any()):
         raise ValueError(f"{name} must not contain NaN")
     return value

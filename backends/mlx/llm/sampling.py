@@ -35,7 +35,7 @@ import torch
 
 from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS
 from . import program_contract
-from .sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, param_dtype
+from .sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK, mask_words, param_dtype
 
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
@@ -131,7 +131,7 @@ def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[s
         if name in params:
             examples[name] = torch.full(shape, OFF[name], dtype=param_dtype(name))
     sizes = {"history": history_size, "logit_bias_ids": logit_bias_size, "logit_bias_values": logit_bias_size,
-             "token_bitmask": mask_words}
+             TOKEN_MASK: mask_words}
     for name in TABLE_PARAMS:
         if sizes[name]:
             examples[name] = torch.full((batch, sizes[name]), BY_NAME[name].off, dtype=param_dtype(name))
@@ -166,13 +166,13 @@ def export_sampling_head(
         raise TypeError(f"export_sampling_head got unknown parameter(s) {', '.join(unknown)}; "
                         f"known: {', '.join(ROW_PARAMS)}")
     batch = _check_model_args(model_args)
-    mask_words = 0
+    words = 0
     if token_mask:  # the words follow the vocabulary: the model's logits say how large it is
         with torch.no_grad():
-            mask_words = (last_logits(model(*model_args)).shape[-1] + 31) // 32
+            words = mask_words(last_logits(model(*model_args)).shape[-1])
     kwargs = sampler_examples(batch, seeded=seeded, per_row=per_row,
                               params=tuple(name for name in ROW_PARAMS if params.get(name)),
-                              history_size=history_size, logit_bias_size=logit_bias_size, mask_words=mask_words)
+                              history_size=history_size, logit_bias_size=logit_bias_size, mask_words=words)
     head = SamplingHead(model, logprobs=logprobs).eval()
     ep = torch.export.export(head, tuple(model_args), kwargs, strict=strict)
     return _lower(ep, logprobs)

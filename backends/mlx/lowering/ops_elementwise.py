@@ -334,8 +334,10 @@ def layer_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
     if any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users):
         raise Unsupported("layer_norm's mean or rstd output is used")
     out = meta_val(node)[0]
-    args = {name: b.get(t).tid for name, t in (("weight", weight), ("bias", bias)) if t is not None}
+    args = {}
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and meta_val(t).dtype != out.dtype:
-            raise Unsupported(f"layer_norm {name} of another dtype than its input")
+        if t is not None:
+            if meta_val(t).dtype != out.dtype:
+                raise Unsupported(f"layer_norm {name} of another dtype than its input")
+            args[name] = b.get(t).tid
     b.bind(node, [b.emit(ir.LayerNormNode, out.dtype, out.shape, a=value.tid, eps=float(eps), **args)])
