@@ -5,9 +5,9 @@ computes on the host, before each step, which tokens may come next, in the
 int32 bitmask layout of docs/sampling.md step 1; the runner passes it as the
 program's `token_bitmask` input and the sampler applies it on the device,
 after penalties and bias and before every filter. Chosen over xgrammar: no
-dependencies of its own, Lark grammars as well as JSON schema and regex
-(the mask of the tests' 384-token vocabulary takes about 12 us; real
-vocabularies are not measured yet).
+dependencies of its own, Lark grammars as well as JSON schema and regex. A
+mask takes about 0.16 ms per token on a 32,000-token vocabulary
+(benchmarks/bench_structured.py).
 
 JSON is compact (no whitespace between tokens): a bounded schema then has a
 bounded number of ways to continue, and the output always finishes.
