@@ -64,6 +64,34 @@ def mlx_quantized_linear(x, weight, bias, group_size, bits):
 
 
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+INT_ROWS = 4  # fewer rows of x than this: our CPU kernel takes x in int16 (quantized_dot.h)
+
+
+def int16_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x as our CPU kernel rounds it for integer dot products with the
+    weights' codes: per group, to the nearest multiple of max|x| / 32767
+    (ties to even). The weights' biases meet the unrounded sum of x."""
+    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, group_size)
+    amax = g.abs().amax(-1, keepdim=True)
+    to_int = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    return (torch.round(g * to_int) * (amax / 32767)).reshape(x.shape)
+
+
+def codes_times_scales(table: QuantizedTable) -> torch.Tensor:
+    """q * scale of a quantized weight: the part of w that meets rounded x."""
+    return dequantize(table.qweight, table.scales.float(), torch.zeros_like(table.biases, dtype=torch.float32),
+                      table.group_size, table.bits)
+
+
+def assert_close_to_int16_rows(got, want, x, table, dtype):
+    """got within the float tolerance plus what rounding x to 16 bits can
+    move each output: half a step of its group per value, times |q * scale|."""
+    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, table.group_size)
+    half_step = (g.abs().amax(-1, keepdim=True) / 32767 / 2).expand_as(g).reshape(x.shape)
+    bound = half_step @ codes_times_scales(table).abs().T
+    tol = TOL[dtype]
+    excess = (got.float() - want.float()).abs() - bound - tol["atol"] - tol["rtol"] * want.float().abs()
+    assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the int16 rounding bound"
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -88,11 +116,34 @@ def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
     weight = torch.randn(37, 320).to(dtype)
     b = torch.randn(37).to(dtype) if bias else None
     x = rand((m, 320), dtype)
-    edge = lower(QLinear(weight, b, 64, bits).eval(), (x,))
+    model = QLinear(weight, b, 64, bits).eval()
+    edge = lower(model, (x,))
     assert undelegated_ops(edge) == [] and "QuantizedLinearNode" in node_types(edge)
     got = run(edge.to_executorch().buffer, [x])[0]
     assert got.dtype == dtype and got.shape == (m, 37)
-    torch.testing.assert_close(got, mlx_quantized_linear(x, weight, b, 64, bits), **TOL[dtype])
+    want = mlx_quantized_linear(x, weight, b, 64, bits)
+    if m < INT_ROWS:
+        assert_close_to_int16_rows(got, want, x, model.table, dtype)
+    else:
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, 64)])
+def test_one_row_kernel_rounds_x_to_int16_and_nothing_else(bits, group_size):
+    """The integer path equals float math on x rounded as documented
+    (int16_rows): the rounding of x is its only departure from exact."""
+    weight = torch.randn(41, 256)
+    x = rand((1, 256), torch.float32) * torch.logspace(-3, 3, 256)  # groups of very different scales
+    model = QLinear(weight, None, group_size, bits).eval()
+    got = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
+    w, s, z = quantize_weight(weight, group_size, bits)
+    exact = x.double() @ dequantize(w, s, z, group_size, bits).double().T
+    rounding = (int16_rows(x, group_size) - x).double() @ codes_times_scales(model.table).double().T
+    # float32 sums: error relative to the sum of |terms|, not to the (cancelling) result
+    magnitude = (x.abs().double() @ dequantize(w, s, z, group_size, bits).abs().double().T).max().item()
+    torch.testing.assert_close(got, (exact + rounding).float(), atol=1e-6 * magnitude, rtol=1e-5)
+    # and it is not the float path: that one has no rounding of x to undo
+    assert not torch.allclose(got, exact.float(), atol=1e-6, rtol=1e-7)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -120,9 +171,10 @@ def test_kernel_paths_agree_in_subprocesses(tmp_path):
     path (what GPUs run: matmul / quantized_matmul) give the same result on
     the same program, for one row of x and for several."""
     torch.manual_seed(0)
-    cases, want = [], []
+    cases, want, models = [], [], []
     for i, (case, make) in enumerate(KERNEL_CASES.items()):
         model = make().eval()
+        models.append(model)
         k = model.in_features if isinstance(model, torch.nn.Linear) else model.table.in_features
         dtype = torch.bfloat16 if case == "bf16" else torch.float32
         xs = [rand((1, k), dtype), rand((4, k), dtype)]
@@ -144,10 +196,14 @@ def test_kernel_paths_agree_in_subprocesses(tmp_path):
         subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
                        env={**os.environ, **env})
         outs.append(torch.load(out))
-    for case, kernel, one_thread, mlx_ops, expected in zip(KERNEL_CASES, *outs, want):
+    for (case, kernel, one_thread, mlx_ops, expected), (_, xs), model in zip(zip(KERNEL_CASES, *outs, want), cases,
+                                                                            models):
         for ys in (kernel, one_thread, mlx_ops):
-            for y, w in zip(ys, expected):
-                torch.testing.assert_close(y, w, **TOL[w.dtype], msg=lambda m: f"{case}: {m}")
+            for y, w, x in zip(ys, expected, xs):
+                if ys is not mlx_ops and case.startswith("q") and x.shape[0] < INT_ROWS:
+                    assert_close_to_int16_rows(y, w, x, model.table, w.dtype)
+                else:
+                    torch.testing.assert_close(y, w, **TOL[w.dtype], msg=lambda m: f"{case}: {m}")
         assert all(torch.equal(a, b) for a, b in zip(kernel, one_thread)), f"{case}: threads changed the result"
 
 
@@ -191,9 +247,13 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     assert isinstance(model.lm_head, torch.nn.Linear) != embedding
     ids = torch.tensor([[3, 17, 42, 5, 99]])
     with torch.no_grad():
-        want = model(ids).logits[:, -1:]
+        out = model(ids, output_hidden_states=True)
+    want = out.logits[:, -1:]
     got = run(pte.read_bytes(), [ids, torch.arange(5)])[0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if embedding:  # the quantized head sees one row: x in int16 (quantized_dot.h)
+        assert_close_to_int16_rows(got, want, out.hidden_states[-1][:, -1:], model.lm_head.table, torch.float32)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_quantized_pte_sizes(folder, logits_program):

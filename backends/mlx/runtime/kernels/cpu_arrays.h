@@ -24,6 +24,11 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// Element i of a float32 or (bf16) bfloat16 array.
+inline float float_at(const void* p, size_t i, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
 // `a`'s elements in row-major order, for an input that arrives strided (a
 // transposed or broadcast view; rare, so element by element).
 inline std::vector<uint8_t> row_major_bytes(const mlx::core::array& a) {

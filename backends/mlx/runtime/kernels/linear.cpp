@@ -9,6 +9,7 @@
 #include "blas.h"
 #include "cpu_arrays.h"
 #include "cpu_kernel.h"
+#include "quantized_dot.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -35,14 +36,9 @@ struct Operands {
   const void* biases;    // quantized: [N, K / group]
   bool params_bf16;      // scales/biases (and bias) are bfloat16, else float32
   const void* bias;      // [N] or null
-  const float* xsum;     // quantized with one row of x: its sum per group, else null
   float* out;            // [M, N] float32
   size_t M, N, K;
 };
-
-inline float param(const void* p, size_t i, bool bf16) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
 
 // Dot products of ROWS rows of w with one row of x (all K long).
 template <int ROWS>
@@ -101,8 +97,8 @@ inline void decode_quantized_row(const Operands& o, size_t n, float* dst) {
   const uint8_t* row = packed_row(o, n);
   const size_t groups = o.K / o.group;
   for (size_t g = 0; g < groups; ++g) {
-    const v8 s = v8{} + param(o.scales, n * groups + g, o.params_bf16);
-    const v8 b = v8{} + param(o.biases, n * groups + g, o.params_bf16);
+    const v8 s = v8{} + float_at(o.scales, n * groups + g, o.params_bf16);
+    const v8 b = v8{} + float_at(o.biases, n * groups + g, o.params_bf16);
     // groups are 32, 64 or 128 values: whole vectors of 8
     for (size_t k = g * o.group; k < (g + 1) * o.group; k += 8) {
       v8 f = unpack8<BITS>(row, k) * s + b;
@@ -125,49 +121,12 @@ inline void decode_row(const Operands& o, size_t n, float* dst) {
   for (; k < o.K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
-// x . w[n] straight from the packed row, for one row of x: per group,
-// scale * (x . q) + bias * sum(x), with the group sums of x in xsum.
-template <int BITS>
-inline float quantized_dot(const Operands& o, const float* x, const float* xsum, size_t n) {
-  const uint8_t* row = packed_row(o, n);
-  const size_t groups = o.K / o.group;
-  v8 acc = {};
-  float bias_term = 0;
-  for (size_t g = 0; g < groups; ++g) {
-    // Four independent sums: one chain of fused multiply-adds would wait on
-    // its own latency. Groups are 32, 64 or 128 values.
-    v8 d[4] = {};
-    for (size_t k = g * o.group; k < (g + 1) * o.group; k += 32) {
-      for (int j = 0; j < 4; ++j) {
-        v8 xv;
-        __builtin_memcpy(&xv, x + k + 8 * j, sizeof xv);
-        d[j] += xv * unpack8<BITS>(row, k + 8 * j);
-      }
-    }
-    const v8 dot = (d[0] + d[1]) + (d[2] + d[3]);
-    acc += dot * param(o.scales, n * groups + g, o.params_bf16);
-    bias_term += param(o.biases, n * groups + g, o.params_bf16) * xsum[g];
-  }
-  float s = bias_term;
-  for (int i = 0; i < 8; ++i) s += acc[i];
-  return s;
-}
-
 // out[m, n0:n1] for every row m of x: kRows rows of w at a time (decoded
 // once into `scratch` unless stored as float32), reused for all of x's rows
 // while they are in cache.
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   constexpr size_t kRows = 4;
   const size_t K = o.K;
-  if (o.xsum) {
-    // One row of x (decoding): dot products on the packed rows, no decoding pass.
-    for (size_t n = n0; n < n1; ++n) {
-      const float y = o.format == Format::Q4 ? quantized_dot<4>(o, o.x, o.xsum, n)
-                                             : quantized_dot<8>(o, o.x, o.xsum, n);
-      o.out[n] = y + (o.bias ? param(o.bias, n, o.params_bf16) : 0.0f);
-    }
-    return;
-  }
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t rows = std::min(kRows, n1 - n);
     const float* w = static_cast<const float*>(o.w) + n * K;
@@ -183,7 +142,7 @@ __attribute__((always_inline)) inline void linear_block(const Operands& o, size_
         for (size_t r = 0; r < rows; ++r) dots<1>(o.x + m * K, w + r * K, K, acc + r);
       }
       for (size_t r = 0; r < rows; ++r) {
-        o.out[m * o.N + n + r] = acc[r] + (o.bias ? param(o.bias, n + r, o.params_bf16) : 0.0f);
+        o.out[m * o.N + n + r] = acc[r] + (o.bias ? float_at(o.bias, n + r, o.params_bf16) : 0.0f);
       }
     }
   }
@@ -244,7 +203,7 @@ void gemm(const Operands& o) {
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
     if (o.bias) {
       for (size_t m = 0; m < M; ++m) {
-        for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += param(o.bias, n, o.params_bf16);
+        for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
       }
     }
   });
@@ -296,14 +255,21 @@ class Linear : public CpuKernel {
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
       o.bias = has_bias ? inputs.back().data<void>() : nullptr;
-      std::vector<float> xsum;
-      if (quantized && M == 1) {
-        xsum.assign(K / group, 0.0f);
-        for (size_t k = 0; k < K; ++k) xsum[k / group] += o.x[k];
-        o.xsum = xsum.data();
-      }
+      IntRows xq;
       if (M >= kGemmRows) {
         gemm(o);
+      } else if (quantized && quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
+        // Decoding: integer dot products on the packed rows (quantized_dot.h).
+        const size_t rows = 16;
+        const int blocks = static_cast<int>((N + rows - 1) / rows);
+        parallel_for(blocks, [&](int b) {
+          const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
+          quantized_dots(xq, static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16, n0, n1, o.out, N);
+          if (!o.bias) return;
+          for (size_t m = 0; m < M; ++m) {
+            for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
+          }
+        });
       } else {
         // Blocks of about 64 KiB of float32 weights: enough to spread over the
         // pool, small enough to stay in cache while every row of x passes.

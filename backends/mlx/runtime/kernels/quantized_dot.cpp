@@ -1,0 +1,242 @@
+#include "quantized_dot.h"
+
+#include <cmath>
+
+#include "cpu_arrays.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace emlx {
+
+namespace {
+
+constexpr float kLevels = 32767.0f;
+
+// Where value k of a row goes in IntRows::q. A 4-bit chunk of 32 values is
+// 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high nibble):
+// unpacking gives the even values, then the odd ones.
+inline size_t slot(size_t k, int bits) {
+  if (bits == 8) return k;
+  const size_t chunk = k & ~size_t{31}, j = k & 31;
+  return chunk + (j & 1) * 16 + j / 2;
+}
+
+// The sum over one group of q * xq, in plain C++ (any CPU).
+template <int BITS>
+inline int32_t group_sum_generic(const uint8_t* row, const int16_t* q, size_t k0, int group) {
+  int32_t s = 0;
+  for (size_t k = k0; k < k0 + group; k += 32) {
+    if constexpr (BITS == 4) {
+      for (size_t j = 0; j < 16; ++j) {
+        const int b = row[k / 2 + j];
+        s += (b & 15) * q[k + j] + (b >> 4) * q[k + 16 + j];
+      }
+    } else {
+      for (size_t j = 0; j < 32; ++j) s += row[k + j] * q[k + j];
+    }
+  }
+  return s;
+}
+
+template <int BITS>
+void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool bf16, size_t n0,
+                  size_t n1, float* out, size_t ldo) {
+  const size_t K = x.K, groups = K / x.group;
+  for (size_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * K * BITS / 8;
+    for (size_t m = 0; m < x.M; ++m) {
+      const int16_t* q = x.q.data() + m * K;
+      float y = 0;
+      for (size_t g = 0; g < groups; ++g) {
+        const size_t at = n * groups + g, xg = m * groups + g;
+        const int32_t s = group_sum_generic<BITS>(row, q, g * x.group, x.group);
+        y += static_cast<float>(s) * (float_at(scales, at, bf16) * x.scale[xg]) + float_at(biases, at, bf16) * x.sum[xg];
+      }
+      out[m * ldo + n] = y;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// Eight float32 or bfloat16 values as float32.
+template <bool BF16>
+__attribute__((target("avx2,fma"))) inline __m256 load8(const void* p, size_t i) {
+  if constexpr (BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  }
+}
+
+// The sum over one group of q * xq as 8 int32 lanes: 16 weights widen to
+// int16 lanes in one instruction and vpmaddwd multiplies and pairs them with x.
+template <int BITS>
+__attribute__((target("avx2,fma"))) inline __m256i group_sum_avx2(const uint8_t* row, const int16_t* q, size_t k0,
+                                                                  size_t group) {
+  const __m256i low4 = _mm256_set1_epi16(15);
+  __m256i s = _mm256_setzero_si256();
+  for (size_t k = k0; k < k0 + group; k += 32) {
+    if constexpr (BITS == 4) {
+      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
+      const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k))));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + 16))));
+    } else {
+      for (size_t h = 0; h < 32; h += 16) {
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + h)));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + h))));
+      }
+    }
+  }
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+template <int BITS, bool BF16>
+__attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8_t* w, const void* scales,
+                                                   const void* biases, size_t n0, size_t n1, float* out, size_t ldo) {
+  const size_t K = x.K, groups = K / x.group, group = x.group, row_bytes = K * BITS / 8;
+  thread_local std::vector<float> factors;  // per group: the weight scale times x's
+  factors.resize(groups + 8);
+  for (size_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (size_t m = 0; m < x.M; ++m) {
+      const int16_t* q = x.q.data() + m * K;
+      const float *xa = x.scale.data() + m * groups, *xs = x.sum.data() + m * groups;
+      // Per-group factors and the biases' term, eight groups at a time.
+      __m256 bias_term = _mm256_setzero_ps();
+      float bias_tail = 0;
+      size_t g = 0;
+      for (; g + 8 <= groups; g += 8) {
+        _mm256_storeu_ps(factors.data() + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
+        bias_term = _mm256_fmadd_ps(load8<BF16>(biases, n * groups + g), _mm256_loadu_ps(xs + g), bias_term);
+      }
+      for (; g < groups; ++g) {
+        factors[g] = float_at(scales, n * groups + g, BF16) * xa[g];
+        bias_tail += float_at(biases, n * groups + g, BF16) * xs[g];
+      }
+      // Two float accumulators: one would wait on its own FMA latency.
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+      for (g = 0; g + 2 <= groups; g += 2) {
+        const __m256i s0 = group_sum_avx2<BITS>(row, q, g * group, group);
+        const __m256i s1 = group_sum_avx2<BITS>(row, q, (g + 1) * group, group);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&factors[g]), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(&factors[g + 1]), acc1);
+      }
+      if (g < groups) {
+        const __m256i s0 = group_sum_avx2<BITS>(row, q, g * group, group);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&factors[g]), acc0);
+      }
+      out[m * ldo + n] = hsum(_mm256_add_ps(acc0, acc1)) + hsum(bias_term) + bias_tail;
+    }
+  }
+}
+#endif
+
+// One group of x: false if it holds a NaN or an infinity, else its scale
+// and sum, and q[slot(i)] = round(x[i] / scale) for every i.
+bool quantize_group_generic(const float* x, int group, int bits, int16_t* q, float& scale, float& sum) {
+  float amax = 0;
+  sum = 0;
+  for (int i = 0; i < group; ++i) {
+    if (!std::isfinite(x[i])) return false;
+    amax = std::fmax(amax, std::fabs(x[i]));
+    sum += x[i];
+  }
+  const float to_int = amax > 0 ? kLevels / amax : 0.0f;
+  scale = amax / kLevels;
+  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<int16_t>(std::nearbyint(x[i] * to_int));
+  return true;
+}
+
+#if defined(__x86_64__)
+// The same, 32 values at a time (groups are 32, 64 or 128). Rounding is the
+// CPU's default, to nearest even, as std::nearbyint's.
+__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, int16_t* q,
+                                                             float& scale, float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < group; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i), a = _mm256_andnot_ps(sign, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or NaN
+    amax = _mm256_max_ps(amax, a);
+    total = _mm256_add_ps(total, v);
+  }
+  if (_mm256_movemask_ps(bad)) return false;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  sum = hsum(total);
+  scale = top / kLevels;
+  const __m256 to_int = _mm256_set1_ps(top > 0 ? kLevels / top : 0.0f);
+  // Within each 128-bit lane: the even int16 values first, then the odd ones.
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  for (int i = 0; i < group; i += 32) {
+    __m256i half[2];  // values i .. i + 15 and i + 16 .. i + 31 as int16, in order
+    for (int h = 0; h < 2; ++h) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h), to_int));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h + 8), to_int));
+      half[h] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    }
+    if (bits == 4) {
+      // [evens, odds] of each half, then the evens of both, then the odds
+      const __m256i h0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[0], split), 0xD8);
+      const __m256i h1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[1], split), 0xD8);
+      half[0] = _mm256_permute2x128_si256(h0, h1, 0x20);
+      half[1] = _mm256_permute2x128_si256(h0, h1, 0x31);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), half[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), half[1]);
+  }
+  return true;
+}
+#endif
+
+}  // namespace
+
+bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
+  const size_t groups = K / group;
+  rows.M = M, rows.K = K, rows.group = group, rows.bits = bits;
+  rows.q.resize(M * K);
+  rows.scale.resize(M * groups);
+  rows.sum.resize(M * groups);
+#if defined(__x86_64__)
+  const auto quantize_group = has_avx2() ? quantize_group_avx2 : quantize_group_generic;
+#else
+  const auto quantize_group = quantize_group_generic;
+#endif
+  for (size_t m = 0; m < M; ++m) {
+    for (size_t g = 0; g < groups; ++g) {
+      const size_t at = m * groups + g;
+      if (!quantize_group(x + m * K + g * group, group, bits, rows.q.data() + m * K + g * group, rows.scale[at],
+                          rows.sum[at])) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
+                    size_t n0, size_t n1, float* out, size_t ldo) {
+#if defined(__x86_64__)
+  if (has_avx2()) {
+    auto dots = x.bits == 4 ? (params_bf16 ? dots_avx2<4, true> : dots_avx2<4, false>)
+                            : (params_bf16 ? dots_avx2<8, true> : dots_avx2<8, false>);
+    return dots(x, w, scales, biases, n0, n1, out, ldo);
+  }
+#endif
+  (x.bits == 4 ? dots_generic<4> : dots_generic<8>)(x, w, scales, biases, params_bf16, n0, n1, out, ldo);
+}
+
+}  // namespace emlx
