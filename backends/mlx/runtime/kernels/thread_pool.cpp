@@ -35,10 +35,14 @@ class Pool {
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(m_);
-      fn_ = &fn;
-      n_ = n;
-      pending_.store(n);
       gen = ++generation_;
+      // First close the previous run: a worker that read its ticket just
+      // before could otherwise claim an index of it against this run's n and
+      // function once those are written (and run an item twice).
+      ticket_.store((gen << 32) | kClosed);
+      fn_.store(&fn);
+      n_.store(n);
+      pending_.store(n);
       ticket_.store(gen << 32);
     }
     cv_.notify_all();
@@ -53,9 +57,10 @@ class Pool {
   void drain(uint64_t gen) {
     while (true) {
       uint64_t t = ticket_.load();
-      if ((t >> 32) != (gen & 0xffffffffu) || static_cast<int>(t & 0xffffffffu) >= n_) return;
+      const uint64_t index = t & kClosed;
+      if ((t >> 32) != (gen & 0xffffffffu) || index >= static_cast<uint64_t>(n_.load())) return;
       if (!ticket_.compare_exchange_weak(t, t + 1)) continue;
-      (*fn_)(static_cast<int>(t & 0xffffffffu));
+      (*fn_.load())(static_cast<int>(index));
       pending_.fetch_sub(1, std::memory_order_release);
     }
   }
@@ -78,8 +83,9 @@ class Pool {
   std::condition_variable cv_;
   uint64_t generation_ = 0;
   bool stop_ = false;
-  const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0;
+  static constexpr uint64_t kClosed = 0xffffffffu;  // a ticket index no run reaches
+  std::atomic<const std::function<void(int)>*> fn_{nullptr};
+  std::atomic<int> n_{0};
   std::atomic<uint64_t> ticket_{0};
   std::atomic<int> pending_{0};
 };
