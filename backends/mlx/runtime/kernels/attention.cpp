@@ -19,6 +19,25 @@ namespace {
 
 // Queries per task: enough rows for a GEMM, few enough for every core to get work.
 constexpr int kQueryBlock = 64;
+// Fewer query rows than this: plain dot products instead of sgemm.
+constexpr int64_t kGemmRows = 4;
+
+// x . y over n floats, with eight independent partial sums.
+inline float dot(const float* x, const float* y, int64_t n) {
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 acc = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8 a, b;
+    __builtin_memcpy(&a, x + i, sizeof a);
+    __builtin_memcpy(&b, y + i, sizeof b);
+    acc += a * b;
+  }
+  float s = 0;
+  for (int k = 0; k < 8; ++k) s += acc[k];
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
 
 enum class MaskKind : int { None, Bool, Additive };
 
@@ -93,8 +112,17 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
   }
   const int64_t cols = j1 - j0;
   scores.resize(rows * cols);
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + j0 * ldk, ldk,
-                    0.0f, scores.data(), cols);
+  // A decoding step has one query row: sgemm would first pack (copy) the
+  // keys and values it reads once.
+  const bool few = rows < kGemmRows;
+  if (few) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] = t.scale * dot(qp + r * ldq, kp + (j0 + c) * ldk, D);
+    }
+  } else {
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + j0 * ldk, ldk,
+                      0.0f, scores.data(), cols);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores.data() + r * cols;
     if (t.kind != MaskKind::None) {
@@ -119,8 +147,19 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
     const float inv = 1.0f / sum;
     for (int64_t c = 0; c < cols; ++c) s[c] *= inv;
   }
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), cols,
-                    vp + j0 * ldv, ldv, 0.0f, out, Dv);
+  if (few) {
+    std::fill(out, out + rows * Dv, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float p = scores[r * cols + c];
+        const float* vr = vp + (j0 + c) * ldv;
+        for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] += p * vr[d];
+      }
+    }
+  } else {
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), cols,
+                      vp + j0 * ldv, ldv, 0.0f, out, Dv);
+  }
 }
 
 class Attention : public CpuKernel {
