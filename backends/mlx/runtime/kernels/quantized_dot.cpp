@@ -105,8 +105,9 @@ template <int BITS, bool BF16>
 __attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8_t* w, const void* scales,
                                                    const void* biases, size_t n0, size_t n1, float* out, size_t ldo) {
   const size_t K = x.K, groups = K / x.group, group = x.group, row_bytes = K * BITS / 8;
-  thread_local std::vector<float> factors;  // per group: the weight scale times x's
-  factors.resize(groups + 8);
+  thread_local std::vector<float> per_group;  // per group: the weight scale times x's
+  per_group.resize(groups);
+  float* factors = per_group.data();  // (each thread_local access is a call in a shared library)
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (size_t m = 0; m < x.M; ++m) {
@@ -117,7 +118,7 @@ __attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8
       float bias_tail = 0;
       size_t g = 0;
       for (; g + 8 <= groups; g += 8) {
-        _mm256_storeu_ps(factors.data() + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
+        _mm256_storeu_ps(factors + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
         bias_term = _mm256_fmadd_ps(load8<BF16>(biases, n * groups + g), _mm256_loadu_ps(xs + g), bias_term);
       }
       for (; g < groups; ++g) {
