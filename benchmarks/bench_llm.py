@@ -19,11 +19,22 @@ repetition) so that machine noise hits all alike:
                    bf16: the model cast with set_dtype; int8/int4: quantized by
                    mlx-lm's own converter (mlx_lm.utils.quantize_model), same
                    bits and group size
+  llama.cpp        the folder written as GGUF (gguf_folder.py: F32 / Q8_0 /
+                   Q4_0 for fp32 / int8 / int4; no bf16) run by llama-cpp-python
+                   with 2 threads; greedy: argmax of its logits, sampled: its own
+                   sampler at T=0.8
   xnnpack          fp32 only: the same export lowered to ExecuTorch's XNNPACK
                    backend, logits to the host, torch sampling at 1 thread
   portable         fp32 only: the same export on ExecuTorch's portable kernels
 
-Needs mlx-lm (`pip install -e .[bench]`), a benchmark-only dependency.
+Each contender's decode rate is also given as a share of the memory bound:
+the machine's read bandwidth (measured at start, 2 threads) divided by the
+bytes of weights it holds (file or parameter bytes), which a decode step
+reads once.
+
+Needs mlx-lm, llama-cpp-python and gguf (`pip install -e .[bench]`; llama-cpp-
+python builds llama.cpp from source, ~10 minutes on 2 cores), benchmark-only
+dependencies.
 """
 
 from __future__ import annotations
@@ -102,6 +113,7 @@ def ours(folder: Path, out: Path, max_context: int, variant: str):
             inputs = [torch.tensor([ids]), torch.arange(start, start + len(ids))] + sampler
             return int(runner.method.execute(inputs)[0][0])
 
+        call.weight_bytes = pte.stat().st_size
         return call
 
     return [(f"{variant} ours (sampled)", make(TEMPERATURE)), (f"{variant} ours (greedy)", make(0.0))]
@@ -111,6 +123,7 @@ def mlx_lm_native(folder: Path, variant: str):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model, quantize_model
 
     model, config = load_model(folder)
@@ -131,6 +144,7 @@ def mlx_lm_native(folder: Path, variant: str):
             token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
             return int(token.item())
 
+        call.weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         return call
 
     return [(f"{variant} mlx-lm (sampled)", make(TEMPERATURE)), (f"{variant} mlx-lm (greedy)", make(0.0))]
@@ -166,6 +180,50 @@ def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
     return [(f"fp32 {name} (sampled, host)", call)]
 
 
+def llama_cpp(folder: Path, out: Path, max_context: int, variant: str):
+    import llama_cpp as lc
+    import numpy as np
+    from gguf_folder import write_gguf
+
+    quant = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}[variant]
+    gguf = write_gguf(folder, out / f"llama-{quant}.gguf", quant)
+    llm = lc.Llama(str(gguf), n_ctx=max_context, n_threads=2, n_threads_batch=2, seed=42, verbose=False)
+    vocab = llm.n_vocab()
+
+    def make(greedy: bool):
+        def call(ids: list[int], start: int) -> int:
+            if start == 0:
+                llm.reset()
+            llm.eval(ids)
+            if greedy:
+                return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+            return int(llm.sample(temp=TEMPERATURE, top_k=0, top_p=1.0, min_p=0.0))
+
+        call.weight_bytes = gguf.stat().st_size
+        call.llm = llm
+        return call
+
+    return [(f"{variant} llama.cpp (sampled)", make(False)), (f"{variant} llama.cpp (greedy)", make(True))]
+
+
+def bandwidth(threads: int = 2, mib: int = 512) -> float:
+    """Read bandwidth in bytes/s: `threads` threads summing halves of a
+    buffer larger than any cache (numpy releases the GIL), best of 5."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    buf = np.ones(mib * 2**20 // 8, dtype=np.float64)
+    parts = np.array_split(buf, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return buf.nbytes / best
+
+
 # ----------------------------------------------------------------- timing --
 def run_once(call, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode seconds per token, tokens)."""
@@ -186,6 +244,8 @@ def bench_config(config: str, args, tmp: Path) -> None:
     contenders = []
     for variant in args.variants:
         contenders += ours(folder, out, args.max_context, variant) + mlx_lm_native(folder, variant)
+        if variant != "bf16" and "llama.cpp" not in args.skip:
+            contenders += llama_cpp(folder, out, args.max_context, variant)
     if "fp32" in args.variants and "xnnpack" not in args.skip:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
@@ -198,26 +258,37 @@ def bench_config(config: str, args, tmp: Path) -> None:
     for _, call in contenders:
         run_once(call, prompt[:4], 2)  # warm-up
     for rep in range(args.reps):
-        for name, call in contenders:
+        # a rotating order: the first contender after another's run meets cold caches
+        for name, call in contenders[rep:] + contenders[:rep]:
             results[name].append(run_once(call, prompt, args.decode))
         print(f"{config}: repetition {rep + 1}/{args.reps} done", flush=True)
 
     for variant in args.variants:
-        ours_ids, theirs = results[f"{variant} ours (greedy)"][0][2], results[f"{variant} mlx-lm (greedy)"][0][2]
-        agree = sum(a == b for a, b in zip(ours_ids, theirs))
-        print(f"{variant} greedy ids, ours vs mlx-lm: {agree}/{args.decode + 1} equal (random weights: near-ties "
-              "and rounding may differ)")
+        ours_ids = results[f"{variant} ours (greedy)"][0][2]
+        for peer in ("mlx-lm", "llama.cpp"):
+            if f"{variant} {peer} (greedy)" in results:
+                theirs = results[f"{variant} {peer} (greedy)"][0][2]
+                agree = sum(a == b for a, b in zip(ours_ids, theirs))
+                print(f"{variant} greedy ids, ours vs {peer}: {agree}/{args.decode + 1} equal (random weights: "
+                      "near-ties and rounding may differ; llama.cpp's Q8_0/Q4_0 are other quantizations)")
     median = {name: (args.prompt_len / statistics.median(r[0] for r in runs),
                      1 / statistics.median(r[1] for r in runs)) for name, runs in results.items()}
-    print(f"\n{config} config: prompt {args.prompt_len} tokens, {args.decode} decode steps, median of {args.reps}\n")
-    print("| weights | contender | prefill tok/s | decode tok/s | prefill vs mlx-lm | decode vs mlx-lm |")
-    print("|---|---|---|---|---|---|")
+    calls = dict(contenders)
+    print(f"\n{config} config: prompt {args.prompt_len} tokens, {args.decode} decode steps, max context "
+          f"{args.max_context}, median of {args.reps}; read bandwidth {args.bandwidth / 1e9:.1f} GB/s (2 threads)\n")
+    print("| weights | contender | prefill tok/s | decode tok/s | prefill vs mlx-lm | decode vs mlx-lm | "
+          "decode vs llama.cpp | decode share of the memory bound |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (prefill, decode) in median.items():
         variant, who = name.split(" ", 1)
         mode = "greedy" if "greedy" in name else "sampled"
         base = median[f"{variant} mlx-lm ({mode})"]
+        peer = median.get(f"{variant} llama.cpp ({mode})")
+        vs_peer = f"{decode / peer[1]:.2f}x" if peer else "-"
+        weight_bytes = getattr(calls[name], "weight_bytes", None)
+        share = f"{decode * weight_bytes / args.bandwidth:.2f}" if weight_bytes else "-"
         print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
-              f"{decode / base[1]:.2f}x |")
+              f"{decode / base[1]:.2f}x | {vs_peer} | {share} |")
     print(flush=True)
 
 
@@ -231,17 +302,21 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32, help="decode steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-context", type=int, default=256)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["xnnpack", "portable"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["xnnpack", "portable", "llama.cpp"])
     args = ap.parse_args()
     try:
         import mlx_lm  # noqa: F401
-    except ImportError:
-        print("mlx-lm is missing: pip install -e '.[bench]' (mlx-lm==0.32.2)", file=sys.stderr)
+        if "llama.cpp" not in args.skip:
+            import gguf  # noqa: F401
+            import llama_cpp  # noqa: F401
+    except ImportError as e:
+        print(f"{e.name} is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
     print("command: " + " ".join(sys.argv))
     # on a loaded machine every contender slows, unevenly: say how loaded it was
     print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
+    args.bandwidth = bandwidth()
     import executorch_mlx  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
