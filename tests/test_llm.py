@@ -244,3 +244,25 @@ def test_logprobs_export(exported):
     greedy = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=6)
     vocab = LLMRunner(pte, folder).vocab_size
     assert all(lp >= -torch.log(torch.tensor(float(vocab))) for lp in greedy.logprobs)
+
+
+def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
+    """Export keeps large constants in files beside the output (not a second
+    copy in memory): with every constant counted as large, the .pte is the
+    same file byte for byte, and no spilled file is left behind."""
+    from executorch_mlx.lowering import builder
+
+    spilled = []
+
+    def spy(path, **kw):
+        spilled.append(path)
+        return builder.FileBackedData.__wrapped__(path, **kw)
+
+    folder, pte = exported("llama", sampling=False)
+    spy.__wrapped__ = builder.FileBackedData
+    monkeypatch.setattr(builder, "SPILL_BYTES", 1)
+    monkeypatch.setattr(builder, "FileBackedData", spy)
+    out = export_llm(folder, tmp_path / "spilled.pte", max_context=128, sampling=False, progress=None)
+    assert spilled and all(p.startswith(str(tmp_path)) for p in spilled)
+    assert out.read_bytes() == pte.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spilled.pte"]

@@ -193,6 +193,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     # the export stack is imported after every check (weights included): a refused export is quick
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
+    from ..lowering.builder import spill_constants_to
     from ..partitioner import MLXPartitioner
 
     with torch.no_grad():
@@ -203,17 +204,21 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     # ExecuTorch re-validates every edge op's dtypes against its portable
     # kernels after each pass (about a tenth of the lowering); an LLM lowers
     # whole into our delegate, whose handlers check what they accept.
-    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                       constant_methods=metadata(config, max_context, max_chunk, sampling,
-                                                                 quantization, logprobs and sampling, token_mask))
-    for op, why in partitioner.outside:
-        stage(f"left to ExecuTorch's kernels: {op}: {why}")
-    program = edge.to_executorch()
-    stage(f"writing {output_path}")
-    # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it
-    size = len(getattr(program, "_pte_data", b""))
-    with counter("writing", size, "MiB", 2**20) as count:
-        write_atomically(output_path, lambda file: program.write_to_file(CountingWriter(file, count)))
+    # The weights' bytes wait in files beside the output until it is
+    # written, not in memory beside the model's own tensors.
+    with spill_constants_to(output_path.parent):
+        edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
+                                           compile_config=EdgeCompileConfig(_check_ir_validity=False),
+                                           constant_methods=metadata(config, max_context, max_chunk, sampling,
+                                                                     quantization, logprobs and sampling, token_mask))
+        del ep, module, lm, model  # the delegate's weights are in those files now
+        for op, why in partitioner.outside:
+            stage(f"left to ExecuTorch's kernels: {op}: {why}")
+        program = edge.to_executorch()
+        stage(f"writing {output_path}")
+        # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it
+        size = len(getattr(program, "_pte_data", b""))
+        with counter("writing", size, "MiB", 2**20) as count:
+            write_atomically(output_path, lambda file: program.write_to_file(CountingWriter(file, count)))
     stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
     return output_path

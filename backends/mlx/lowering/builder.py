@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import operator
+import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import sympy
 import torch
+from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
 
@@ -32,6 +38,26 @@ TORCH_TO_IR = {
 }
 # Weights are aligned for zero-copy use by MLX.
 CONSTANT_ALIGNMENT = 64
+
+# Constants of at least this many bytes go to a file while a spill folder is
+# set (export_llm sets one): the named data store then holds a file, not a
+# second copy of the weights in memory, until the .pte is written.
+SPILL_BYTES = 1 << 20
+_spill: contextvars.ContextVar[tuple[Path, list] | None] = contextvars.ContextVar("spill", default=None)
+
+
+@contextlib.contextmanager
+def spill_constants_to(folder: str | Path):
+    """Within the block, large constants are kept in files under `folder`;
+    the files are removed when it ends (write the program inside it)."""
+    spilled: list[FileBackedData] = []
+    token = _spill.set((Path(folder), spilled))
+    try:
+        yield
+    finally:
+        _spill.reset(token)
+        for data in spilled:
+            data.close()
 
 
 def ir_dtype(dtype: torch.dtype) -> ir.DType:
@@ -228,9 +254,19 @@ class GraphBuilder:
 
     def _store(self, tensor: torch.Tensor) -> str:
         """Puts `tensor`'s bytes in the named data store; returns their name."""
-        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        digest = hashlib.sha256(raw)
         # Content-addressed, so identical weights are stored once.
-        name = "emlx_" + hashlib.sha256(data).hexdigest()[:32] + f"_{tensor.dtype}".replace("torch.", "")
+        name = "emlx_" + digest.hexdigest()[:32] + f"_{tensor.dtype}".replace("torch.", "")
+        spill = _spill.get()
+        if spill is not None and raw.nbytes >= SPILL_BYTES:
+            fd, path = tempfile.mkstemp(prefix=".emlx_", suffix=".data", dir=spill[0])
+            with os.fdopen(fd, "wb") as f:
+                f.write(memoryview(raw))
+            data = FileBackedData(path, cleanup=True, sha256=digest.digest())
+            spill[1].append(data)
+        else:
+            data = raw.tobytes()
         self.named_data.add_named_data(name, data, alignment=CONSTANT_ALIGNMENT)
         return name
 
