@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from typing import Callable, Iterator, final
 
+import torch
 from executorch.exir.backend.backend_details import BackendDetails, CompileSpec, PreprocessResult
 from torch.export import ExportedProgram
 
@@ -32,6 +34,16 @@ def rewrite_blobs(rewrite: BlobRewrite) -> Iterator[None]:
 @final
 class MLXGraphBackend(BackendDetails):
     """The class name is the backend id the C++ runtime registers."""
+
+    @classmethod
+    def copy_exported_program_for_preprocess(cls, edge_program: ExportedProgram,
+                                             compile_specs: list[CompileSpec]) -> ExportedProgram:
+        """The isolated copy ExecuTorch hands to preprocess, sharing the
+        weight tensors: preprocess only reads them, and ExecuTorch's default
+        deep copy held a second copy of every weight during lowering."""
+        tensors = (*edge_program.state_dict.values(), *edge_program.constants.values())
+        memo = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+        return copy.deepcopy(edge_program, memo)
 
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
