@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 TEMPERATURE = 0.8
+SETTLE_S = 0.5
 
 
 def machine() -> str:
@@ -260,6 +261,9 @@ def bench_config(config: str, args, tmp: Path) -> None:
     for rep in range(args.reps):
         # a rotating order: the first contender after another's run meets cold caches
         for name, call in contenders[rep:] + contenders[:rep]:
+            # llama.cpp's and OpenBLAS's threads spin a while after their work:
+            # let them settle before the next contender takes the cores
+            time.sleep(SETTLE_S)
             results[name].append(run_once(call, prompt, args.decode))
         print(f"{config}: repetition {rep + 1}/{args.reps} done", flush=True)
 
