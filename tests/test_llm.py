@@ -148,15 +148,41 @@ def test_no_sampling_export_runs_in_executorchs_text_runner(exported):
 
 
 # ---------------------------------------------------------------- errors --
-def test_unsupported_architecture_names_it_and_the_supported_list(exported, tmp_path):
+@pytest.mark.parametrize("edit,error,match", [
+    ({"model_type": "t5"}, ValueError, r"model_type 't5' is not a causal language model transformers knows"),
+    ({"model_type": "mixtral", "num_local_experts": 4}, NotImplementedError, "mixture-of-experts layers"),
+    ({"kv_lora_rank": 16}, NotImplementedError, "multi-head latent attention"),
+    ({"layer_types": ["conv", "full_attention"]}, NotImplementedError, "has conv layers, which need a state cache"),
+])
+def test_what_export_does_not_build_yet_is_named(exported, tmp_path, edit, error, match):
+    """No list of families: any causal LM goes through, and what export
+    cannot build yet is refused from config.json, before the weights load."""
     folder, _ = exported("llama")
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["model_type"] = "mamba"
-    (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'mamba'.*supported: llama, qwen2"):
+    (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(error, match=match):
         export_llm(bad, tmp_path / "x.pte", progress=None)
+
+
+def test_an_op_without_lowering_is_an_error_naming_it_and_its_module(exported, tmp_path, monkeypatch):
+    """No silent portable fallback inside an LLM export: the op, its module
+    and the reason, and nothing written (no spilled weights either)."""
+    from executorch_mlx import partitioner
+
+    folder, _ = exported("llama")
+    real = partitioner.why_not_lowered
+    monkeypatch.setattr(partitioner, "why_not_lowered",
+                        lambda n: "refused by this test" if partitioner.aten_op(n.target) == torch.ops.aten.embedding.default
+                        else real(n))
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(NotImplementedError,
+                       match=r"cannot lower every op .*: aten.embedding.default in model.embed_tokens "
+                             r"\(refused by this test\)$"):
+        export_llm(folder, out / "x.pte", max_context=16, sampling=False, progress=None)
+    assert list(out.iterdir()) == []
 
 
 def test_missing_weights_config_or_tokenizer(exported, tmp_path):
@@ -266,3 +292,11 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
     assert spilled and all(p.startswith(str(tmp_path)) for p in spilled)
     assert out.read_bytes() == pte.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spilled.pte"]
+
+
+def test_the_readme_lists_the_tested_families():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = readme.split("Tested families (each exported and held to transformers' greedy output):\n", 1)[1]
+    assert listed.split(".\n", 1)[0].replace("\n", " ").split(", ") == list(FAMILIES)

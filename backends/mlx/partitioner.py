@@ -102,6 +102,7 @@ def tag_owned_buffers(ep: ExportedProgram) -> None:
 
 
 # Why partition() kept a lowerable node outside all the same.
+SIZE_OUTSIDE = "a size used outside the delegate (sizes stay with ExecuTorch)"
 DERIVED_SIZE_INPUT = ("reads a tensor whose size is an expression of the dynamic sizes (like 2*s) from outside "
                       "the delegate (a delegate's input sizes must be the program's own)")
 
@@ -141,8 +142,10 @@ class MLXPartitioner(Partitioner):
     def __init__(self) -> None:
         super().__init__()
         self.delegation_spec = DelegationSpec(MLXGraphBackend.__name__, [])
-        # What the last partition() left to ExecuTorch: (op, why), one per op and reason.
+        # What the last partition() left to ExecuTorch: (op, why), one per op and
+        # reason, and the module the first such node came from.
         self.outside: list[tuple[str, str]] = []
+        self.outside_modules: dict[tuple[str, str], str] = {}
 
     def ops_to_not_decompose(
         self, ep: ExportedProgram
@@ -172,23 +175,26 @@ class MLXPartitioner(Partitioner):
         untag_shared_sizes(exported_program)
         tag_constant_data(exported_program)
         tag_owned_buffers(exported_program)
-        self.outside = _outside(exported_program, excluded)
+        self.outside_modules = _outside(exported_program, excluded)
+        self.outside = list(self.outside_modules)
         return PartitionResult(tagged_exported_program=exported_program, partition_tags=tags)
 
 
-def _outside(ep: ExportedProgram, excluded: set[torch.fx.Node] = frozenset()) -> list[tuple[str, str]]:
-    """(op, reason) of every compute node left outside the delegates."""
+def _outside(ep: ExportedProgram, excluded: set[torch.fx.Node] = frozenset()) -> dict[tuple[str, str], str]:
+    """(op, reason) of every compute node left outside the delegates -> the
+    module its first node came from ('' when torch.export did not say)."""
     found = {}
     for node in ep.graph.nodes:
         if node.op != "call_function" or node.meta.get("delegation_tag") or node.target is operator.getitem:
             continue
         reason = DERIVED_SIZE_INPUT if node in excluded else why_not_lowered(node)
         if reason is None:  # lowerable, but its size is needed outside its partition
-            reason = "a size used outside the delegate (sizes stay with ExecuTorch)"
+            reason = SIZE_OUTSIDE
         op = aten_op(node.target)
+        stack = list((node.meta.get("nn_module_stack") or {}).values())
         found.setdefault((str(op) if op is not None else getattr(node.target, "__name__", str(node.target)),
-                          reason), None)
-    return list(found)
+                          reason), stack[-1][0] if stack else "")
+    return found
 
 
-__all__ = ["MLXPartitioner", "can_lower", "why_not_lowered"]
+__all__ = ["MLXPartitioner", "SIZE_OUTSIDE", "can_lower", "why_not_lowered"]

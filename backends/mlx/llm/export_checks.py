@@ -9,6 +9,8 @@ export, failed or not, loses a file.
   renamed over it only once completely written. A process that has the old
   file loaded (memory-mapped) keeps its mapping; a failed write (a full disk)
   leaves the old file as it was and no partial file.
+- `check_architecture`: a causal LM transformers knows, whose layers attend
+  (what export does not build yet is an error naming it).
 - `check_config` / `load_weights`: config.json parses and is consistent; the
   weights load from safetensors only (never pickle-based pytorch_model.bin),
   every tensor the model has is in them and every tensor in them is used.
@@ -103,6 +105,45 @@ def read_config_json(model_dir: str | Path) -> None:
             json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def with_standard_names(config: dict) -> dict:
+    """config.json with transformers' standard names filled in where the
+    family uses its own (GPT-2's n_embd, n_head, n_layer, n_positions)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        aliases = CONFIG_MAPPING[config.get("model_type")].attribute_map or {}
+    except KeyError:  # not a transformers family: check_architecture says so
+        aliases = {}
+    return {**{name: config[alias] for name, alias in aliases.items() if alias in config}, **config}
+
+
+# A layer kind other than attention needs a cache of its own (state, not keys and values).
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def check_architecture(config: dict, model_dir: str | Path) -> None:
+    """Any decoder-only causal LM of transformers whose layers attend with a
+    key/value cache; what export does not build yet (mixture-of-experts
+    layers, latent attention, state layers) is an error naming it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(model_dir) / "config.json"
+    arch = config.get("model_type")
+    if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
+                         "(AutoModelForCausalLM)")
+    if any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")):
+        raise NotImplementedError(f"{path}: {arch} has mixture-of-experts layers, which export does not lower yet")
+    if config.get("kv_lora_rank"):
+        raise NotImplementedError(f"{path}: {arch} uses multi-head latent attention, which needs a latent KV cache "
+                                  "(not built yet)")
+    others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS)
+    if others or "num_attention_heads" not in with_standard_names(config):
+        kinds = ", ".join(others) or "non-attention"
+        raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which need a state cache other than keys "
+                                  "and values (not built yet)")
 
 
 def _positive_int(config: dict, key: str, path: Path, required: bool = True) -> int | None:

@@ -32,6 +32,7 @@ from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
+from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
@@ -39,8 +40,6 @@ from .sampling import SamplingHead, sampler_examples
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
-# config.json model_type -> what we export and test
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -52,19 +51,37 @@ def read_config(model_dir: str | Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} is missing: a Hugging Face model folder has config.json")
-    config = json.loads(config_path.read_text())
-    arch = config.get("model_type")
-    if arch not in SUPPORTED:
-        raise ValueError(f"unsupported architecture {arch!r} in {config_path}; supported: {', '.join(SUPPORTED)}")
+    config = with_standard_names(json.loads(config_path.read_text()))
+    check_architecture(config, model_dir)
     if not list(model_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"no weights in {model_dir}: expected *.safetensors files")
     return config
+
+
+def refuse_ops_outside(partitioner, model_dir: str | Path) -> None:
+    """An LLM runs whole in the delegate: an op with no MLX lowering would
+    run on ExecuTorch's portable kernels (with the cache copied to the host
+    each step), so it is an error naming the op and its module instead.
+    Size bookkeeping may stay outside."""
+    from ..partitioner import SIZE_OUTSIDE
+
+    def module(op: str, why: str) -> str:
+        # the Hugging Face model's own path, without our wrappers around it
+        return partitioner.outside_modules[op, why].rsplit(CachedLM.MODEL_PATH, 1)[-1] or "the model"
+
+    missing = [f"{op} in {module(op, why)} ({why})" for op, why in partitioner.outside if why != SIZE_OUTSIDE]
+    if missing:
+        raise NotImplementedError(f"{model_dir}: export cannot lower every op of this model to MLX: "
+                                  + "; ".join(missing))
 
 
 class CachedLM(torch.nn.Module):
     """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
     with a static KV cache registered as buffers (transformers' exportable
     cache: the writes are `index_put` on them)."""
+
+    # where the Hugging Face model sits in this module (a prefix of its modules' paths)
+    MODEL_PATH = "wrapper.model."
 
     def __init__(self, model, max_context: int):
         super().__init__()
@@ -212,8 +229,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                            constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                      quantization, logprobs and sampling, token_mask))
         del ep, module, lm, model  # the delegate's weights are in those files now
-        for op, why in partitioner.outside:
-            stage(f"left to ExecuTorch's kernels: {op}: {why}")
+        refuse_ops_outside(partitioner, model_dir)
         program = edge.to_executorch()
         stage(f"writing {output_path}")
         # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3")
+# The families the tests export and hold to transformers' greedy output.
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -78,6 +79,14 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
                                    + ["sliding_attention"] * (layers % 2))
     if family == "phi3":  # fused qkv and gate/up projections
         return tf.Phi3Config(**common)
+    if family == "mistral":
+        return tf.MistralConfig(**common, head_dim=head_dim, sliding_window=None)
+    if family == "olmo2":  # RMSNorm on queries and keys, norms after each block
+        return tf.Olmo2Config(**common)
+    if family == "stablelm":  # LayerNorm, RoPE on a quarter of each head
+        return tf.StableLmConfig(**common)
+    if family == "starcoder2":  # LayerNorm and biases, a GELU MLP
+        return tf.Starcoder2Config(**common, sliding_window=None)
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 
