@@ -15,7 +15,7 @@ from .sketch import BOOL, F16, F32, I64, U32, Sketch, sizes
 BINARY = ["Add", "Subtract", "Multiply", "Divide", "Power", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
           "LessEqual", "Greater", "GreaterEqual"]
 UNARY = ["Negative", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Sigmoid", "Tanh", "Erf", "IsNan", "IsPosInf", "Sin",
-         "Cos"]
+         "Cos", "Expm1", "Log1p"]
 REDUCE = ["Sum", "Mean", "Max", "Min", "LogSumExp"]
 
 

@@ -193,6 +193,12 @@ def test_log(dtype):
 
 
 @floats
+def test_expm1_and_log1p(dtype):
+    check(torch.expm1, rand(dtype=dtype, lo=-1e-3, hi=3.0), nodes={"Expm1Node"})
+    check(torch.log1p, rand(dtype=dtype, lo=-0.9, hi=1e-3), nodes={"Log1pNode"})
+
+
+@floats
 def test_sqrt(dtype):
     check(torch.sqrt, rand(dtype=dtype, lo=0.1, hi=5.0), nodes={"SqrtNode"})
 

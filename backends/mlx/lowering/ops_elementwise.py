@@ -224,6 +224,8 @@ for _cls, _op in [
     (ir.NegativeNode, aten.neg.default),
     (ir.ExpNode, aten.exp.default),
     (ir.LogNode, aten.log.default),
+    (ir.Expm1Node, aten.expm1.default),
+    (ir.Log1pNode, aten.log1p.default),
     (ir.SqrtNode, aten.sqrt.default),
     (ir.RsqrtNode, aten.rsqrt.default),
     (ir.AbsNode, aten.abs.default),

@@ -242,6 +242,13 @@ class ExpandDimsNode:
 
 
 @dataclass
+class Expm1Node:
+    a: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'expm1'
+
+
+@dataclass
 class FullNode:
     shape: list[IntOrSlot] = field(default_factory=list)
     value: Tid | None = None
@@ -346,6 +353,13 @@ class Literal:
     dtype: DType = DType.float32
     float_value: float = 0
     int_value: int = 0
+
+
+@dataclass
+class Log1pNode:
+    a: Tid | None = None
+    out: Tid | None = None
+    MLX_FN = 'log1p'
 
 
 @dataclass
@@ -721,8 +735,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -753,6 +767,7 @@ FIELD_TYPES = {
     'ErfNode': {'a': 'Tid required', 'out': 'Tid required'},
     'ExpNode': {'a': 'Tid required', 'out': 'Tid required'},
     'ExpandDimsNode': {'a': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
+    'Expm1Node': {'a': 'Tid required', 'out': 'Tid required'},
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -766,6 +781,7 @@ FIELD_TYPES = {
     'LessNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'LinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
     'Literal': {'slot': 'UInt', 'dtype': 'DType', 'float_value': 'Double', 'int_value': 'Long'},
+    'Log1pNode': {'a': 'Tid required', 'out': 'Tid required'},
     'LogNode': {'a': 'Tid required', 'out': 'Tid required'},
     'LogSumExpNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'LogicalAndNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -1223,6 +1239,19 @@ def _unpack_ExpandDimsNode(r):
     return ExpandDimsNode(a=_opt(_unpack_Tid, r.A()), axes=[r.Axes(i) for i in range(r.AxesLength())], out=_opt(_unpack_Tid, r.Out()))
 
 
+def _pack_Expm1Node(b, v):
+    fb.Expm1NodeStart(b)
+    if v.a is not None:
+        fb.Expm1NodeAddA(b, _pack_Tid(b, v.a))
+    if v.out is not None:
+        fb.Expm1NodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.Expm1NodeEnd(b)
+
+
+def _unpack_Expm1Node(r):
+    return Expm1Node(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
+
+
 def _pack_FullNode(b, v):
     o_shape = None
     if v.shape is not None:
@@ -1479,6 +1508,19 @@ def _pack_Literal(b, v):
 
 def _unpack_Literal(r):
     return Literal(slot=r.Slot(), dtype=DType(r.Dtype()), float_value=r.FloatValue(), int_value=r.IntValue())
+
+
+def _pack_Log1pNode(b, v):
+    fb.Log1pNodeStart(b)
+    if v.a is not None:
+        fb.Log1pNodeAddA(b, _pack_Tid(b, v.a))
+    if v.out is not None:
+        fb.Log1pNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.Log1pNodeEnd(b)
+
+
+def _unpack_Log1pNode(r):
+    return Log1pNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_LogNode(b, v):

@@ -116,6 +116,8 @@ class Op(object):
     SampleNode = 69
     RopeNode = 70
     LayerNormNode = 71
+    Expm1Node = 72
+    Log1pNode = 73
 
 
 # Reference to a value slot of the graph.
@@ -1820,6 +1822,119 @@ def LogNodeAddOut(builder, out):
     builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def LogNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# exp(a) - 1 and log(1 + a), exact near 0 (activations such as xIELU use them).
+class Expm1Node(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Expm1Node()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsExpm1Node(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def Expm1NodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # Expm1Node
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Expm1Node
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Expm1Node
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def Expm1NodeStart(builder):
+    builder.StartObject(2)
+
+def Expm1NodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def Expm1NodeAddOut(builder, out):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def Expm1NodeEnd(builder):
+    return builder.EndObject()
+
+
+
+class Log1pNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = Log1pNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsLog1pNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def Log1pNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # Log1pNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # Log1pNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Log1pNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def Log1pNodeStart(builder):
+    builder.StartObject(2)
+
+def Log1pNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def Log1pNodeAddOut(builder, out):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def Log1pNodeEnd(builder):
     return builder.EndObject()
 
 

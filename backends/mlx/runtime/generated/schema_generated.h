@@ -92,6 +92,12 @@ struct ExpNodeBuilder;
 struct LogNode;
 struct LogNodeBuilder;
 
+struct Expm1Node;
+struct Expm1NodeBuilder;
+
+struct Log1pNode;
+struct Log1pNodeBuilder;
+
 struct SqrtNode;
 struct SqrtNodeBuilder;
 
@@ -475,11 +481,13 @@ enum class Op : uint8_t {
   SampleNode = 69,
   RopeNode = 70,
   LayerNormNode = 71,
+  Expm1Node = 72,
+  Log1pNode = 73,
   MIN = NONE,
-  MAX = LayerNormNode
+  MAX = Log1pNode
 };
 
-inline const Op (&EnumValuesOp())[72] {
+inline const Op (&EnumValuesOp())[74] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -552,13 +560,15 @@ inline const Op (&EnumValuesOp())[72] {
     Op::QuantizedEmbeddingNode,
     Op::SampleNode,
     Op::RopeNode,
-    Op::LayerNormNode
+    Op::LayerNormNode,
+    Op::Expm1Node,
+    Op::Log1pNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[73] = {
+  static const char * const names[75] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -631,13 +641,15 @@ inline const char * const *EnumNamesOp() {
     "SampleNode",
     "RopeNode",
     "LayerNormNode",
+    "Expm1Node",
+    "Log1pNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::LayerNormNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::Log1pNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -928,6 +940,14 @@ template<> struct OpTraits<emlx::ir::RopeNode> {
 
 template<> struct OpTraits<emlx::ir::LayerNormNode> {
   static const Op enum_value = Op::LayerNormNode;
+};
+
+template<> struct OpTraits<emlx::ir::Expm1Node> {
+  static const Op enum_value = Op::Expm1Node;
+};
+
+template<> struct OpTraits<emlx::ir::Log1pNode> {
+  static const Op enum_value = Op::Log1pNode;
 };
 
 template <bool B = false>
@@ -2748,6 +2768,127 @@ inline ::flatbuffers::Offset<LogNode> CreateLogNode(
 struct LogNode::Traits {
   using type = LogNode;
   static auto constexpr Create = CreateLogNode;
+};
+
+/// exp(a) - 1 and log(1 + a), exact near 0 (activations such as xIELU use them).
+struct Expm1Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef Expm1NodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_OUT = 6
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct Expm1NodeBuilder {
+  typedef Expm1Node Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(Expm1Node::VT_A, a);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(Expm1Node::VT_OUT, out);
+  }
+  explicit Expm1NodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<Expm1Node> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<Expm1Node>(end);
+    fbb_.Required(o, Expm1Node::VT_A);
+    fbb_.Required(o, Expm1Node::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<Expm1Node> CreateExpm1Node(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  Expm1NodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct Expm1Node::Traits {
+  using type = Expm1Node;
+  static auto constexpr Create = CreateExpm1Node;
+};
+
+struct Log1pNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef Log1pNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_OUT = 6
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct Log1pNodeBuilder {
+  typedef Log1pNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(Log1pNode::VT_A, a);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(Log1pNode::VT_OUT, out);
+  }
+  explicit Log1pNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<Log1pNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<Log1pNode>(end);
+    fbb_.Required(o, Log1pNode::VT_A);
+    fbb_.Required(o, Log1pNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<Log1pNode> CreateLog1pNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  Log1pNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct Log1pNode::Traits {
+  using type = Log1pNode;
+  static auto constexpr Create = CreateLog1pNode;
 };
 
 struct SqrtNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
@@ -7603,6 +7744,12 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::LayerNormNode *op_as_LayerNormNode() const {
     return op_type() == emlx::ir::Op::LayerNormNode ? static_cast<const emlx::ir::LayerNormNode *>(op()) : nullptr;
   }
+  const emlx::ir::Expm1Node *op_as_Expm1Node() const {
+    return op_type() == emlx::ir::Op::Expm1Node ? static_cast<const emlx::ir::Expm1Node *>(op()) : nullptr;
+  }
+  const emlx::ir::Log1pNode *op_as_Log1pNode() const {
+    return op_type() == emlx::ir::Op::Log1pNode ? static_cast<const emlx::ir::Log1pNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7895,6 +8042,14 @@ template<> inline const emlx::ir::RopeNode *Node::op_as<emlx::ir::RopeNode>() co
 
 template<> inline const emlx::ir::LayerNormNode *Node::op_as<emlx::ir::LayerNormNode>() const {
   return op_as_LayerNormNode();
+}
+
+template<> inline const emlx::ir::Expm1Node *Node::op_as<emlx::ir::Expm1Node>() const {
+  return op_as_Expm1Node();
+}
+
+template<> inline const emlx::ir::Log1pNode *Node::op_as<emlx::ir::Log1pNode>() const {
+  return op_as_Log1pNode();
 }
 
 struct NodeBuilder {
@@ -8395,6 +8550,14 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::LayerNormNode: {
       auto ptr = reinterpret_cast<const emlx::ir::LayerNormNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::Expm1Node: {
+      auto ptr = reinterpret_cast<const emlx::ir::Expm1Node *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::Log1pNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::Log1pNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
