@@ -75,6 +75,16 @@ def refuse_ops_outside(partitioner, model_dir: str | Path) -> None:
                                   + "; ".join(missing))
 
 
+def _set_cached_kv_heads(config) -> None:
+    """transformers' static cache takes its head count from
+    num_key_value_heads, which Falcon's config does not have: its layers
+    cache all heads (new decoder architecture), one (multi-query) or
+    num_kv_heads."""
+    if config.model_type == "falcon":
+        config.num_key_value_heads = (config.num_attention_heads if config.new_decoder_architecture
+                                      else 1 if config.multi_query else config.num_kv_heads)
+
+
 class CachedLM(torch.nn.Module):
     """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
     with a static KV cache registered as buffers (transformers' exportable
@@ -88,6 +98,7 @@ class CachedLM(torch.nn.Module):
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
         model.generation_config.cache_implementation = "static"
+        _set_cached_kv_heads(model.config)
         self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 # The families the tests export and hold to transformers' greedy output.
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2",
+            "falcon")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -87,6 +88,8 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
         return tf.StableLmConfig(**common)
     if family == "starcoder2":  # LayerNorm and biases, a GELU MLP
         return tf.Starcoder2Config(**common, sliding_window=None)
+    if family == "falcon":  # multi-query attention (one cached key/value head), a fused qkv projection
+        return tf.FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")})
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 
