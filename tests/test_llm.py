@@ -173,9 +173,9 @@ def test_an_op_without_lowering_is_an_error_naming_it_and_its_module(exported, t
 
     folder, _ = exported("llama")
     real = partitioner.why_not_lowered
+    embedding = torch.ops.aten.embedding.default
     monkeypatch.setattr(partitioner, "why_not_lowered",
-                        lambda n: "refused by this test" if partitioner.aten_op(n.target) == torch.ops.aten.embedding.default
-                        else real(n))
+                        lambda n: "refused by this test" if partitioner.aten_op(n.target) == embedding else real(n))
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(NotImplementedError,

@@ -89,7 +89,8 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
     if family == "starcoder2":  # LayerNorm and biases, a GELU MLP
         return tf.Starcoder2Config(**common, sliding_window=None)
     if family == "falcon":  # multi-query attention (one cached key/value head), a fused qkv projection
-        return tf.FalconConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "intermediate_size")})
+        return tf.FalconConfig(**{k: v for k, v in common.items()
+                                  if k not in ("num_key_value_heads", "intermediate_size")})
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 

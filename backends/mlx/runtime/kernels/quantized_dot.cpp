@@ -53,7 +53,8 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
       for (size_t g = 0; g < groups; ++g) {
         const size_t at = n * groups + g, xg = m * groups + g;
         const int32_t s = group_sum_generic<BITS>(row, q, g * x.group, x.group);
-        y += static_cast<float>(s) * (float_at(scales, at, bf16) * x.scale[xg]) + float_at(biases, at, bf16) * x.sum[xg];
+        y += static_cast<float>(s) * (float_at(scales, at, bf16) * x.scale[xg]) +
+             float_at(biases, at, bf16) * x.sum[xg];
       }
       out[m * ldo + n] = y;
     }
