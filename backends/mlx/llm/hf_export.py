@@ -36,10 +36,14 @@ from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
-from .sampling import SamplingHead, sampler_examples
+from .sampling import sampler_examples
+from .speculative import verify
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
+# The most drafts one verify call takes: beyond a few, acceptance of the
+# later ones is rare and each costs a row of logits.
+MAX_DRAFT_TOKENS = 32
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -102,7 +106,8 @@ class CachedLM(torch.nn.Module):
         self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
 
-    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, rows: int | torch.SymInt = 1) -> torch.Tensor:
+        """The logits of the last `rows` positions, [1, rows, V]."""
         for i, layer in enumerate(self.cache.layers):
             # Reached through the module, the cache tensors are the buffers
             # export traces (non-strict export swaps module attributes only;
@@ -111,22 +116,28 @@ class CachedLM(torch.nn.Module):
             layer.values = getattr(self.wrapper, f"value_cache_{i}")
             layer.cumulative_length = getattr(self.wrapper, f"cumulative_length_{i}")
             layer.cumulative_length.copy_(cache_position[0])
+        seq = input_ids.shape[1]
+        # no [S, V] logits on prefill: the last `rows` positions only (by index,
+        # which transformers takes for a count that is a size of an input)
+        keep = 1 if isinstance(rows, int) and rows == 1 else torch.arange(seq - rows, seq)
         out = self.wrapper.model(input_ids=input_ids, attention_mask=None, past_key_values=self.cache,
-                                 use_cache=True, logits_to_keep=1)  # no [S, V] logits on prefill
+                                 use_cache=True, logits_to_keep=keep)
         return out.logits
 
 
 class SampledLM(torch.nn.Module):
-    """CachedLM behind a SamplingHead, taking every sampler input by position
-    (the program contract's order) for export; the token mask comes last and
-    may be left out (a program without a grammar input)."""
+    """CachedLM with the sampler and draft verification (llm/speculative.py),
+    taking every sampler input by position (the program contract's order)
+    for export; the token mask comes last and may be left out (a program
+    without a grammar input)."""
 
     def __init__(self, lm: CachedLM, logprobs: bool):
         super().__init__()
-        self.head = SamplingHead(lm, logprobs=logprobs)
+        self.lm = lm
+        self.logprobs = logprobs
 
     def forward(self, input_ids, cache_position, *sampler):
-        return self.head(input_ids, cache_position, **dict(zip(SAMPLER_INPUTS, sampler)))
+        return verify(self.lm, input_ids, cache_position, dict(zip(SAMPLER_INPUTS, sampler)), self.logprobs)
 
     # The inputs by name, for torch.export (dynamic shapes and input names follow them).
     forward.__signature__ = inspect.Signature(
@@ -136,17 +147,18 @@ class SampledLM(torch.nn.Module):
 
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
-             logprobs: bool = False, token_mask: bool = True) -> dict:
+             logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     names = SAMPLER_INPUTS if token_mask else tuple(n for n in SAMPLER_INPUTS if n != TOKEN_MASK)
-    return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names)
+    return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names,
+                                         max_draft_tokens)
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
                sampling: bool = True, quantize: str | None = None, group_size: int = 64,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
-               allow_longer_context: bool = False) -> Path:
+               allow_longer_context: bool = False, max_draft_tokens: int = 8) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -161,6 +173,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     default) adds the token bitmask input that structured output fills with
     a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
     the model's max_position_embeddings needs `allow_longer_context`.
+    A sampling program verifies up to `max_draft_tokens` draft tokens per
+    call (speculative decoding, llm/speculative.py; 0: none).
 
     Checked before any work (llm/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -186,6 +200,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
         raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
                          f"{logit_bias_size}")
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
+            not 0 <= max_draft_tokens <= min(MAX_DRAFT_TOKENS, max_context - 2):
+        raise ValueError(f"max_draft_tokens must be in [0, {min(MAX_DRAFT_TOKENS, max_context - 2)}] (a verify call "
+                         f"fits in the context with the token before the drafts), got {max_draft_tokens!r}")
+    if not sampling:
+        max_draft_tokens = 0  # a logits program returns the last position only
     if quantize is not None and group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     output_path = check_output_path(model_dir, output_path)
@@ -206,15 +226,18 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     max_chunk = max_context - 1
     lm = CachedLM(model, max_context)
     seq = torch.export.Dim("seq", min=1, max=max_chunk)
-    example = (torch.tensor([[0, 0]], dtype=torch.int64), torch.arange(2))
+    example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
     dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
     if sampling:
         module = SampledLM(lm, logprobs)
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
                                    logit_bias_size=logit_bias_size,
                                    mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
-        example += tuple(sampler.values())
         dynamic.update({name: None for name in sampler})
+        if max_draft_tokens:  # the history's rows are the rows sampled: 1 + the drafts
+            sampler["history"] = sampler["history"].expand(2, -1).contiguous()
+            dynamic["history"] = {0: torch.export.Dim("rows", min=1, max=max_draft_tokens + 1)}
+        example += tuple(sampler.values())
     else:
         module = lm
     stage("exporting (torch.export)")
@@ -238,7 +261,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                            constant_methods=metadata(config, max_context, max_chunk, sampling,
-                                                                     quantization, logprobs and sampling, token_mask))
+                                                                     quantization, logprobs and sampling, token_mask,
+                                                                     max_draft_tokens))
         del ep, module, lm, model  # the delegate's weights are in those files now
         refuse_ops_outside(partitioner, model_dir)
         program = edge.to_executorch()

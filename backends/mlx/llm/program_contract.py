@@ -35,6 +35,7 @@ SAMPLES = "emlx_samples"  # bool: the first output is token ids (else logits)
 LOGPROBS = "emlx_logprobs"  # bool: the second output is their log-probabilities
 MODEL_TYPE = "emlx_model_type"
 QUANTIZATION = "emlx_quantization"
+MAX_DRAFT_TOKENS = "emlx_max_draft_tokens"  # int: drafts one call verifies (llm/speculative.py)
 CACHE_WRAPS = "emlx_cache_wraps"  # bool: a sliding-window cache shorter than the context (it wraps around)
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
@@ -55,7 +56,7 @@ def head_metadata(input_names: list[str], logprobs: bool) -> dict:
 
 
 def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
-                 logprobs: bool, sampler_inputs: tuple[str, ...]) -> dict:
+                 logprobs: bool, sampler_inputs: tuple[str, ...], max_draft_tokens: int = 0) -> dict:
     """The metadata of an LLM program: ExecuTorch's names, then ours."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
@@ -77,6 +78,7 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
         MODEL_TYPE: config["model_type"],
         QUANTIZATION: quantization,
         CACHE_WRAPS: wraps,
+        MAX_DRAFT_TOKENS: max_draft_tokens,
     }
 
 

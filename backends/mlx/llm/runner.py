@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
+from itertools import takewhile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,6 +34,7 @@ from typing import Callable
 import torch
 
 from . import program_contract
+from .drafting import DraftLength, DraftModel, PromptLookup
 from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
 from .program_runner import ProgramRunner
 from ..serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
@@ -49,6 +52,8 @@ class GenerationResult:
     logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
+    draft_tokens: int = 0  # tokens a drafter proposed (speculative decoding)
+    accepted_tokens: int = 0  # of those, the ones verification accepted
     step_seconds: list[float] = field(default_factory=list, repr=False)
 
 
@@ -98,6 +103,8 @@ class LLMRunner(ProgramRunner):
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does).
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
+        # Drafts one call verifies (llm/speculative.py); 0 for programs exported before.
+        self.max_draft_tokens = self.contract.one(program_contract.MAX_DRAFT_TOKENS, int, 0)
         self._cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
         self._cache_epoch = _reset_epoch()
         # One generation at a time: the steps of two would interleave in the
@@ -154,18 +161,29 @@ class LLMRunner(ProgramRunner):
         return min(n, len(ids) - 1)
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor],
-              constrained: bool = False) -> tuple[int, float | None]:
+              constrained: bool = False) -> tuple[list[int], list[float | None]]:
+        """One call: `ids` at positions start, start + 1, ...; returns the
+        emitted tokens (one, or with drafts last in `ids` and a history row
+        per draft, the accepted drafts and the next token) and their logprobs."""
         values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
         known, self._cached = self._cached[:start], []  # unknown if the call fails
         outputs = self.execute(values + sampling)
         self._cached = known + ids
         out = outputs[0]
         if self.samples:
-            token = int(out.reshape(-1)[0])
+            tokens = out.reshape(-1).tolist()
+            # -1 ends the emitted tokens (a first -1: nothing could be sampled)
+            emitted = tokens[:1] + list(takewhile(lambda t: t >= 0, tokens[1:]))
         else:  # greedy as the sampler: NaN never chosen, -1 when nothing can be
             row = out.reshape(-1, out.shape[-1])[-1].float()
             row = torch.where(torch.isnan(row), float("-inf"), row)
-            token = int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1
+            emitted = [int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1]
+        for token in emitted:
+            self._check_token(token, constrained)
+        logprobs = outputs[1].reshape(-1)[:len(emitted)].tolist() if self.logprobs else [None] * len(emitted)
+        return emitted, logprobs
+
+    def _check_token(self, token: int, constrained: bool) -> None:
         if not 0 <= token < self.vocab_size:
             if constrained:
                 raise RuntimeError(f"the model produced no valid token (id {token}): the grammar allows no token "
@@ -177,14 +195,14 @@ class LLMRunner(ProgramRunner):
             raise RuntimeError(f"the model generated token id {token}, which its tokenizer does not have "
                                f"({self.tokenizer.get_vocab_size()} tokens; the model has {self.vocab_size}): "
                                f"is this the model's tokenizer?")
-        return token, float(outputs[1].reshape(-1)[0]) if self.logprobs else None
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
                  repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
                  stop: str | list[str] | None = None, on_token: Callable[[int, float | None], bool] | None = None,
                  json_schema=None, regex: str | None = None, grammar: str | None = None,
-                 **params) -> GenerationResult:
+                 draft: LLMRunner | str | None = None, num_draft_tokens: int | None = None,
+                 adaptive_drafting: bool = True, **params) -> GenerationResult:
         """Prefills `prompt` (text, taken as it is, or token ids), then decodes
         on the device until an end-of-generation id, a stop string or
         `max_new_tokens`.
@@ -205,6 +223,12 @@ class LLMRunner(ProgramRunner):
         generated token on the device (llm/grammar.py); the generation ends
         when the model ends it where the grammar accepts ("eos") or when the
         grammar allows nothing more ("grammar"). JSON comes out compact.
+        Speculative decoding: `draft` ("prompt-lookup", or an LLMRunner of a
+        smaller program of the same tokenizer) proposes up to
+        `num_draft_tokens` tokens (default: the most the program verifies),
+        which the program verifies in one call (llm/speculative.py): the
+        output is exactly plain decoding's. `adaptive_drafting` drafts fewer
+        (or none for a while) when few are accepted (llm/drafting.py).
         Calls from several threads run one at a time."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
@@ -213,10 +237,48 @@ class LLMRunner(ProgramRunner):
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer_dir")
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-        with self._lock:
+        drafter = self.drafter(draft, num_draft_tokens, constraint is not None)
+        draft_length = DraftLength(num_draft_tokens or self.max_draft_tokens, adaptive_drafting) if drafter else None
+        draft_lock = drafter.runner._lock if isinstance(drafter, DraftModel) else nullcontext()
+        with self._lock, draft_lock:
             return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
                                   repetition_context_size=repetition_context_size, logit_bias=logit_bias,
-                                  stops=stops, on_token=on_token, constraint=constraint)
+                                  stops=stops, on_token=on_token, constraint=constraint, drafter=drafter,
+                                  draft_length=draft_length)
+
+    def drafter(self, draft, num_draft_tokens: int | None, constrained: bool = False):
+        """The drafter for `draft` ("prompt-lookup" or an LLMRunner), or None;
+        ValueError for what this program cannot verify."""
+        if draft is None:
+            if num_draft_tokens is not None:
+                raise ValueError("num_draft_tokens needs a draft (a draft model or prompt lookup)")
+            return None
+        if isinstance(draft, str):
+            if draft != PromptLookup.name:
+                raise ValueError(f"draft must be {PromptLookup.name!r} or an LLMRunner of a draft model, got {draft!r}")
+            drafter = PromptLookup()
+        elif isinstance(draft, LLMRunner):
+            if draft is self:
+                raise ValueError("the draft model must be another LLMRunner (its own KV cache), not the target's")
+            drafter = DraftModel(draft)
+        else:
+            raise TypeError(f"draft must be {PromptLookup.name!r} or an LLMRunner, got {type(draft).__name__}")
+        if not self.max_draft_tokens:
+            raise ValueError("this program verifies no drafts (exported with --max-draft-tokens 0, --no-sampling or "
+                             "before speculative decoding): re-export it to use a draft")
+        if num_draft_tokens is not None and (isinstance(num_draft_tokens, bool) or not isinstance(
+                num_draft_tokens, int) or not 1 <= num_draft_tokens <= self.max_draft_tokens):
+            raise ValueError(f"num_draft_tokens must be in [1, {self.max_draft_tokens}] (this program's "
+                             f"--max-draft-tokens), got {num_draft_tokens!r}")
+        if self.cache_wraps:
+            raise NotImplementedError("speculative decoding with a sliding-window cache that wraps around (rejected "
+                                      "drafts would overwrite entries still in the window): export with "
+                                      "--max-context at most the window")
+        if constrained:
+            raise NotImplementedError("speculative decoding with structured output (the grammar's mask of each "
+                                      "drafted position)")
+        drafter.check(self)
+        return drafter
 
     def constraint(self, **grammar):
         """A fresh TokenConstraint for json_schema, regex or grammar (None
@@ -236,7 +298,7 @@ class LLMRunner(ProgramRunner):
         return TokenConstraint(text, self._grammar_tokenizer)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
-                  logit_bias, stops, on_token, constraint) -> GenerationResult:
+                  logit_bias, stops, on_token, constraint, drafter=None, draft_length=None) -> GenerationResult:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
@@ -274,17 +336,21 @@ class LLMRunner(ProgramRunner):
         if self.samples:
             # checked before anything runs; the history is filled in per step
             given = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size, **params)
-            sampler_names = self.input_names[2:]
+        window = repetition_context_size if penalized else 0
 
-        def sampling(position: int, context: list[int]) -> list[torch.Tensor]:
-            if not self.samples:
+        def sampler_for(runner: LLMRunner, position: int, context: list[int], drafts: list[int] = ()) -> list:
+            """`runner`'s sampler inputs for the token after `context` (decode
+            step `position`), and a row per draft after it."""
+            if not runner.samples:
                 return []
+            names = runner.input_names[2:]
             given["position"] = torch.tensor(position, dtype=torch.int64)
-            if penalized:
-                given["history"] = torch.tensor([context[-repetition_context_size:]], dtype=torch.int64)
+            if "history" in names:  # a row per token sampled: the rows a program samples
+                given["history"] = history_rows(context, drafts, window)
             if constraint is not None:
                 given[TOKEN_MASK] = constraint.mask()
-            return self.sampler_values(sampler_names, given)
+            # (a draft program may take fewer inputs: it drafts without those)
+            return runner.sampler_values(names, {k: v for k, v in given.items() if k in names})
         # What the cache holds past the common prefix is overwritten or never
         # read: attention never looks past the current position, so no reset
         # (reset_state() would also empty the caches of other programs).
@@ -292,11 +358,11 @@ class LLMRunner(ProgramRunner):
 
         t0 = time.perf_counter()
         for start in range(cached, len(ids), self.max_chunk):
-            token, logprob = self._step(ids[start:start + self.max_chunk], start, sampling(0, ids),
-                                        constraint is not None)
+            emitted, logprobs = self._step(ids[start:start + self.max_chunk], start, sampler_for(self, 0, ids),
+                                           constraint is not None)
         prefill_s = time.perf_counter() - t0
 
-        out, steps, logprobs = [token], [], [logprob]
+        out = emitted
         text = _TextOut(self.tokenizer, stops, on_text)
 
         def finished() -> str | None:
@@ -314,21 +380,50 @@ class LLMRunner(ProgramRunner):
             return "max_new_tokens" if len(out) >= max_new_tokens else None
 
         stop = finished()
+        steps, drafted, accepted = [], 0, 0
         while stop is None:
-            t = time.perf_counter()
-            token, logprob = self._step([token], len(ids) + len(out) - 1, sampling(len(out), ids + out),
-                                        constraint is not None)
+            # out[-1] is not in the cache yet: this call writes it at `position`
+            position = len(ids) + len(out) - 1
+            t = time.perf_counter()  # a step's time includes its drafting
+            drafts = []
+            if drafter is not None:
+                # the emitted tokens (drafts + 1) fit max_new_tokens, their entries the cache
+                room = min(max_new_tokens - len(out) - 1, self.max_context - 1 - position)
+                k = min(draft_length.next(), room)
+                drafts = drafter.propose(ids + out, k, len(out), sampler_for) if k > 0 else []
+            emitted, emitted_logprobs = self._step([out[-1]] + drafts, position,
+                                                   sampler_for(self, len(out), ids + out, drafts),
+                                                   constraint is not None)
             steps.append(time.perf_counter() - t)
-            out.append(token)
-            logprobs.append(logprob)
-            stop = finished()
+            if drafter is not None:
+                drafted, accepted = drafted + len(drafts), accepted + len(emitted) - 1
+                draft_length.update(len(drafts), len(emitted) - 1)
+            for token, logprob in zip(emitted, emitted_logprobs):
+                out.append(token)
+                logprobs.append(logprob)
+                stop = finished()
+                if stop is not None:
+                    break
         text.update(out, final=True)
         return GenerationResult(token_ids=out, text=text.result(out),
                                 prefill_tokens_per_s=(len(ids) - cached) / prefill_s,
-                                decode_tokens_per_s=len(steps) / sum(steps) if steps else 0.0,
+                                decode_tokens_per_s=(len(out) - 1) / sum(steps) if steps else 0.0,
                                 stop_reason=stop, step_seconds=steps,
                                 logprobs=logprobs if self.logprobs else None,
-                                prompt_tokens=len(ids), cached_tokens=cached)
+                                prompt_tokens=len(ids), cached_tokens=cached, draft_tokens=drafted,
+                                accepted_tokens=accepted)
+
+
+def history_rows(context: list[int], drafts: list[int], window: int) -> torch.Tensor:
+    """The penalty history of the token after `context` and after each
+    draft: row i holds the last `window` tokens of context + drafts[:i]
+    (plain decoding's history at that step), -1 padded: [len(drafts) + 1, window]."""
+    rows = torch.full((len(drafts) + 1, window), -1, dtype=torch.int64)
+    if window:
+        for i in range(len(drafts) + 1):
+            tail = (context + list(drafts[:i]))[-window:]
+            rows[i, :len(tail)] = torch.tensor(tail, dtype=torch.int64)
+    return rows
 
 
 def _reset_epoch() -> int:

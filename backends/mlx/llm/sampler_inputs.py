@@ -174,8 +174,8 @@ def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, 
             if value.shape[1] < shape[1]:
                 # ids pad with -1, bias values with 0, and a mask for fewer
                 # tokens than the model has (a tokenizer's) with 0: not allowed
-                fill = torch.full((shape[0], shape[1] - value.shape[1]), -1 if value.dtype == torch.int64 else 0,
-                                  dtype=value.dtype)
+                fill = torch.full((value.shape[0], shape[1] - value.shape[1]),
+                                  -1 if value.dtype == torch.int64 else 0, dtype=value.dtype)
                 value = torch.cat([value, fill], dim=1)
         elif tuple(value.shape) != shape:
             if value.dim() != 0:

@@ -20,8 +20,8 @@ from .registry import Unsupported, handles
 @handles(torch.ops.mlx.sample.default)
 def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
     logits = b.get(node_arg(node, 0, "logits"))
-    if len(logits.shape) != 2 or any(isinstance(d, torch.SymInt) for d in logits.shape):
-        raise Unsupported("sample needs static [B, V] logits")
+    if len(logits.shape) != 2 or isinstance(logits.shape[1], torch.SymInt):
+        raise Unsupported("sample needs [B, V] logits with a static V (B may be dynamic)")
     rows = logits.shape[0]
     seed, position = node_arg(node, 2, "seed"), node_arg(node, 3, "position")
     if (seed is None) != (position is None):
@@ -42,7 +42,7 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
         if arg is not None:
             params[name] = b.get(arg).tid
     out = meta_val(node)
-    if tuple(out.shape) != (rows,):
+    if len(out.shape) != 1 or out.shape[0] is not rows and out.shape[0] != rows:
         raise Unsupported(f"sample output shape {tuple(out.shape)}")
     if seed is not None:  # a native kernel derives the row's words from them itself
         params.update(seed=b.get(seed).tid, position=b.get(position).tid)

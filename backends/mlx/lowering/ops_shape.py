@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..serialization import ir
@@ -18,6 +20,16 @@ def _is_static(d) -> bool:
 @handles(aten.view_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, b.reshape(b.get(node.args[0]), tuple(meta_val(node).shape)))
+
+
+@handles(operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg)
+def size_arithmetic(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Arithmetic on sizes (seq - rows): a 0-d int64 value computed from
+    the delegate's input sizes, like the sizes themselves."""
+    val = meta_val(node)
+    if not isinstance(val, torch.SymInt):
+        raise Unsupported("Python arithmetic on values that are not sizes")
+    b.bind(node, b.sym_value(val))
 
 
 @handles(aten.sym_size.int)

@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 
 Handler = Callable[["GraphBuilder", torch.fx.Node], None]
 
-_HANDLERS: dict[torch._ops.OpOverload, Handler] = {}
+_HANDLERS: dict[Callable, Handler] = {}  # OpOverloads, and Python operators on sizes
 
 
 class Unsupported(Exception):
     """This node (or this variant of it) cannot be lowered to MLX."""
 
 
-def handles(*ops: torch._ops.OpOverload) -> Callable[[Handler], Handler]:
+def handles(*ops: Callable) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
         for op in ops:
             if op in _HANDLERS:
@@ -46,14 +46,15 @@ def aten_op(target) -> torch._ops.OpOverload | None:
 
 
 def handler_for(target) -> Handler | None:
+    """The handler of an ATen/custom op, or of a Python operator on sizes."""
     _load_handlers()
     op = aten_op(target)
-    return _HANDLERS.get(op) if op is not None else None
+    return _HANDLERS.get(op if op is not None else target)
 
 
 def registered_ops() -> list[torch._ops.OpOverload]:
     _load_handlers()
-    return list(_HANDLERS)
+    return [op for op in _HANDLERS if isinstance(op, torch._ops.OpOverload)]
 
 
 def _load_handlers() -> None:

@@ -346,7 +346,9 @@ class Generator {
         throw UsageError("--repetition-context-size " + std::to_string(context_size_) + " exceeds this program's history of " +
                          std::to_string(h.at(1)) + " tokens");
       }
-      inputs_["history"] = make_tensor_ptr(h, std::vector<int64_t>(h.at(0) * h.at(1), -1));
+      // One row: a program that verifies drafts samples as many rows as its
+      // history has (its size reads as the most it takes), and this runner drafts none.
+      inputs_["history"] = make_tensor_ptr(Sizes{1, h.at(1)}, std::vector<int64_t>(h.at(1), -1));
     }
     if (has("logit_bias_ids")) {
       const Sizes b = shape("logit_bias_ids");

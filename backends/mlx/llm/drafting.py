@@ -1,0 +1,125 @@
+"""Drafters for speculative decoding: they propose the next tokens; the
+target program verifies them (llm/speculative.py), so whatever a drafter
+proposes, the output is the output of plain decoding.
+
+* `PromptLookup`: the tokens that followed the latest earlier occurrence of
+  the context's last n-gram (no second model; strong where the output
+  repeats the prompt: code edits, summaries, retrieval).
+* `DraftModel`: a smaller program of the same tokenizer decodes the drafts
+  with its own KV cache, sampling with the target's settings at the same
+  positions (the same seed draws the same noise, so a draft model that
+  agrees with the target on the distribution proposes the target's token).
+  Its cache is rolled back by position: the next round prefills from the
+  first token it holds that differs from the context, overwriting the
+  entries of rejected drafts.
+* `DraftLength`: how many tokens to draft next; adaptive by default, so
+  that speculation with poor acceptance costs little more than plain
+  decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from . import program_contract
+
+# sampler inputs of `runner` for (decode step, context): built by the target's generation
+SamplerFor = Callable[[object, int, list], list]
+
+
+class PromptLookup:
+    """Drafts the continuation of the latest earlier occurrence of the
+    context's last `max_ngram` (down to `min_ngram`) tokens."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def check(self, target) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):  # the latest occurrence first
+                if context[start:start + n] == tail:
+                    return context[start + n:start + n + k]
+        return []
+
+
+class DraftModel:
+    """A program exported by `executorch-mlx export` from a smaller model of
+    the same tokenizer, run as the drafter (see the module doc)."""
+
+    name = "draft-model"
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def check(self, target) -> None:
+        """ValueError naming both programs' values when the draft's
+        vocabulary or special ids are not the target's."""
+        draft = self.runner
+        if not draft.samples:
+            raise ValueError("the draft program returns logits (exported with --no-sampling): export it with "
+                             "its sampler")
+        for what, key in (("vocabulary size", program_contract.VOCAB_SIZE),
+                          ("eos ids", program_contract.EOS_IDS), ("bos id", program_contract.BOS_ID)):
+            ours, theirs = target.contract.metadata.get(key), draft.contract.metadata.get(key)
+            if ours != theirs:
+                raise ValueError(f"the draft model's {what} ({_one(theirs)}) is not the target's ({_one(ours)}): "
+                                 f"a draft model must share the target's tokenizer")
+
+    def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
+        draft = self.runner
+        k = min(k, draft.max_context - len(context))  # the last draft's entry must fit its cache
+        drafts: list[int] = []
+        cached = draft._reusable(context)
+        fed = context[cached:]
+        for i in range(k):
+            for start in range(0, len(fed), draft.max_chunk):  # a long first round prefills in chunks
+                emitted, _ = draft._step(fed[start:start + draft.max_chunk], cached + start,
+                                         sampler_for(draft, step + i, context + drafts))
+            cached += len(fed)
+            drafts.append(emitted[0])
+            fed = drafts[-1:]
+        return drafts
+
+
+def _one(values):
+    return values[0] if isinstance(values, list) and len(values) == 1 else values
+
+
+class DraftLength:
+    """The number of tokens to draft next, at most `most`. Adaptive: two
+    more after a round whose drafts were all accepted, one more than were
+    accepted otherwise; after a round that drafted one token and lost it,
+    plain decoding for 1, 2, 4 ... 64 steps before drafting again (reset by
+    an accepted draft), so that poor acceptance costs little."""
+
+    BACKOFF_MAX = 64
+
+    def __init__(self, most: int, adaptive: bool = True):
+        self.most, self.adaptive = most, adaptive
+        self.k, self.pause, self.backoff = most, 0, 1
+
+    def next(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or not drafted:
+            return
+        if accepted == drafted:
+            self.k = min(self.most, self.k + 2)
+        else:
+            self.k = max(1, accepted + 1)
+        if accepted:
+            self.backoff = 1
+        elif drafted == 1:
+            self.pause, self.backoff = self.backoff, min(self.BACKOFF_MAX, 2 * self.backoff)

@@ -1,0 +1,63 @@
+"""Speculative verification inside the program (docs/sampling.md,
+"Speculative verification").
+
+An LLM program exported with `max_draft_tokens` K > 0 verifies drafts in the
+same `forward` that prefills and decodes; the number of rows it samples is
+the number of rows of its `history` input (R in [1, K + 1]):
+
+    input_ids       [1, S]   ..., x, d_1 .. d_n    (n = R - 1 drafts last)
+    cache_position  [S]      their positions
+    position        []       t: the decode step of the token after x
+    history         [R, H]   row i: the penalty history of the token after
+                             d_i (plain decoding's history at step t + i)
+    the other sampler inputs as for one row (the same for every row)
+
+Row i is the logits after x, d_1 .. d_i, sampled with position t + i. The
+program returns the emitted tokens, int64 [R]: d_1 .. d_a (the longest
+prefix of drafts equal to the tokens sampled before them) then the token
+sampled at row a, and -1 after those a + 1 (and their logprobs, -inf after).
+One host read per round. A prefill chunk or a decode step is R = 1: the
+token sampled after the last input, as without verification.
+
+Cache entries written for rejected drafts are never read: the next call
+starts at the position after the last emitted token and overwrites them
+(attention never looks past the position it is at).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..serialization.sampler_params import PARAMS
+from .sampler_inputs import TABLE_PARAMS
+from .sampling import token_logprobs
+
+
+def accepted_prefix(sampled: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+    """`sampled` [R] (row i follows fed[0..i]) and `fed` [R] (x, d_1 .. d_n)
+    -> the emitted tokens [R]: sampled[0..a], -1 after, where a is the
+    number of leading drafts equal to the token sampled before them."""
+    rows = sampled.shape[0]
+    i = torch.arange(rows)
+    following = fed[torch.clamp(i + 1, max=rows - 1)]  # d_{i+1}; the last row has none
+    match = (sampled == following) & (i < rows - 1)
+    accepted = torch.argmin(match.to(torch.int32))  # the first mismatch (lowest index; the last row is one)
+    return torch.where(i <= accepted, sampled, -1)
+
+
+def verify(lm: torch.nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor, sampler: dict,
+           logprobs: bool):
+    """The program's forward with verification (see the module doc):
+    `sampler` holds the sampler inputs by name (None: not taken)."""
+    rows = sampler["history"].shape[0]
+    logits = lm(input_ids, cache_position, rows)[0]  # [R, V]
+    position = sampler["position"] + torch.arange(rows)
+    params = []
+    for name in PARAMS:
+        value = sampler.get(name)
+        if value is not None and name in TABLE_PARAMS and name != "history":
+            value = value.expand(rows, -1)  # one table for every row
+        params.append(value)
+    sampled = torch.ops.mlx.sample(logits, sampler["temperature"], sampler["seed"], position, *params)
+    emitted = accepted_prefix(sampled, input_ids[0, input_ids.shape[1] - rows:])
+    return (emitted, token_logprobs(logits, emitted)) if logprobs else emitted
