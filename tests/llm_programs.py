@@ -25,3 +25,26 @@ def family_program(shared, family: str, sampling: bool = True) -> tuple[Path, Pa
         return folder, pte
 
     return shared.get(f"{family}-{'sampled' if sampling else 'logits'}", build)
+
+
+def draft_program(shared) -> tuple[Path, Path]:
+    """A one-layer Llama of the same tokenizer as the family programs: a draft model."""
+
+    def build(root: Path) -> tuple[Path, Path]:
+        folder = write_model_folder(root / "draft", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
+                                    intermediate=64, seed=1)
+        return folder, export_llm(folder, root / "draft.pte", max_context=MAX_CONTEXT, progress=None)
+
+    return shared.get("llama-draft", build)
+
+
+def chat_program(shared, max_context: int) -> tuple[Path, Path]:
+    """A one-layer Qwen2 chat folder (the README's MODEL_DIR) and its program
+    with logprobs (model.pte): its vocabulary has the two chat tokens more."""
+
+    def build(root: Path) -> tuple[Path, Path]:
+        folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
+                                    intermediate=64, chat=True)
+        return folder, export_llm(folder, root / "model.pte", max_context=max_context, logprobs=True, progress=None)
+
+    return shared.get(f"qwen2-chat-{max_context}", build)

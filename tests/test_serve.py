@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from executorch_mlx.llm.chat import StopText
-from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.model_folders import CHAT_TOKENS, write_model_folder
+from executorch_mlx.llm.model_folders import CHAT_TOKENS
+from llm_programs import chat_program
 from test_documented_commands import README, runnable
 
 MAX_CONTEXT = 256
@@ -46,20 +46,18 @@ class Model:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(shared, tmp_path_factory):
     """The README's names: MODEL_DIR (a chat folder) and model.pte (with
     logprobs). The server and the terminal chat start as soon as the program
     is there, so that they load while the first tests run."""
     import pexpect
 
-    root = tmp_path_factory.mktemp("serve")
-    folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
-                                intermediate=64, chat=True)
-    pte = export_llm(folder, root / "model.pte", max_context=MAX_CONTEXT, logprobs=True, progress=None)
+    folder, pte = chat_program(shared, MAX_CONTEXT)
+    root = pte.parent
     port = _free_port()
     [line] = runnable(README, "serve")  # the README's serve line, run where model.pte and MODEL_DIR are
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
-    log = open(root / "server.log", "w+")
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
     server = subprocess.Popen(["bash", "-c", "exec " + _shell(line, port)], cwd=root, env=env, stdout=log,
                               stderr=subprocess.STDOUT)
     chat = pexpect.spawn(sys.executable, ["-m", "executorch_mlx.cli", "chat", str(pte), "--tokenizer", str(folder),

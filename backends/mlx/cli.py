@@ -40,7 +40,8 @@ def cmd_export(args) -> int:
                    sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
                    quantize_embedding=args.quantize_embedding, history_size=args.history_size,
                    logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, token_mask=not args.no_grammar,
-                   allow_longer_context=args.allow_longer_context, progress=display and display.line)
+                   allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
+                   progress=display and display.line)
     return 0
 
 
@@ -51,13 +52,29 @@ def sampler_kwargs(args) -> dict:
                 **{name: getattr(args, name) for name in ROW_PARAMS})
 
 
+def draft_kwargs(args, runner) -> dict:
+    """generate()'s speculative-decoding keywords from the draft flags,
+    checked against the target `runner` now (before any prompt runs)."""
+    from .llm.drafting import PromptLookup
+    from .llm.runner import LLMRunner
+
+    if args.draft_model and args.prompt_lookup:
+        raise ValueError("--draft-model and --prompt-lookup are two drafters: give one")
+    draft = LLMRunner(args.draft_model) if args.draft_model else PromptLookup.name if args.prompt_lookup else None
+    runner.drafter(draft, args.num_draft_tokens)
+    if draft is None:
+        return {}
+    return dict(draft=draft, num_draft_tokens=args.num_draft_tokens, adaptive_drafting=not args.fixed_draft_length)
+
+
 def cmd_generate(args) -> int:
     from .llm.runner import LLMRunner
 
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     options = dict(max_new_tokens=args.max_new_tokens, on_text=stream, json_schema=args.json_schema,
-                   regex=args.regex, grammar=args.grammar and Path(args.grammar), **sampler_kwargs(args))
+                   regex=args.regex, grammar=args.grammar and Path(args.grammar), **sampler_kwargs(args),
+                   **draft_kwargs(args, runner))
     if runner.has_chat_template and not args.ignore_chat_template:
         result = runner.chat([{"role": "user", "content": args.prompt}], args.system_prompt, **options)
     elif args.system_prompt is not None:
@@ -69,11 +86,14 @@ def cmd_generate(args) -> int:
         print(json.dumps({"token_ids": result.token_ids, "text": result.text, "logprobs": result.logprobs,
                           "stop_reason": result.stop_reason,
                           "prefill_tokens_per_s": result.prefill_tokens_per_s,
-                          "decode_tokens_per_s": result.decode_tokens_per_s}))
+                          "decode_tokens_per_s": result.decode_tokens_per_s,
+                          "draft_tokens": result.draft_tokens, "accepted_tokens": result.accepted_tokens}))
     else:
         print()
+        drafts = (f"; {result.accepted_tokens} of {result.draft_tokens} draft tokens accepted"
+                  if result.draft_tokens else "")
         print(f"prefill {result.prefill_tokens_per_s:.1f} tokens/s, decode {result.decode_tokens_per_s:.1f} "
-              f"tokens/s ({len(result.token_ids)} tokens, stopped at {result.stop_reason})", file=sys.stderr)
+              f"tokens/s ({len(result.token_ids)} tokens, stopped at {result.stop_reason}{drafts})", file=sys.stderr)
     return 0
 
 
@@ -82,13 +102,15 @@ def cmd_chat(args) -> int:
     from .llm.runner import LLMRunner
 
     runner = LLMRunner(args.pte, args.tokenizer)
-    return chat_loop(runner, args.system_prompt, args.max_new_tokens, sampler_kwargs(args))
+    return chat_loop(runner, args.system_prompt, args.max_new_tokens,
+                     {**sampler_kwargs(args), **draft_kwargs(args, runner)})
 
 
 def cmd_serve(args) -> int:
     from .serve.app import serve
 
-    serve(args.pte, args.tokenizer, host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet)
+    serve(args.pte, args.tokenizer, host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet,
+          draft=lambda runner: draft_kwargs(args, runner))
     return 0
 
 
@@ -161,6 +183,19 @@ def _add_sampler_flags(p: argparse.ArgumentParser) -> None:
                    help="end the text before TEXT (never shown); repeatable")
 
 
+def _add_draft_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-model", default=None, metavar="DRAFT.pte",
+                   help="speculative decoding: a smaller program of the same tokenizer drafts tokens that the "
+                        "program verifies (the output is plain decoding's)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="speculative decoding: draft the tokens that followed the last words where they occurred "
+                        "before in the prompt or output")
+    p.add_argument("--num-draft-tokens", type=int, default=None, metavar="K",
+                   help="draft at most K tokens a round (default: the program's --max-draft-tokens)")
+    p.add_argument("--fixed-draft-length", action="store_true",
+                   help="always draft K tokens (default: fewer, or none for a while, when few are accepted)")
+
+
 def _add_output_options(parser: argparse.ArgumentParser, default) -> None:
     """--verbose/--quiet, before the command or after it. After it they default
     to SUPPRESS: a subparser's default would overwrite the top-level value."""
@@ -203,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--regex, --grammar) fills")
     p.add_argument("--allow-longer-context", action="store_true",
                    help="allow --max-context above the model's max_position_embeddings (positions never trained)")
+    p.add_argument("--max-draft-tokens", type=int, default=8, metavar="K",
+                   help="draft tokens one call can verify (speculative decoding; 0: none; default 8)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")
@@ -223,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     structured.add_argument("--regex", default=None, metavar="PATTERN", help="output that fully matches PATTERN")
     structured.add_argument("--grammar", default=None, metavar="FILE",
                             help="output in the language of this Lark grammar (a .lark file)")
+    _add_draft_flags(p)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: token_ids, text, stop_reason, prefill/decode tokens per second")
+                   help="print one JSON object: token_ids, text, stop_reason, prefill/decode tokens per second, "
+                        "draft_tokens and accepted_tokens")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("chat", help="an interactive chat (streamed, multi-turn, the KV cache reused)")
     p.add_argument("pte")
@@ -232,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-prompt", default=None, help="a system message at the start of the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     _add_sampler_flags(p)
+    _add_draft_flags(p)
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     p.add_argument("pte")
@@ -240,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--model-name", default=None, help="the model's id in requests and /v1/models "
                                                       "(default: the .pte's file name without .pte)")
+    _add_draft_flags(p)
     p.set_defaults(fn=cmd_serve)
     for command in sub.choices.values():
         _add_output_options(command, argparse.SUPPRESS)

@@ -84,8 +84,8 @@ class _Job:
 
 
 class Server:
-    def __init__(self, runner: LLMRunner, model_name: str):
-        self.runner, self.model_name = runner, model_name
+    def __init__(self, runner: LLMRunner, model_name: str, draft: dict):
+        self.runner, self.model_name, self.draft = runner, model_name, draft
         self.created = int(time.time())
         # One worker: requests run one at a time, in the order they came.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
@@ -114,6 +114,8 @@ class Server:
         except RequestError as e:
             return error_response(400, str(e), e.param, e.code)
         loop = asyncio.get_running_loop()
+        if self.draft and "json_schema" not in plan.kwargs:  # a grammar's mask is per position: plain decoding
+            plan.kwargs.update(self.draft)
         job = _Job(plan, self.runner, loop, plan.stream)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
@@ -208,11 +210,14 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, exc.detail or "error", code=str(exc.status_code))
 
 
-def create_app(runner: LLMRunner, model_name: str) -> Starlette:
+def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None) -> Starlette:
+    """`draft`: generate()'s speculative-decoding keywords (draft,
+    num_draft_tokens, adaptive_drafting) for every request but those with
+    structured output, which decode plainly (the output is the same)."""
     if runner.tokenizer is None:
         raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
     runner.chat_template  # loaded now, not by the first request on the event loop
-    server = Server(runner, model_name)
+    server = Server(runner, model_name, draft or {})
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
@@ -222,13 +227,14 @@ def create_app(runner: LLMRunner, model_name: str) -> Starlette:
 
 
 def serve(pte: str, tokenizer_dir: str, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          quiet: bool = False) -> None:
-    """Loads the program, then serves it until interrupted."""
+          quiet: bool = False, draft=None) -> None:
+    """Loads the program, then serves it until interrupted. `draft(runner)`
+    gives the speculative-decoding keywords of every request (see create_app)."""
     import uvicorn
 
     runner = LLMRunner(pte, tokenizer_dir)
     name = model_name or Path(pte).stem
-    app = create_app(runner, name)
+    app = create_app(runner, name, draft(runner) if draft else None)
     if not quiet:
         print(f"serving {name} on http://{host}:{port}/v1 (chat template: "
               f"{'yes' if runner.has_chat_template else 'none, /v1/completions only'})", file=sys.stderr, flush=True)
