@@ -106,7 +106,8 @@ class CachedLM(torch.nn.Module):
         self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
 
-    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, rows: int | torch.SymInt = 1) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,
+                rows: int | torch.SymInt = 1) -> torch.Tensor:
         """The logits of the last `rows` positions, [1, rows, V]."""
         for i, layer in enumerate(self.cache.layers):
             # Reached through the module, the cache tensors are the buffers
