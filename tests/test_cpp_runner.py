@@ -80,16 +80,39 @@ def test_cpp_runner_sampler_flags_equal_python_runner(programs, kwargs, flags, t
     (["--prompt-ids", "1", "--logit-bias", "3"], "--logit-bias: expected ID=VALUE"),
     (["--prompt-ids", "1", "--max-new-tokens", "2", "--logit-bias", "100000=1"], "--logit-bias: token ids must be in [0, "),
     (["--prompt-ids", "1", "--memory-budget-kib", "0"], "--memory-budget-kib must be in [1, 2^31)"),
+    (["--prompt-ids", "1", "--prompt-lookup", "--draft-model", "d.pte"], "two drafters: give one"),
+    (["--prompt-ids", "1", "--num-draft-tokens", "2"], "--num-draft-tokens needs a drafter"),
+    (["--prompt-ids", "1", "--prompt-lookup", "--num-draft-tokens", "9"], "--num-draft-tokens must be in [1, 8]"),
 ])
 def test_cpp_runner_bad_arguments(programs, args, message):
     done = cpp(programs["sampled"], *args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("drafter", [["--prompt-lookup"], ["--draft-model", "TARGET"],
+                                     ["--draft-model", "TARGET", "--num-draft-tokens", "3", "--fixed-draft-length"]])
+def test_cpp_runner_drafts_give_plain_ids(programs, drafter):
+    """Speculative decoding in C++: the Python runner's plain ids; the
+    target's own program as the draft model accepts every draft."""
+    pte = programs["sampled"]
+    kwargs, flags = SAMPLERS[1]
+    prompt = PROMPT * 3
+    want = LLMRunner(pte).generate(prompt, max_new_tokens=16, temperature=1.3, seed=3, **kwargs).token_ids
+    done = cpp(pte, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--temperature", "1.3",
+               "--seed", "3", *flags, *[str(pte) if f == "TARGET" else f for f in drafter])
+    assert done.returncode == 0, done.stderr
+    ids, _, _, drafts = done.stdout.splitlines()
+    assert [int(i) for i in ids.split()[1:]] == want
+    drafted, accepted = (int(w) for w in drafts.split()[1::2])
+    assert drafted > 0 and (accepted == drafted if "TARGET" in drafter else accepted <= drafted)
+
+
 def test_cpp_runner_greedy_only_on_a_logits_program(programs):
     for flags in (["--temperature", "0.5"], ["--top-k", "3"]):
         done = cpp(programs["logits"], "--prompt-ids", "1", "--max-new-tokens", "2", *flags)
         assert done.returncode == 2 and "only greedy decoding" in done.stderr
+    done = cpp(programs["logits"], "--prompt-ids", "1", "--max-new-tokens", "2", "--prompt-lookup")
+    assert done.returncode == 2 and "verifies no drafts" in done.stderr
 
 
 def test_cpp_runner_refuses_a_missing_or_foreign_file(programs, tmp_path):

@@ -94,17 +94,20 @@ def _one(values):
 
 
 class DraftLength:
-    """The number of tokens to draft next, at most `most`. Adaptive: two
-    more after a round whose drafts were all accepted, one more than were
-    accepted otherwise; after a round that drafted one token and lost it,
-    plain decoding for 1, 2, 4 ... 64 steps before drafting again (reset by
-    an accepted draft), so that poor acceptance costs little."""
+    """The number of tokens to draft next, at most `most`. Adaptive: 2 at
+    first, two more after a round whose drafts were all accepted, one more
+    than were accepted otherwise; after a round that drafted one token and
+    lost it, plain decoding for 2, 4 ... 64 steps before drafting again
+    (reset by an accepted draft), so that poor acceptance costs little.
+    Fixed: always `most`."""
 
-    BACKOFF_MAX = 64
+    START = 2
+    BACKOFF_MIN, BACKOFF_MAX = 2, 64
 
     def __init__(self, most: int, adaptive: bool = True):
         self.most, self.adaptive = most, adaptive
-        self.k, self.pause, self.backoff = most, 0, 1
+        self.k = min(most, self.START) if adaptive else most
+        self.pause, self.backoff = 0, self.BACKOFF_MIN
 
     def next(self) -> int:
         if self.pause:
@@ -120,6 +123,6 @@ class DraftLength:
         else:
             self.k = max(1, accepted + 1)
         if accepted:
-            self.backoff = 1
+            self.backoff = self.BACKOFF_MIN
         elif drafted == 1:
             self.pause, self.backoff = self.backoff, min(self.BACKOFF_MAX, 2 * self.backoff)

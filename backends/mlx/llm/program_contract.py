@@ -43,7 +43,8 @@ LLM_INPUTS = ("input_ids", "cache_position")
 # What generate.py writes into runtime/generated/program_contract.h.
 CPP_CONSTANTS = {
     "kMaxSeqLen": MAX_SEQ_LEN, "kMaxContextLen": MAX_CONTEXT_LEN, "kVocabSize": VOCAB_SIZE, "kEosIds": EOS_IDS,
-    "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS,
+    "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS, "kBosId": BOS_ID,
+    "kMaxDraftTokens": MAX_DRAFT_TOKENS,
     "kInputIds": LLM_INPUTS[0], "kCachePosition": LLM_INPUTS[1],
 }
 

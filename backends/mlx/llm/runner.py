@@ -105,6 +105,10 @@ class LLMRunner(ProgramRunner):
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
         # Drafts one call verifies (llm/speculative.py); 0 for programs exported before.
         self.max_draft_tokens = self.contract.one(program_contract.MAX_DRAFT_TOKENS, int, 0)
+        if self.max_draft_tokens and "history" in self.input_shapes:
+            # Its size reads as the most rows it takes; a call samples as many
+            # rows as its history has: one, unless drafts are verified.
+            self.input_shapes = {**self.input_shapes, "history": (1, self.input_shapes["history"][1])}
         self._cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
         self._cache_epoch = _reset_epoch()
         # One generation at a time: the steps of two would interleave in the

@@ -5,9 +5,12 @@
 //               [--temperature T] [a flag per row parameter of the sampler table,
 //               e.g. --top-k K] [--repetition-context-size N] [--logit-bias ID=VALUE]...
 //               [--memory-budget-kib N]
+//               [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
-// tokens per second. It is the example a C++ app copies: load the program
+// tokens per second (and, drafting, how many drafts were accepted). The
+// drafts are verified inside the program (speculative decoding,
+// llm/speculative.py): the ids are those of plain decoding. It is the example a C++ app copies: load the program
 // (memory-mapped), read its metadata (constant methods), find the inputs by
 // name, prefill in chunks, decode one token per call. It mirrors the Python
 // LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids;
@@ -110,7 +113,8 @@ struct LoadedMethod {
 struct Metadata {
   std::vector<std::string> input_names;
   bool samples = false;
-  int64_t max_context = 0, max_chunk = 0, vocab_size = 0;
+  int64_t max_context = 0, max_chunk = 0, vocab_size = 0, bos_id = -1;
+  int64_t max_draft_tokens = 0;  // drafts one call verifies (0: none, or a program from before)
   std::set<int64_t> eos_ids;
 };
 
@@ -156,6 +160,11 @@ Metadata read_metadata(et::Program& program) {
     if (!e.isInt()) throw wrong(contract::kEosIds, "a list of ints");
     md.eos_ids.insert(e.toInt());
   }
+  if (values.count(contract::kBosId)) md.bos_id = integer(contract::kBosId);
+  if (values.count(contract::kMaxDraftTokens)) md.max_draft_tokens = integer(contract::kMaxDraftTokens);
+  if (md.max_draft_tokens < 0 || md.max_draft_tokens >= md.max_context) {
+    throw wrong(contract::kMaxDraftTokens, "in [0, max context)");
+  }
   if (md.max_context < 2 || md.max_chunk < 1 || md.vocab_size < 1 || md.input_names.size() < 2 ||
       md.input_names[0] != contract::kInputIds || md.input_names[1] != contract::kCachePosition) {
     throw std::runtime_error("this .pte's metadata is not an LLM program's: export it with executorch-mlx export");
@@ -178,6 +187,11 @@ struct Options {
   int64_t repetition_context_size = 20;
   std::vector<std::pair<int64_t, float>> logit_bias;
   int64_t memory_budget_kib = 0;  // 0: the plugin's default (EMLX_MEMORY_BUDGET or a quarter of memory)
+  // Speculative decoding (the Python runner's names and defaults).
+  bool prompt_lookup = false;
+  std::string draft_model;
+  int64_t num_draft_tokens = 0;  // 0: the program's max_draft_tokens
+  bool fixed_draft_length = false;
 
   Options() {
     for (int i = 0; i < kNumSamplerInputs; ++i) {
@@ -278,6 +292,15 @@ Options parse_args(int argc, char** argv) {
       if (o.memory_budget_kib < 1 || o.memory_budget_kib > INT32_MAX) {
         throw UsageError("--memory-budget-kib must be in [1, 2^31)");
       }
+    } else if (a == "--prompt-lookup") {
+      o.prompt_lookup = true;
+    } else if (a == "--draft-model") {
+      o.draft_model = value();
+    } else if (a == "--num-draft-tokens") {
+      o.num_draft_tokens = parse_int(a, value());
+      if (o.num_draft_tokens < 1) throw UsageError("--num-draft-tokens must be positive");
+    } else if (a == "--fixed-draft-length") {
+      o.fixed_draft_length = true;
     } else if (a == "--seed") {
       // any 64-bit seed, signed or not (as the Python runner: 2**63 and up keep their bits)
       const std::string t = value();
@@ -298,6 +321,12 @@ Options parse_args(int argc, char** argv) {
   }
   if (o.pte.empty()) throw UsageError("no .pte given");
   if (o.prompt.empty()) throw UsageError("--prompt-ids is required (comma-separated token ids)");
+  if (o.prompt_lookup && !o.draft_model.empty()) {
+    throw UsageError("--draft-model and --prompt-lookup are two drafters: give one");
+  }
+  if (o.num_draft_tokens && !o.prompt_lookup && o.draft_model.empty()) {
+    throw UsageError("--num-draft-tokens needs a drafter (--draft-model or --prompt-lookup)");
+  }
   if (o.max_new_tokens < 1) throw UsageError("--max-new-tokens must be positive");
   return o;
 }
@@ -348,7 +377,7 @@ class Generator {
       }
       // One row: a program that verifies drafts samples as many rows as its
       // history has (its size reads as the most it takes), and this runner drafts none.
-      inputs_["history"] = make_tensor_ptr(Sizes{1, h.at(1)}, std::vector<int64_t>(h.at(1), -1));
+      history_size_ = h.at(1);
     }
     if (has("logit_bias_ids")) {
       const Sizes b = shape("logit_bias_ids");
@@ -372,19 +401,34 @@ class Generator {
     }
   }
 
-  // `context`: prompt and output so far (the penalties count its tail).
-  int64_t step(const std::vector<int64_t>& ids, int64_t start, int64_t position, const std::vector<int64_t>& context) {
+  // `ids` at positions start, start + 1, ...: their last `drafts.size()`
+  // are drafts to verify. `context`: prompt and output so far (the
+  // penalties count its tail), `position` the decode step of the token after
+  // it. Returns the emitted tokens: the next one, or the drafts accepted and
+  // the token after them.
+  std::vector<int64_t> step(const std::vector<int64_t>& ids, int64_t start, int64_t position,
+                            const std::vector<int64_t>& context, const std::vector<int64_t>& drafts = {}) {
     const auto n = static_cast<executorch::aten::SizesType>(ids.size());
     std::vector<int64_t> positions(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) positions[i] = start + static_cast<int64_t>(i);
     inputs_[contract::kInputIds] = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
     inputs_[contract::kCachePosition] = make_tensor_ptr(Sizes{n}, std::move(positions));
     inputs_["position"]->mutable_data_ptr<int64_t>()[0] = position;
-    if (penalized_) {  // the last tokens first to last, -1 after them
-      auto* h = inputs_["history"]->mutable_data_ptr<int64_t>();
-      const size_t take = std::min<size_t>(context.size(), context_size_);
-      std::fill(h, h + inputs_["history"]->numel(), -1);
-      std::copy(context.end() - take, context.end(), h);
+    if (history_size_) {
+      // A row per token sampled (the program samples as many rows as the
+      // history has): the last tokens of context + drafts[:i], -1 after.
+      const auto rows = static_cast<executorch::aten::SizesType>(drafts.size() + 1);
+      std::vector<int64_t> h(static_cast<size_t>(rows) * history_size_, -1);
+      if (penalized_) {
+        std::vector<int64_t> seen = context;
+        for (int64_t i = 0; i < rows; ++i) {
+          if (i) seen.push_back(drafts[i - 1]);
+          const size_t take = std::min<size_t>(seen.size(), context_size_);
+          std::copy(seen.end() - take, seen.end(), h.begin() + i * history_size_);
+        }
+      }
+      inputs_["history"] = make_tensor_ptr(Sizes{rows, static_cast<executorch::aten::SizesType>(history_size_)},
+                                           std::move(h));
     }
     auto& method = *forward_.method;
     for (size_t i = 0; i < md_.input_names.size(); ++i) {
@@ -395,9 +439,13 @@ class Generator {
     }
     forward_.execute();
     const auto& out = method.get_output(0).toTensor();
+    std::vector<int64_t> emitted;
     int64_t token;
     if (md_.samples) {
-      token = out.const_data_ptr<int64_t>()[0];
+      // -1 ends the emitted tokens (a first -1: nothing could be sampled)
+      const int64_t* tokens = out.const_data_ptr<int64_t>();
+      emitted.push_back(tokens[0]);
+      for (ssize_t i = 1; i < out.numel() && tokens[i] >= 0; ++i) emitted.push_back(tokens[i]);
     } else {  // logits [1, 1, V] (float32): greedy as the sampler (lowest index on ties,
               // NaN never chosen, -1 when every logit is NaN or -inf)
       const float* logits = out.const_data_ptr<float>();
@@ -408,12 +456,15 @@ class Generator {
       for (int64_t v = 0; v < V; ++v) {
         if (row[v] > best) best = row[v], token = v;
       }
+      emitted.push_back(token);
     }
-    if (token < 0 || token >= md_.vocab_size) {
-      throw std::runtime_error("the model produced no valid token (id " + std::to_string(token) +
-                               "): its logits are all NaN or -inf");
+    for (int64_t t : emitted) {
+      if (t < 0 || t >= md_.vocab_size) {
+        throw std::runtime_error("the model produced no valid token (id " + std::to_string(t) +
+                                 "): its logits are all NaN or -inf");
+      }
     }
-    return token;
+    return emitted;
   }
 
  private:
@@ -421,36 +472,132 @@ class Generator {
   const Metadata& md_;
   int64_t context_size_;
   bool penalized_;
+  int64_t history_size_ = 0;  // 0: the program takes no history
   std::map<std::string, TensorPtr> inputs_;
+};
+
+// Drafters (llm/drafting.py has the same): the tokens after `context`, at most k.
+struct Drafter {
+  virtual ~Drafter() = default;
+  // `position`: the decode step of the token after `context`.
+  virtual std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t position) = 0;
+};
+
+// The tokens that followed the latest earlier occurrence of the context's last 3 (down to 1) tokens.
+struct PromptLookup : Drafter {
+  std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t) override {
+    const auto len = static_cast<int64_t>(context.size());
+    for (int64_t n = std::min<int64_t>(3, len - 1); n >= 1; --n) {
+      for (int64_t start = len - n - 1; start >= 0; --start) {
+        if (std::equal(context.end() - n, context.end(), context.begin() + start)) {
+          const int64_t from = start + n, to = std::min(len, from + k);
+          return std::vector<int64_t>(context.begin() + from, context.begin() + to);
+        }
+      }
+    }
+    return {};
+  }
+};
+
+// A smaller program of the same tokenizer decodes the drafts with the
+// target's sampler settings, its KV cache rolled back by position: each
+// round starts where what it holds first differs from the context.
+struct DraftModel : Drafter {
+  DraftModel(LoadedMethod& forward, const Metadata& md, const Options& o) : md_(md), gen_(forward, md, o) {}
+
+  std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t position) override {
+    const auto len = static_cast<int64_t>(context.size());
+    k = std::min(k, md_.max_context - len);  // the last draft's entry must fit its cache
+    int64_t cached = 0;
+    while (cached < static_cast<int64_t>(cached_.size()) && cached < len - 1 && cached_[cached] == context[cached]) {
+      ++cached;
+    }
+    std::vector<int64_t> fed(context.begin() + cached, context.end()), drafts, seen = context;
+    for (int64_t i = 0; i < k; ++i) {
+      int64_t token = 0;
+      for (size_t start = 0; start < fed.size(); start += md_.max_chunk) {  // a long first round: in chunks
+        const size_t end = std::min(fed.size(), start + md_.max_chunk);
+        cached_.resize(cached + start);
+        token = gen_.step(std::vector<int64_t>(fed.begin() + start, fed.begin() + end), cached + start,
+                          position + i, seen)[0];
+        cached_.insert(cached_.end(), fed.begin() + start, fed.begin() + end);
+      }
+      cached += static_cast<int64_t>(fed.size());
+      drafts.push_back(token);
+      seen.push_back(token);
+      fed = {token};
+    }
+    return drafts;
+  }
+
+ private:
+  const Metadata& md_;
+  Generator gen_;
+  std::vector<int64_t> cached_;  // the ids its cache holds, from position 0
+};
+
+// How many tokens to draft next (llm/drafting.py's DraftLength).
+struct DraftLength {
+  int64_t most, k, pause = 0, backoff = 2;
+  bool adaptive;
+  DraftLength(int64_t most, bool adaptive) : most(most), k(adaptive ? std::min<int64_t>(most, 2) : most),
+                                             adaptive(adaptive) {}
+  int64_t next() {
+    if (pause) return --pause, 0;
+    return k;
+  }
+  void update(int64_t drafted, int64_t accepted) {
+    if (!adaptive || !drafted) return;
+    k = accepted == drafted ? std::min(most, k + 2) : std::max<int64_t>(1, accepted + 1);
+    if (accepted) {
+      backoff = 2;
+    } else if (drafted == 1) {
+      pause = backoff, backoff = std::min<int64_t>(64, 2 * backoff);
+    }
+  }
 };
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-int run(const Options& o) {
-  et::runtime_init();
-  if (!emlx_registered()) throw std::runtime_error("the MLX backend plugin failed to register");
-  auto loader = executorch::extension::MmapDataLoader::from(o.pte.c_str());
-  check(loader.error(), "opening " + o.pte);
+// A program file, memory-mapped and checked; `loader` must outlive the program.
+et::Program load_program(const std::string& path, std::optional<executorch::extension::MmapDataLoader>& loader) {
+  auto mapped = executorch::extension::MmapDataLoader::from(path.c_str());
+  check(mapped.error(), "opening " + path);
+  loader.emplace(std::move(mapped.get()));
   {  // ExecuTorch would log a wrong identifier's raw bytes: refused here, said cleanly
     char head[8] = {};
-    std::ifstream(o.pte, std::ios::binary).read(head, sizeof head);
+    std::ifstream(path, std::ios::binary).read(head, sizeof head);
     if (head[4] != 'E' || head[5] != 'T' || !std::isdigit(static_cast<unsigned char>(head[6])) ||
         !std::isdigit(static_cast<unsigned char>(head[7]))) {
-      throw std::runtime_error(o.pte + " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)");
+      throw std::runtime_error(path + " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)");
     }
   }
   // The whole container is verified (FlatBuffers bounds and offsets) before
   // anything in it is trusted: the default (Minimal) lets a corrupt file crash.
   // Then our own checks of what ExecuTorch later reads unchecked (method
   // input/output value indices: an assert, SIGABRT, in Method::get_output).
-  if (emlx_check_program(o.pte.c_str(), nullptr, 0) != 0) {
-    throw std::runtime_error("loading program " + o.pte + ": " + emlx_last_error());
+  if (emlx_check_program(path.c_str(), nullptr, 0) != 0) {
+    throw std::runtime_error("loading program " + path + ": " + emlx_last_error());
   }
-  auto program = et::Program::load(&loader.get(), et::Program::Verification::InternalConsistency);
-  check(program.error(), "loading program " + o.pte);
-  const Metadata md = read_metadata(program.get());
+  auto program = et::Program::load(&*loader, et::Program::Verification::InternalConsistency);
+  check(program.error(), "loading program " + path);
+  return std::move(program.get());
+}
+
+std::string ids_text(const std::set<int64_t>& ids) {
+  std::string text;
+  for (auto id : ids) text += (text.empty() ? "" : ",") + std::to_string(id);
+  return "[" + text + "]";
+}
+
+int run(const Options& o) {
+  et::runtime_init();
+  if (!emlx_registered()) throw std::runtime_error("the MLX backend plugin failed to register");
+  std::optional<executorch::extension::MmapDataLoader> loader, draft_loader;
+  auto program = load_program(o.pte, loader);
+  const Metadata md = read_metadata(program);
 
   const auto prompt_len = static_cast<int64_t>(o.prompt.size());
   if (prompt_len >= md.max_context) {
@@ -477,30 +624,89 @@ int run(const Options& o) {
     check(budget.set_option("memory_budget_kib", static_cast<int>(o.memory_budget_kib)), "--memory-budget-kib");
     check(options.set_options(emlx_backend_id(), budget.view()), "--memory-budget-kib");
   }
-  LoadedMethod forward(program.get(), "forward", o.memory_budget_kib ? &options : nullptr);
+  LoadedMethod forward(program, "forward", o.memory_budget_kib ? &options : nullptr);
   Generator gen(forward, md, o);
+
+  std::unique_ptr<Drafter> drafter;
+  std::optional<et::Program> draft_program;
+  std::unique_ptr<LoadedMethod> draft_forward;
+  Metadata draft_md;
+  if (o.prompt_lookup || !o.draft_model.empty()) {
+    if (!md.max_draft_tokens) {
+      throw UsageError("this program verifies no drafts (exported with --max-draft-tokens 0, --no-sampling or "
+                       "before speculative decoding): re-export it to use a drafter");
+    }
+    if (o.num_draft_tokens > md.max_draft_tokens) {
+      throw UsageError("--num-draft-tokens must be in [1, " + std::to_string(md.max_draft_tokens) +
+                       "] (this program's --max-draft-tokens)");
+    }
+  }
+  if (o.prompt_lookup) {
+    drafter = std::make_unique<PromptLookup>();
+  } else if (!o.draft_model.empty()) {
+    draft_program.emplace(load_program(o.draft_model, draft_loader));
+    draft_md = read_metadata(*draft_program);
+    auto mismatch = [](const char* what, const std::string& draft, const std::string& target) {
+      return std::runtime_error(std::string("the draft model's ") + what + " (" + draft + ") is not the target's (" +
+                                target + "): a draft model must share the target's tokenizer");
+    };
+    if (!draft_md.samples) throw std::runtime_error("the draft program returns logits (exported with --no-sampling)");
+    if (draft_md.vocab_size != md.vocab_size) {
+      throw mismatch("vocabulary size", std::to_string(draft_md.vocab_size), std::to_string(md.vocab_size));
+    }
+    if (draft_md.eos_ids != md.eos_ids) throw mismatch("eos ids", ids_text(draft_md.eos_ids), ids_text(md.eos_ids));
+    if (draft_md.bos_id != md.bos_id) {
+      throw mismatch("bos id", std::to_string(draft_md.bos_id), std::to_string(md.bos_id));
+    }
+    draft_forward = std::make_unique<LoadedMethod>(*draft_program, "forward");
+    drafter = std::make_unique<DraftModel>(*draft_forward, draft_md, o);
+  }
+  DraftLength length(o.num_draft_tokens ? o.num_draft_tokens : md.max_draft_tokens, !o.fixed_draft_length);
   auto t0 = std::chrono::steady_clock::now();
   int64_t token = 0;
   for (int64_t start = 0; start < prompt_len; start += md.max_chunk) {
     const int64_t end = std::min(prompt_len, start + md.max_chunk);
-    token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0, o.prompt);
+    token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0, o.prompt)[0];
   }
   const double prefill_s = seconds_since(t0);
   std::vector<int64_t> out = {token}, context = o.prompt;
   double decode_s = 0;
-  while (!md.eos_ids.count(token) && static_cast<int64_t>(out.size()) < o.max_new_tokens) {
+  int64_t drafted = 0, accepted = 0;
+  bool done = md.eos_ids.count(token) || static_cast<int64_t>(out.size()) >= o.max_new_tokens;
+  while (!done) {
     const auto n = static_cast<int64_t>(out.size());
-    context.push_back(token);
-    auto t = std::chrono::steady_clock::now();
-    token = gen.step({token}, prompt_len + n - 1, n, context);
+    context.push_back(token);  // not in the cache yet: this call writes it at `position`
+    const int64_t position = prompt_len + n - 1;
+    auto t = std::chrono::steady_clock::now();  // a step's time includes its drafting
+    std::vector<int64_t> drafts;
+    if (drafter) {
+      // the emitted tokens (drafts + 1) fit --max-new-tokens, their entries the cache
+      const int64_t k = std::min({length.next(), o.max_new_tokens - n - 1, md.max_context - 1 - position});
+      if (k > 0) drafts = drafter->propose(context, k, n);
+    }
+    std::vector<int64_t> fed = {token};
+    fed.insert(fed.end(), drafts.begin(), drafts.end());
+    const std::vector<int64_t> emitted = gen.step(fed, position, n, context, drafts);
     decode_s += seconds_since(t);
-    out.push_back(token);
+    drafted += static_cast<int64_t>(drafts.size());
+    accepted += static_cast<int64_t>(emitted.size()) - 1;
+    length.update(static_cast<int64_t>(drafts.size()), static_cast<int64_t>(emitted.size()) - 1);
+    for (size_t i = 0; i < emitted.size() && !done; ++i) {
+      token = emitted[i];
+      if (i) context.push_back(out.back());
+      out.push_back(token);
+      done = md.eos_ids.count(token) || static_cast<int64_t>(out.size()) >= o.max_new_tokens;
+    }
   }
   std::printf("ids:");
   for (auto id : out) std::printf(" %lld", static_cast<long long>(id));
   std::printf("\nprefill: %lld tokens, %.1f tokens/s\n", static_cast<long long>(prompt_len), prompt_len / prefill_s);
   const size_t steps = out.size() - 1;
   std::printf("decode: %zu tokens, %.1f tokens/s\n", steps, steps ? steps / decode_s : 0.0);
+  if (drafter) {
+    std::printf("drafts: %lld drafted, %lld accepted\n", static_cast<long long>(drafted),
+                static_cast<long long>(accepted));
+  }
   return 0;
 }
 
@@ -520,7 +726,8 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr,
                  "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--seed S]\n      %s\n"
-                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N]\n",
+                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N]\n"
+                 "       [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]\n",
                  flags.c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -12,6 +12,8 @@ constexpr const char* kEosIds = "get_eos_ids";
 constexpr const char* kInputNames = "emlx_input_names";
 constexpr const char* kSamples = "emlx_samples";
 constexpr const char* kLogprobs = "emlx_logprobs";
+constexpr const char* kBosId = "get_bos_id";
+constexpr const char* kMaxDraftTokens = "emlx_max_draft_tokens";
 constexpr const char* kInputIds = "input_ids";
 constexpr const char* kCachePosition = "cache_position";
 
