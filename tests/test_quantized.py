@@ -64,7 +64,7 @@ def mlx_quantized_linear(x, weight, bias, group_size, bits):
 
 
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-INT_ROWS = 4  # fewer rows of x than this: our CPU kernel takes x in int16 (quantized_dot.h)
+INT_ROWS = 17  # fewer rows of x than this (kDotRows + 1): our CPU kernel takes x in int16 (quantized_dot.h)
 
 
 def int16_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -109,9 +109,9 @@ def test_packing_is_mlx_quantize_and_dequantize_inverts_it(bits, group_size):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (3, True), (5, True)])
+@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True), (20, True)])
 def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
-    """Group size 64, K=320, N=37: one to three rows of x (the packed-row
+    """Group size 64, K=320, N=37: up to 16 rows of x (the packed-row
     path) and more (the decoded-block path), with and without bias."""
     weight = torch.randn(37, 320).to(dtype)
     b = torch.randn(37).to(dtype) if bias else None
@@ -218,14 +218,14 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def logits_program(folder, tmp_path_factory):
     """(quantize, quantize_embedding) -> the folder exported logits-only at
-    max context 16, group size 64; each built once."""
+    max context 32, group size 64; each built once."""
     from executorch_mlx.llm.hf_export import export_llm
 
     root, built = tmp_path_factory.mktemp("qprograms"), {}
 
     def get(mode: str | None, embedding: bool):
         if (mode, embedding) not in built:
-            built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte", max_context=16,
+            built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte", max_context=32,
                                                 sampling=False, quantize=mode, group_size=64,
                                                 quantize_embedding=embedding, progress=None)
         return built[mode, embedding]
@@ -245,11 +245,11 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     assert ("model.embed_tokens" in layers) == embedding
     # tied weights: the head follows the embedding (quantized with it, else full precision)
     assert isinstance(model.lm_head, torch.nn.Linear) != embedding
-    ids = torch.tensor([[3, 17, 42, 5, 99]])
+    ids = torch.tensor([[3, 17, 42, 5, 99] * 4])  # a prefill: more rows than the integer path takes
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     want = out.logits[:, -1:]
-    got = run(pte.read_bytes(), [ids, torch.arange(5)])[0]
+    got = run(pte.read_bytes(), [ids, torch.arange(ids.shape[1])])[0]
     if embedding:  # the quantized head sees one row: x in int16 (quantized_dot.h)
         assert_close_to_int16_rows(got, want, out.hidden_states[-1][:, -1:], model.lm_head.table, torch.float32)
     else:

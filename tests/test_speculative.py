@@ -44,7 +44,7 @@ def test_drafted_generation_equals_plain(programs, setting):
                          (draft_model, dict(num_draft_tokens=3, adaptive_drafting=False))):
         drafted = target.generate(PROMPT, max_new_tokens=24, draft=draft, **extra, **kwargs)
         assert drafted.token_ids == plain.token_ids, (draft, extra)
-        assert drafted.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+        assert drafted.logprobs == plain.logprobs  # a verify call's rows are bit for bit decode steps
         assert drafted.draft_tokens > 0 and 0 <= drafted.accepted_tokens <= drafted.draft_tokens
         if draft is copy:  # the target's own program drafts the target's tokens
             assert drafted.accepted_tokens == drafted.draft_tokens

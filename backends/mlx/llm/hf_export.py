@@ -42,8 +42,10 @@ from .speculative import verify
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
 # The most drafts one verify call takes: beyond a few, acceptance of the
-# later ones is rare and each costs a row of logits.
-MAX_DRAFT_TOKENS = 32
+# later ones is rare and each costs a row. With the token before them, at
+# most kDotRows (runtime/kernels/cpu_kernel.h) rows, which the CPU kernels
+# compute exactly as a decode step does.
+MAX_DRAFT_TOKENS = 15
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

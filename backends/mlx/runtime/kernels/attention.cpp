@@ -19,8 +19,9 @@ namespace {
 
 // Queries per task: enough rows for a GEMM, few enough for every core to get work.
 constexpr int kQueryBlock = 64;
-// Fewer query rows than this: plain dot products instead of sgemm.
-constexpr int64_t kGemmRows = 4;
+// Fewer query rows than this: dot products instead of sgemm, each row's
+// exactly as a one-row call's (kDotRows, cpu_kernel.h).
+constexpr int64_t kGemmRows = kDotRows + 1;
 
 // x . y over n floats, with eight independent partial sums.
 inline float dot(const float* x, const float* y, int64_t n) {

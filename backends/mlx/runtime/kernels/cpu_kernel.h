@@ -18,6 +18,13 @@
 
 namespace emlx {
 
+// Up to this many rows of x (or queries), the linear and attention kernels
+// compute each row exactly as a one-row call does: a verify call of
+// speculative decoding (1 + the drafts, llm/speculative.py; export caps the
+// drafts at kDotRows - 1) gives bit for bit the logits of decode steps.
+// More rows (prefill) take OpenBLAS's sgemm.
+constexpr int kDotRows = 16;
+
 // The work of one call: reads `inputs` and fills `out`, whose buffer is
 // allocated. It runs on the stream's worker thread, possibly after MLX has
 // dropped the primitive, so it must own what it uses.

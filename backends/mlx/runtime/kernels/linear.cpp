@@ -122,8 +122,39 @@ inline void decode_row(const Operands& o, size_t n, float* dst) {
 }
 
 // out[m, n0:n1] for every row m of x: kRows rows of w at a time (decoded
-// once into `scratch` unless stored as float32), reused for all of x's rows
-// while they are in cache.
+// once into `scratch` unless stored as float32), reused from registers for
+// two rows of x at once and from cache for the rest. Each out[m, n] is summed
+// in the same order whatever M is (eight lanes over K, then the lanes in
+// order, then the tail): a row of a multi-row call (a verify call's) is bit
+// for bit the row a one-row call (a decode step) computes.
+template <int XR>
+inline void dots_rows(const float* x, size_t K, const float* w, float (*acc)[4]) {
+  constexpr int kRows = 4;
+  // (unrolled: kept in registers, not in arrays on the stack)
+  v8 sum[XR][kRows] = {};
+  size_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    v8 wv[kRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) __builtin_memcpy(&wv[r], w + r * K + k, sizeof(v8));
+#pragma GCC unroll 2
+    for (int m = 0; m < XR; ++m) {
+      v8 xv;
+      __builtin_memcpy(&xv, x + m * K + k, sizeof xv);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) sum[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < XR; ++m) {
+    for (int r = 0; r < kRows; ++r) {
+      float s = 0;
+      for (int i = 0; i < 8; ++i) s += sum[m][r][i];
+      for (size_t j = k; j < K; ++j) s += x[m * K + j] * w[r * K + j];
+      acc[m][r] = s;
+    }
+  }
+}
+
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   constexpr size_t kRows = 4;
   const size_t K = o.K;
@@ -134,15 +165,20 @@ __attribute__((always_inline)) inline void linear_block(const Operands& o, size_
       for (size_t r = 0; r < rows; ++r) decode_row(o, n + r, scratch + r * K);
       w = scratch;
     }
-    for (size_t m = 0; m < o.M; ++m) {
-      float acc[kRows];
-      if (rows == kRows) {
-        dots<kRows>(o.x + m * K, w, K, acc);
+    for (size_t m = 0; m < o.M;) {
+      float acc[2][kRows];
+      const size_t pair = rows == kRows && m + 2 <= o.M ? 2 : 1;
+      if (rows < kRows) {
+        for (size_t r = 0; r < rows; ++r) dots<1>(o.x + m * K, w + r * K, K, acc[0] + r);
+      } else if (pair == 2) {
+        dots_rows<2>(o.x + m * K, K, w, acc);
       } else {
-        for (size_t r = 0; r < rows; ++r) dots<1>(o.x + m * K, w + r * K, K, acc + r);
+        dots_rows<1>(o.x + m * K, K, w, acc);
       }
-      for (size_t r = 0; r < rows; ++r) {
-        o.out[m * o.N + n + r] = acc[r] + (o.bias ? float_at(o.bias, n + r, o.params_bf16) : 0.0f);
+      for (size_t i = 0; i < pair; ++i, ++m) {
+        for (size_t r = 0; r < rows; ++r) {
+          o.out[m * o.N + n + r] = acc[i][r] + (o.bias ? float_at(o.bias, n + r, o.params_bf16) : 0.0f);
+        }
       }
     }
   }
@@ -175,9 +211,12 @@ constexpr auto linear_block_avx2 = linear_block_generic;
 constexpr auto decode_rows_avx2 = decode_rows_generic;
 #endif
 
-// From this many rows of x on (prefill), a blocked GEMM beats one pass of
-// dot products per row: each weight is then reused from registers and cache.
-constexpr size_t kGemmRows = 4;
+// From this many rows of x on (prefill), a blocked GEMM (OpenBLAS) beats
+// dot products: each weight is then reused from registers and cache. Up to
+// kDotRows rows (a decode step, a verify call: at most 16 rows), every row is
+// computed exactly as a one-row call computes it (see linear_block), in
+// floats or, quantized, in integers (quantized_dot.h).
+constexpr size_t kGemmRows = kDotRows + 1;
 
 // out = x w^T (+ bias) with OpenBLAS's sgemm, one tile of weight rows per
 // task of our pool (OpenBLAS itself single-threaded: its own threads spin

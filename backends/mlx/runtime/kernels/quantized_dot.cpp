@@ -73,27 +73,38 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const void* p, size_t i)
   }
 }
 
-// The sum over one group of q * xq as 8 int32 lanes: 16 weights widen to
-// int16 lanes in one instruction and vpmaddwd multiplies and pairs them with x.
-template <int BITS>
-__attribute__((target("avx2,fma"))) inline __m256i group_sum_avx2(const uint8_t* row, const int16_t* q, size_t k0,
-                                                                  size_t group) {
+// The sums over one group of q * xq for XR rows of x (xq: q[i] + i * K) as
+// 8 int32 lanes each: 16 weights widen to int16 lanes in one instruction,
+// once for all the rows, and vpmaddwd multiplies and pairs them with x.
+template <int BITS, int XR>
+__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* row, const int16_t* q,
+                                                                               size_t K, size_t k0, size_t group,
+                                                                               __m256i (&s)[XR]) {
   const __m256i low4 = _mm256_set1_epi16(15);
-  __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
   for (size_t k = k0; k < k0 + group; k += 32) {
     if constexpr (BITS == 4) {
       const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
       const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k))));
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + 16))));
+#pragma GCC unroll 2
+      for (int i = 0; i < XR; ++i) {
+        const int16_t* qi = q + i * K + k;
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi))));
+        s[i] = _mm256_add_epi32(s[i],
+                                _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + 16))));
+      }
     } else {
       for (size_t h = 0; h < 32; h += 16) {
         const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + h)));
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k + h))));
+#pragma GCC unroll 2
+        for (int i = 0; i < XR; ++i) {
+          const int16_t* qi = q + i * K + k + h;
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi))));
+        }
       }
     }
   }
-  return s;
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
@@ -102,44 +113,77 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
+// out[m * ldo + n] for XR rows of x from row m0 on, one weight row n: each
+// row's float arithmetic is the same whatever XR (and M) is, so a row of a
+// multi-row call is bit for bit the row of a one-row call.
+template <int BITS, bool BF16, int XR>
+__attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(const IntRows& x, size_t m0,
+                                                                             const uint8_t* row, size_t n,
+                                                                             const void* scales, const void* biases,
+                                                                             float* factors, float* out, size_t ldo) {
+  const size_t K = x.K, groups = K / x.group, group = x.group;
+  __m256 bias_term[XR];
+  float bias_tail[XR];
+#pragma GCC unroll 2
+  for (int i = 0; i < XR; ++i) {
+    // Per-group factors (factors + i * groups) and the biases' term, eight groups at a time.
+    const float *xa = x.scale.data() + (m0 + i) * groups, *xs = x.sum.data() + (m0 + i) * groups;
+    float* f = factors + i * groups;
+    bias_term[i] = _mm256_setzero_ps();
+    bias_tail[i] = 0;
+    size_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      _mm256_storeu_ps(f + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
+      bias_term[i] = _mm256_fmadd_ps(load8<BF16>(biases, n * groups + g), _mm256_loadu_ps(xs + g), bias_term[i]);
+    }
+    for (; g < groups; ++g) {
+      f[g] = float_at(scales, n * groups + g, BF16) * xa[g];
+      bias_tail[i] += float_at(biases, n * groups + g, BF16) * xs[g];
+    }
+  }
+  // Two float accumulators per row: one would wait on its own FMA latency.
+  __m256 acc0[XR], acc1[XR];
+#pragma GCC unroll 2
+  for (int i = 0; i < XR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  const int16_t* q = x.q.data() + m0 * K;
+  size_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    __m256i s0[XR], s1[XR];
+    group_sums_avx2<BITS, XR>(row, q, K, g * group, group, s0);
+    group_sums_avx2<BITS, XR>(row, q, K, (g + 1) * group, group, s1);
+#pragma GCC unroll 2
+    for (int i = 0; i < XR; ++i) {
+      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[i]), _mm256_broadcast_ss(&factors[i * groups + g + 1]),
+                                acc1[i]);
+    }
+  }
+  if (g < groups) {
+    __m256i s0[XR];
+    group_sums_avx2<BITS, XR>(row, q, K, g * group, group, s0);
+#pragma GCC unroll 2
+    for (int i = 0; i < XR; ++i) {
+      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < XR; ++i) {
+    out[(m0 + i) * ldo + n] = hsum(_mm256_add_ps(acc0[i], acc1[i])) + hsum(bias_term[i]) + bias_tail[i];
+  }
+}
+
 template <int BITS, bool BF16>
 __attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8_t* w, const void* scales,
                                                    const void* biases, size_t n0, size_t n1, float* out, size_t ldo) {
-  const size_t K = x.K, groups = K / x.group, group = x.group, row_bytes = K * BITS / 8;
-  thread_local std::vector<float> per_group;  // per group: the weight scale times x's
-  per_group.resize(groups);
+  const size_t groups = x.K / x.group, row_bytes = x.K * BITS / 8;
+  thread_local std::vector<float> per_group;  // per row and group: the weight scale times x's
+  per_group.resize(2 * groups);
   float* factors = per_group.data();  // (each thread_local access is a call in a shared library)
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    for (size_t m = 0; m < x.M; ++m) {
-      const int16_t* q = x.q.data() + m * K;
-      const float *xa = x.scale.data() + m * groups, *xs = x.sum.data() + m * groups;
-      // Per-group factors and the biases' term, eight groups at a time.
-      __m256 bias_term = _mm256_setzero_ps();
-      float bias_tail = 0;
-      size_t g = 0;
-      for (; g + 8 <= groups; g += 8) {
-        _mm256_storeu_ps(factors + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
-        bias_term = _mm256_fmadd_ps(load8<BF16>(biases, n * groups + g), _mm256_loadu_ps(xs + g), bias_term);
-      }
-      for (; g < groups; ++g) {
-        factors[g] = float_at(scales, n * groups + g, BF16) * xa[g];
-        bias_tail += float_at(biases, n * groups + g, BF16) * xs[g];
-      }
-      // Two float accumulators: one would wait on its own FMA latency.
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (g = 0; g + 2 <= groups; g += 2) {
-        const __m256i s0 = group_sum_avx2<BITS>(row, q, g * group, group);
-        const __m256i s1 = group_sum_avx2<BITS>(row, q, (g + 1) * group, group);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&factors[g]), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_broadcast_ss(&factors[g + 1]), acc1);
-      }
-      if (g < groups) {
-        const __m256i s0 = group_sum_avx2<BITS>(row, q, g * group, group);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_broadcast_ss(&factors[g]), acc0);
-      }
-      out[m * ldo + n] = hsum(_mm256_add_ps(acc0, acc1)) + hsum(bias_term) + bias_tail;
-    }
+    size_t m = 0;
+    for (; m + 2 <= x.M; m += 2) rows_dot_avx2<BITS, BF16, 2>(x, m, row, n, scales, biases, factors, out, ldo);
+    if (m < x.M) rows_dot_avx2<BITS, BF16, 1>(x, m, row, n, scales, biases, factors, out, ldo);
   }
 }
 #endif
