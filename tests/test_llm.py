@@ -218,7 +218,9 @@ def test_cli_generate_json(exported, family):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object on stdout
-    assert set(out) == {"token_ids", "text", "logprobs", "stop_reason", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert set(out) == {"token_ids", "text", "logprobs", "stop_reason", "prefill_tokens_per_s", "decode_tokens_per_s",
+                        "draft_tokens", "accepted_tokens"}
+    assert out["draft_tokens"] == out["accepted_tokens"] == 0  # no drafter given
     want = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8)
     assert out["token_ids"] == want.token_ids and out["stop_reason"] == want.stop_reason
     if want.logprobs is None:

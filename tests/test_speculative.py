@@ -114,6 +114,18 @@ def test_draft_options_are_checked(programs, shared):
         LLMRunner(wrapping).generate(PROMPT, draft="prompt-lookup")
 
 
+def test_export_checks_the_draft_count(shared, tmp_path):
+    from executorch_mlx.llm.hf_export import export_llm
+
+    folder, _ = family_program(shared, "llama")
+    for bad in (16, -1, True):  # refused before any work
+        with pytest.raises(ValueError, match=r"max_draft_tokens must be in \[0, 15\]"):
+            export_llm(folder, tmp_path / "x.pte", max_draft_tokens=bad, progress=None)
+    with pytest.raises(ValueError, match=r"max_draft_tokens must be in \[0, 2\]"):
+        export_llm(folder, tmp_path / "x.pte", max_context=4, max_draft_tokens=3, progress=None)
+    assert not (tmp_path / "x.pte").exists()
+
+
 def test_prompt_lookup_drafts_the_latest_continuation():
     lookup = PromptLookup(max_ngram=2)
     context = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]

@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--regex, --grammar) fills")
     p.add_argument("--allow-longer-context", action="store_true",
                    help="allow --max-context above the model's max_position_embeddings (positions never trained)")
-    p.add_argument("--max-draft-tokens", type=int, default=8, metavar="K",
-                   help="draft tokens one call can verify (speculative decoding; 0: none; default 8)")
+    p.add_argument("--max-draft-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens one call can verify (speculative decoding; 0: none; default 8, at most 15)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")

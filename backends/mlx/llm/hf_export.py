@@ -12,7 +12,10 @@ penalties count, -1 pads), logit_bias_ids (int64 [1, logit_bias_size], -1
 pads) and logit_bias_values (float32 [1, logit_bias_size]).
 
 A sampling program (the default) returns the next token id, int64 [1] (and,
-exported with `logprobs=True`, its float32 [1] log-probability); a
+exported with `logprobs=True`, its float32 [1] log-probability); it also
+verifies draft tokens fed after the last one, a history row for each
+(speculative decoding, llm/speculative.py), and then returns the tokens it
+accepts and the next one, -1 padded. A
 `sampling=False` program returns the last position's logits [1, 1, vocab]
 (what ExecuTorch's own TextLLMRunner expects). Metadata are constant methods
 with ExecuTorch's LLM-runner names plus ours.
@@ -46,6 +49,7 @@ assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-
 # most kDotRows (runtime/kernels/cpu_kernel.h) rows, which the CPU kernels
 # compute exactly as a decode step does.
 MAX_DRAFT_TOKENS = 15
+DEFAULT_DRAFT_TOKENS = 8
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -161,7 +165,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                sampling: bool = True, quantize: str | None = None, group_size: int = 64,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
-               allow_longer_context: bool = False, max_draft_tokens: int = 8) -> Path:
+               allow_longer_context: bool = False, max_draft_tokens: int | None = None) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -177,7 +181,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
     the model's max_position_embeddings needs `allow_longer_context`.
     A sampling program verifies up to `max_draft_tokens` draft tokens per
-    call (speculative decoding, llm/speculative.py; 0: none).
+    call (speculative decoding, llm/speculative.py; 0: none; default 8, or
+    what a small context leaves room for).
 
     Checked before any work (llm/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -203,6 +208,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
         raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
                          f"{logit_bias_size}")
+    if max_draft_tokens is None:
+        max_draft_tokens = min(DEFAULT_DRAFT_TOKENS, max_context - 2)
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
             not 0 <= max_draft_tokens <= min(MAX_DRAFT_TOKENS, max_context - 2):
         raise ValueError(f"max_draft_tokens must be in [0, {min(MAX_DRAFT_TOKENS, max_context - 2)}] (a verify call "

@@ -10,7 +10,8 @@ Two kinds of program carry it:
   `cache_position` [S], then, when they sample, every sampler input of the
   table (serialization/sampler_params.py) in its order. They return the
   next token id [1] (and its logprob) or, exported without sampling, the
-  last position's logits.
+  last position's logits. A history of R rows verifies R - 1 drafts fed
+  last (llm/speculative.py): out come R tokens, -1 after the accepted ones.
 * sampling heads (`export_sampling_head`, `export_greedy_head`): the model's
   inputs (the first a token window [B, S]), then the sampler inputs they
   were exported with. They return token ids [B] (and logprobs).
