@@ -132,6 +132,8 @@ def test_prompt_lookup_drafts_the_latest_continuation():
     assert lookup.propose(context, 3, 0, None) == [5, 6, 2]  # after the latest earlier "2 3"
     assert lookup.propose(context + [7], 3, 0, None) == []  # 7 never occurred before
     assert lookup.propose([4, 4], 5, 0, None) == [4]
+    # in a loop the latest occurrence is cut short by the end: an earlier one has k tokens after it
+    assert PromptLookup().propose([7, 8] * 5, 4, 0, None) == [7, 8, 7, 8]
 
 
 def test_adaptive_draft_length_backs_off_when_drafts_fail():

@@ -3,8 +3,9 @@ target program verifies them (llm/speculative.py), so whatever a drafter
 proposes, the output is the output of plain decoding.
 
 * `PromptLookup`: the tokens that followed the latest earlier occurrence of
-  the context's last n-gram (no second model; strong where the output
-  repeats the prompt: code edits, summaries, retrieval).
+  the context's last n-gram with as many tokens after it as asked for (no
+  second model; strong where the output repeats the prompt: code edits,
+  summaries, retrieval).
 * `DraftModel`: a smaller program of the same tokenizer decodes the drafts
   with its own KV cache, sampling with the target's settings at the same
   positions (the same seed draws the same noise, so a draft model that
@@ -29,7 +30,8 @@ SamplerFor = Callable[[object, int, list], list]
 
 class PromptLookup:
     """Drafts the continuation of the latest earlier occurrence of the
-    context's last `max_ngram` (down to `min_ngram`) tokens."""
+    context's last `max_ngram` (down to `min_ngram`) tokens that has k tokens
+    after it (else of the one with the most)."""
 
     name = "prompt-lookup"
 
@@ -43,10 +45,18 @@ class PromptLookup:
 
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            tail = context[-n:]
+            tail, best = context[-n:], []
             for start in range(len(context) - n - 1, -1, -1):  # the latest occurrence first
                 if context[start:start + n] == tail:
-                    return context[start + n:start + n + k]
+                    # the latest with k tokens after it (in a loop, the
+                    # latest is cut short by the end of the context)
+                    follows = context[start + n:start + n + k]
+                    if len(follows) > len(best):
+                        best = follows
+                    if len(best) == k:
+                        break
+            if best:
+                return best
         return []
 
 

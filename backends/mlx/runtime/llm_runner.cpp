@@ -483,17 +483,20 @@ struct Drafter {
   virtual std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t position) = 0;
 };
 
-// The tokens that followed the latest earlier occurrence of the context's last 3 (down to 1) tokens.
+// The tokens that followed the latest earlier occurrence of the context's
+// last 3 (down to 1) tokens with k tokens after it (else the one with the most).
 struct PromptLookup : Drafter {
   std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t) override {
     const auto len = static_cast<int64_t>(context.size());
     for (int64_t n = std::min<int64_t>(3, len - 1); n >= 1; --n) {
-      for (int64_t start = len - n - 1; start >= 0; --start) {
+      int64_t best_from = 0, best = 0;
+      for (int64_t start = len - n - 1; start >= 0 && best < k; --start) {
         if (std::equal(context.end() - n, context.end(), context.begin() + start)) {
-          const int64_t from = start + n, to = std::min(len, from + k);
-          return std::vector<int64_t>(context.begin() + from, context.begin() + to);
+          const int64_t from = start + n, follows = std::min(len, from + k) - from;
+          if (follows > best) best_from = from, best = follows;
         }
       }
+      if (best) return std::vector<int64_t>(context.begin() + best_from, context.begin() + best_from + best);
     }
     return {};
   }
