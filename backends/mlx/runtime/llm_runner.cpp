@@ -8,11 +8,11 @@
 //               [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
-// tokens per second (and, drafting, how many drafts were accepted). The
-// drafts are verified inside the program (speculative decoding,
-// llm/speculative.py): the ids are those of plain decoding. It is the example a C++ app copies: load the program
-// (memory-mapped), read its metadata (constant methods), find the inputs by
-// name, prefill in chunks, decode one token per call. It mirrors the Python
+// tokens per second (and, drafting, how many drafts were accepted). It is
+// the example a C++ app copies: load the program (memory-mapped), read its
+// metadata (constant methods), find the inputs by name, prefill in chunks,
+// decode one token per call, or verify drafts in one call (speculative
+// decoding, llm/speculative.py: the ids are plain decoding's). It mirrors the Python
 // LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids;
 // both read the program contract (generated/program_contract.h) and the
 // sampler table (generated/sampler_params.h) generated from one source.
@@ -375,8 +375,8 @@ class Generator {
         throw UsageError("--repetition-context-size " + std::to_string(context_size_) + " exceeds this program's history of " +
                          std::to_string(h.at(1)) + " tokens");
       }
-      // One row: a program that verifies drafts samples as many rows as its
-      // history has (its size reads as the most it takes), and this runner drafts none.
+      // Built per call (step): a program that verifies drafts samples as many
+      // rows as its history has; its reported size is the most it takes.
       history_size_ = h.at(1);
     }
     if (has("logit_bias_ids")) {

@@ -89,10 +89,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(c
       const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
 #pragma GCC unroll 2
       for (int i = 0; i < XR; ++i) {
-        const int16_t* qi = q + i * K + k;
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi))));
-        s[i] = _mm256_add_epi32(s[i],
-                                _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + 16))));
+        const __m256i* qi = reinterpret_cast<const __m256i*>(q + i * K + k);
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(qi)));
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(odd, _mm256_loadu_si256(qi + 1)));  // x k + 16 .. k + 31
       }
     } else {
       for (size_t h = 0; h < 32; h += 16) {
