@@ -41,7 +41,7 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def check(self, target) -> None:
-        pass
+        """Nothing to check: it drafts from the target's own context."""
 
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
