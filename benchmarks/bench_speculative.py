@@ -70,11 +70,11 @@ def draft_folder(target: Path, path: Path, layers: int, seed: int | None = None)
     return path
 
 
-def call_seconds(runner, fed: list[int], position: int, reps: int, temperature: float = TEMPERATURE) -> float:
+def call_seconds(runner, fed: list[int], position: int, reps: int) -> float:
     """The median seconds of one call feeding `fed` (the last len(fed) - 1 drafts)."""
     from executorch_mlx.llm.runner import history_rows
 
-    given = {"temperature": torch.tensor(temperature), "seed": torch.tensor(1), "position": torch.tensor(0),
+    given = {"temperature": torch.tensor(TEMPERATURE), "seed": torch.tensor(1), "position": torch.tensor(0),
              "history": history_rows([], fed[1:], 0)}
     sampler = runner.sampler_values(runner.input_names[2:], given)
     ids, positions = torch.tensor([fed]), torch.arange(position, position + len(fed))

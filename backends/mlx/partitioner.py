@@ -188,9 +188,7 @@ def _outside(ep: ExportedProgram, excluded: set[torch.fx.Node] = frozenset()) ->
         if node.op != "call_function" or node.meta.get("delegation_tag") or node.target is operator.getitem:
             continue
         reason = DERIVED_SIZE_INPUT if node in excluded else why_not_lowered(node)
-        if reason is None or isinstance(node.meta.get("val"), torch.SymInt):
-            # lowerable, but its size is needed outside its partition; or
-            # arithmetic on sizes (seq - rows), which ExecuTorch does
+        if reason is None:  # lowerable, but its size is needed outside its partition
             reason = SIZE_OUTSIDE
         op = aten_op(node.target)
         stack = list((node.meta.get("nn_module_stack") or {}).values())

@@ -42,7 +42,7 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
         if arg is not None:
             params[name] = b.get(arg).tid
     out = meta_val(node)
-    if len(out.shape) != 1 or out.shape[0] is not rows and out.shape[0] != rows:
+    if tuple(out.shape) != (rows,):
         raise Unsupported(f"sample output shape {tuple(out.shape)}")
     if seed is not None:  # a native kernel derives the row's words from them itself
         params.update(seed=b.get(seed).tid, position=b.get(position).tid)
