@@ -22,7 +22,8 @@ namespace emlx {
 // compute each row exactly as a one-row call does: a verify call of
 // speculative decoding (1 + the drafts, llm/speculative.py; export caps the
 // drafts at kDotRows - 1) gives bit for bit the logits of decode steps.
-// More rows (prefill) take OpenBLAS's sgemm.
+// More rows (prefill) take OpenBLAS's sgemm for float weights and attention
+// (quantized weights stay on their integer kernel for any number of rows).
 constexpr int kDotRows = 16;
 
 // The work of one call: reads `inputs` and fills `out`, whose buffer is

@@ -1,10 +1,11 @@
 // y = x @ w^T (+ bias): the linear layer, with CPU kernels of ours for
 // float32 and bfloat16 weights and for MLX's affine 4- and 8-bit quantized
 // weights (MLX's CPU matmul calls a single-threaded reference BLAS, and its
-// CPU quantized_matmul is a scalar loop). Up to kDotRows (16) rows of x:
-// dot products on the stored weights (quantized ones in integers,
-// quantized_dot.h), each row as a one-row call computes it; more (prefill):
-// OpenBLAS sgemm on tiles of them.
+// CPU quantized_matmul is a scalar loop). Quantized weights: integer dot
+// products on the packed rows for any number of rows of x (quantized_dot.h).
+// Float weights: up to kDotRows (16) rows of x, dot products on the stored
+// weights; more (prefill), OpenBLAS sgemm on tiles of them. Either way, up to
+// kDotRows rows each row is computed as a one-row call computes it.
 #pragma once
 
 #include <mlx/mlx.h>

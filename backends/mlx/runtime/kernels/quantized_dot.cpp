@@ -1,6 +1,7 @@
 #include "quantized_dot.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "cpu_arrays.h"
 #include "thread_pool.h"
@@ -13,11 +14,25 @@ namespace emlx {
 
 namespace {
 
-constexpr float kLevels = 32767.0f;
+// x's integer levels (quantized_dot.h).
+inline float levels(int bits) { return bits == 4 ? 127.0f : 32767.0f; }
 
-// Where value k of a row goes in IntRows::q. A 4-bit chunk of 32 values is
-// 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high nibble):
-// unpacking gives the even values, then the odd ones.
+// x's integer values against weights of BITS bits, and where row m starts.
+template <int BITS>
+using Code = std::conditional_t<BITS == 4, int8_t, int16_t>;
+
+template <int BITS>
+inline const Code<BITS>* codes(const IntRows& x, size_t m) {
+  if constexpr (BITS == 4) {
+    return x.q8.data() + m * x.K;
+  } else {
+    return x.q16.data() + m * x.K;
+  }
+}
+
+// Where value k of a row goes in IntRows::q8 / q16. A 4-bit chunk of 32
+// values is 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high
+// nibble): unpacking gives the even values, then the odd ones.
 inline size_t slot(size_t k, int bits) {
   if (bits == 8) return k;
   const size_t chunk = k & ~size_t{31}, j = k & 31;
@@ -26,7 +41,7 @@ inline size_t slot(size_t k, int bits) {
 
 // The sum over one group of q * xq, in plain C++ (any CPU).
 template <int BITS>
-inline int32_t group_sum_generic(const uint8_t* row, const int16_t* q, size_t k0, int group) {
+inline int32_t group_sum_generic(const uint8_t* row, const Code<BITS>* q, size_t k0, int group) {
   int32_t s = 0;
   for (size_t k = k0; k < k0 + group; k += 32) {
     if constexpr (BITS == 4) {
@@ -48,7 +63,7 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * K * BITS / 8;
     for (size_t m = 0; m < x.M; ++m) {
-      const int16_t* q = x.q.data() + m * K;
+      const Code<BITS>* q = codes<BITS>(x, m);
       float y = 0;
       for (size_t g = 0; g < groups; ++g) {
         const size_t at = n * groups + g, xg = m * groups + g;
@@ -73,38 +88,50 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const void* p, size_t i)
   }
 }
 
-// The sums over one group of q * xq for XR rows of x (xq: q[i] + i * K) as
-// 8 int32 lanes each: 16 weights widen to int16 lanes in one instruction,
-// once for all the rows, and vpmaddwd multiplies and pairs them with x.
-template <int BITS, int XR>
-__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* row, const int16_t* q,
-                                                                               size_t K, size_t k0, size_t group,
+// The sums over one group of CHUNKS * 32 values (weights from w, x from q;
+// row i of x at q + i * K) of q * xq for XR rows of x as 8 int32 lanes each. The weights are unpacked once for
+// all the rows. 4-bit: a chunk's 16 bytes become its 32 codes (evens, then
+// odds, as x is laid out) and vpmaddubsw multiplies them with int8 x into
+// int16 pair sums (at most 2 * 15 * 127 each, and 4 chunks' worth 15240:
+// exact), widened once a group. 8-bit: 16 codes widen to int16 and vpmaddwd
+// multiplies them with int16 x into int32 pair sums.
+template <int BITS, int XR, int CHUNKS>
+__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* w,
+                                                                               const Code<BITS>* q, size_t K,
                                                                                __m256i (&s)[XR]) {
-  const __m256i low4 = _mm256_set1_epi16(15);
-#pragma GCC unroll 2
-  for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
-  for (size_t k = k0; k < k0 + group; k += 32) {
-    if constexpr (BITS == 4) {
-      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-      const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
+  if constexpr (BITS == 4) {
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i pairs[XR];
+#pragma GCC unroll 4
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
 #pragma GCC unroll 2
       for (int i = 0; i < XR; ++i) {
-        const __m256i* qi = reinterpret_cast<const __m256i*>(q + i * K + k);
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(qi)));
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(odd, _mm256_loadu_si256(qi + 1)));  // x k + 16 .. k + 31
+        const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + 32 * c));
+        const __m256i p = _mm256_maddubs_epi16(codes, xi);
+        pairs[i] = c == 0 ? p : _mm256_add_epi16(pairs[i], p);
       }
-    } else {
-      for (size_t h = 0; h < 32; h += 16) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + h)));
+    }
 #pragma GCC unroll 2
-        for (int i = 0; i < XR; ++i) {
-          const int16_t* qi = q + i * K + k + h;
-          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(v, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi))));
-        }
+    for (int i = 0; i < XR; ++i) s[i] = _mm256_madd_epi16(pairs[i], ones);
+  } else {
+#pragma GCC unroll 2
+    for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 2 * CHUNKS; ++c) {
+      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+#pragma GCC unroll 2
+      for (int i = 0; i < XR; ++i) {
+        const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + 16 * c));
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(codes, xi));
       }
     }
   }
 }
+
+// How far ahead of the weights being read to prefetch (bytes).
+constexpr size_t kAhead = 1024;
 
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -112,15 +139,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// out[m * ldo + n] for XR rows of x from row m0 on, one weight row n: each
-// row's float arithmetic is the same whatever XR (and M) is, so a row of a
-// multi-row call is bit for bit the row of a one-row call.
-template <int BITS, bool BF16, int XR>
+// out[m * ldo + n] for XR rows of x from row m0 on, one weight row n, groups
+// of CHUNKS * 32 values: each row's arithmetic is the same whatever XR (and
+// M) is, so a row of a multi-row call is bit for bit the row of a one-row call.
+template <int BITS, bool BF16, int XR, int CHUNKS>
 __attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(const IntRows& x, size_t m0,
                                                                              const uint8_t* row, size_t n,
                                                                              const void* scales, const void* biases,
                                                                              float* factors, float* out, size_t ldo) {
-  const size_t K = x.K, groups = K / x.group, group = x.group;
+  constexpr size_t group = 32 * CHUNKS;
+  const size_t K = x.K, groups = K / group;
   __m256 bias_term[XR];
   float bias_tail[XR];
 #pragma GCC unroll 2
@@ -144,12 +172,21 @@ __attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(con
   __m256 acc0[XR], acc1[XR];
 #pragma GCC unroll 2
   for (int i = 0; i < XR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  const int16_t* q = x.q.data() + m0 * K;
+  // Weights and x by pointers bumped a group at a time (indices would cost
+  // address arithmetic per chunk); the weights of the rows ahead are
+  // prefetched, a cache line per line read.
+  constexpr size_t group_bytes = group * BITS / 8;
+  const Code<BITS>* q = codes<BITS>(x, m0);
+  const uint8_t* w = row;
   size_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
+  for (; g + 2 <= groups; g += 2, w += 2 * group_bytes, q += 2 * group) {
+#pragma GCC unroll 4
+    for (size_t b = 0; b < 2 * group_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + b), _MM_HINT_T0);
+    }
     __m256i s0[XR], s1[XR];
-    group_sums_avx2<BITS, XR>(row, q, K, g * group, group, s0);
-    group_sums_avx2<BITS, XR>(row, q, K, (g + 1) * group, group, s1);
+    group_sums_avx2<BITS, XR, CHUNKS>(w, q, K, s0);
+    group_sums_avx2<BITS, XR, CHUNKS>(w + group_bytes, q + group, K, s1);
 #pragma GCC unroll 2
     for (int i = 0; i < XR; ++i) {
       acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
@@ -159,7 +196,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(con
   }
   if (g < groups) {
     __m256i s0[XR];
-    group_sums_avx2<BITS, XR>(row, q, K, g * group, group, s0);
+    group_sums_avx2<BITS, XR, CHUNKS>(w, q, K, s0);
 #pragma GCC unroll 2
     for (int i = 0; i < XR; ++i) {
       acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
@@ -171,7 +208,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(con
   }
 }
 
-template <int BITS, bool BF16>
+template <int BITS, bool BF16, int CHUNKS>
 __attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8_t* w, const void* scales,
                                                    const void* biases, size_t n0, size_t n1, float* out, size_t ldo) {
   const size_t groups = x.K / x.group, row_bytes = x.K * BITS / 8;
@@ -181,15 +218,23 @@ __attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     size_t m = 0;
-    for (; m + 2 <= x.M; m += 2) rows_dot_avx2<BITS, BF16, 2>(x, m, row, n, scales, biases, factors, out, ldo);
-    if (m < x.M) rows_dot_avx2<BITS, BF16, 1>(x, m, row, n, scales, biases, factors, out, ldo);
+    for (; m + 2 <= x.M; m += 2) rows_dot_avx2<BITS, BF16, 2, CHUNKS>(x, m, row, n, scales, biases, factors, out, ldo);
+    if (m < x.M) rows_dot_avx2<BITS, BF16, 1, CHUNKS>(x, m, row, n, scales, biases, factors, out, ldo);
   }
+}
+
+using Dots = void (*)(const IntRows&, const uint8_t*, const void*, const void*, size_t, size_t, float*, size_t);
+
+template <int BITS, bool BF16>
+Dots dots_avx2_for(int group) {
+  return group == 32 ? dots_avx2<BITS, BF16, 1> : group == 64 ? dots_avx2<BITS, BF16, 2> : dots_avx2<BITS, BF16, 4>;
 }
 #endif
 
 // One group of x: false if it holds a NaN or an infinity, else its scale
 // and sum, and q[slot(i)] = round(x[i] / scale) for every i.
-bool quantize_group_generic(const float* x, int group, int bits, int16_t* q, float& scale, float& sum) {
+template <class T>
+bool quantize_group_generic(const float* x, int group, int bits, T* q, float& scale, float& sum) {
   float amax = 0;
   sum = 0;
   for (int i = 0; i < group; ++i) {
@@ -197,16 +242,17 @@ bool quantize_group_generic(const float* x, int group, int bits, int16_t* q, flo
     amax = std::fmax(amax, std::fabs(x[i]));
     sum += x[i];
   }
-  const float to_int = amax > 0 ? kLevels / amax : 0.0f;
-  scale = amax / kLevels;
-  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<int16_t>(std::nearbyint(x[i] * to_int));
+  const float to_int = amax > 0 ? levels(bits) / amax : 0.0f;
+  scale = amax / levels(bits);
+  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<T>(std::nearbyint(x[i] * to_int));
   return true;
 }
 
 #if defined(__x86_64__)
 // The same, 32 values at a time (groups are 32, 64 or 128). Rounding is the
 // CPU's default, to nearest even, as std::nearbyint's.
-__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, int16_t* q,
+template <class T>
+__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, T* q,
                                                              float& scale, float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
   __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -221,8 +267,8 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   sum = hsum(total);
-  scale = top / kLevels;
-  const __m256 to_int = _mm256_set1_ps(top > 0 ? kLevels / top : 0.0f);
+  scale = top / levels(bits);
+  const __m256 to_int = _mm256_set1_ps(top > 0 ? levels(bits) / top : 0.0f);
   // Within each 128-bit lane: the even int16 values first, then the odd ones.
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -233,38 +279,34 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
       const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h + 8), to_int));
       half[h] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
     }
-    if (bits == 4) {
-      // [evens, odds] of each half, then the evens of both, then the odds
+    if constexpr (sizeof(T) == 1) {
+      // [evens, odds] of each half, then the evens of both, then the odds, as int8
       const __m256i h0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[0], split), 0xD8);
       const __m256i h1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[1], split), 0xD8);
-      half[0] = _mm256_permute2x128_si256(h0, h1, 0x20);
-      half[1] = _mm256_permute2x128_si256(h0, h1, 0x31);
+      const __m256i evens = _mm256_permute2x128_si256(h0, h1, 0x20), odds = _mm256_permute2x128_si256(h0, h1, 0x31);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi16(evens, odds), 0xD8));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), half[0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), half[1]);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), half[0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), half[1]);
   }
   return true;
 }
 #endif
 
-}  // namespace
-
-bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
-  const size_t groups = K / group;
-  rows.M = M, rows.K = K, rows.group = group, rows.bits = bits;
-  rows.q.resize(M * K);
-  rows.scale.resize(M * groups);
-  rows.sum.resize(M * groups);
+template <class T>
+bool quantize_rows_as(const float* x, size_t M, size_t K, int group, int bits, T* q, IntRows& rows) {
 #if defined(__x86_64__)
-  const auto quantize_group = has_avx2() ? quantize_group_avx2 : quantize_group_generic;
+  const auto quantize_group = has_avx2() ? quantize_group_avx2<T> : quantize_group_generic<T>;
 #else
-  const auto quantize_group = quantize_group_generic;
+  const auto quantize_group = quantize_group_generic<T>;
 #endif
+  const size_t groups = K / group;
   for (size_t m = 0; m < M; ++m) {
     for (size_t g = 0; g < groups; ++g) {
       const size_t at = m * groups + g;
-      if (!quantize_group(x + m * K + g * group, group, bits, rows.q.data() + m * K + g * group, rows.scale[at],
-                          rows.sum[at])) {
+      if (!quantize_group(x + m * K + g * group, group, bits, q + m * K + g * group, rows.scale[at], rows.sum[at])) {
         return false;
       }
     }
@@ -272,12 +314,26 @@ bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntR
   return true;
 }
 
+}  // namespace
+
+bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
+  rows.M = M, rows.K = K, rows.group = group, rows.bits = bits;
+  rows.scale.resize(M * (K / group));
+  rows.sum.resize(M * (K / group));
+  if (bits == 4) {
+    rows.q8.resize(M * K);
+    return quantize_rows_as(x, M, K, group, bits, rows.q8.data(), rows);
+  }
+  rows.q16.resize(M * K);
+  return quantize_rows_as(x, M, K, group, bits, rows.q16.data(), rows);
+}
+
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
                     size_t n0, size_t n1, float* out, size_t ldo) {
 #if defined(__x86_64__)
   if (has_avx2()) {
-    auto dots = x.bits == 4 ? (params_bf16 ? dots_avx2<4, true> : dots_avx2<4, false>)
-                            : (params_bf16 ? dots_avx2<8, true> : dots_avx2<8, false>);
+    const Dots dots = x.bits == 4 ? (params_bf16 ? dots_avx2_for<4, true> : dots_avx2_for<4, false>)(x.group)
+                                  : (params_bf16 ? dots_avx2_for<8, true> : dots_avx2_for<8, false>)(x.group);
     return dots(x, w, scales, biases, n0, n1, out, ldo);
   }
 #endif
