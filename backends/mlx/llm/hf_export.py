@@ -255,6 +255,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     from ..lowering.builder import spill_constants_to
+    from ..lowering.unused_constants import drop_unused_constants
     from ..partitioner import MLXPartitioner
 
     with torch.no_grad():
@@ -275,6 +276,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                                                      max_draft_tokens))
         del ep, module, lm, model  # the delegate's weights are in those files now
         refuse_ops_outside(partitioner, model_dir)
+        drop_unused_constants(edge.exported_program())
         program = edge.to_executorch()
         stage(f"writing {output_path}")
         # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it

@@ -319,9 +319,9 @@ class Linear : public CpuKernel {
       } else if (M >= kGemmRows) {
         gemm(o);
       } else {
-        // Blocks of about 64 KiB of float32 weights: enough to spread over the
-        // pool, small enough to stay in cache while every row of x passes.
-        const size_t rows = std::max<size_t>(4, (16384 / std::max<size_t>(K, 1)) / 4 * 4);
+        // About 8 blocks a thread, as above (each 4 weight rows stay in cache
+        // while every row of x passes them, whatever the block's size).
+        const size_t rows = std::max<size_t>(4, (N / (8 * pool_size()) + 3) / 4 * 4);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
         const bool avx2 = has_avx2();
         parallel_for(blocks, [&](int b) {
