@@ -1,7 +1,6 @@
 #include "quantized_dot.h"
 
 #include <cmath>
-#include <type_traits>
 
 #include "cpu_arrays.h"
 #include "thread_pool.h"
@@ -14,25 +13,11 @@ namespace emlx {
 
 namespace {
 
-// x's integer levels (quantized_dot.h).
-inline float levels(int bits) { return bits == 4 ? 127.0f : 32767.0f; }
+constexpr float kLevels = 32767.0f;
 
-// x's integer values against weights of BITS bits, and where row m starts.
-template <int BITS>
-using Code = std::conditional_t<BITS == 4, int8_t, int16_t>;
-
-template <int BITS>
-inline const Code<BITS>* codes(const IntRows& x, size_t m) {
-  if constexpr (BITS == 4) {
-    return x.q8.data() + m * x.K;
-  } else {
-    return x.q16.data() + m * x.K;
-  }
-}
-
-// Where value k of a row goes in IntRows::q8 / q16. A 4-bit chunk of 32
-// values is 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high
-// nibble): unpacking gives the even values, then the odd ones.
+// Where value k of a row goes in IntRows::q. A 4-bit chunk of 32 values is
+// 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high nibble):
+// unpacking gives the even values, then the odd ones.
 inline size_t slot(size_t k, int bits) {
   if (bits == 8) return k;
   const size_t chunk = k & ~size_t{31}, j = k & 31;
@@ -41,7 +26,7 @@ inline size_t slot(size_t k, int bits) {
 
 // The sum over one group of q * xq, in plain C++ (any CPU).
 template <int BITS>
-inline int32_t group_sum_generic(const uint8_t* row, const Code<BITS>* q, size_t k0, int group) {
+inline int32_t group_sum_generic(const uint8_t* row, const int16_t* q, size_t k0, int group) {
   int32_t s = 0;
   for (size_t k = k0; k < k0 + group; k += 32) {
     if constexpr (BITS == 4) {
@@ -63,7 +48,7 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * K * BITS / 8;
     for (size_t m = 0; m < x.M; ++m) {
-      const Code<BITS>* q = codes<BITS>(x, m);
+      const int16_t* q = x.q.data() + m * K;
       float y = 0;
       for (size_t g = 0; g < groups; ++g) {
         const size_t at = n * groups + g, xg = m * groups + g;
@@ -89,35 +74,28 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const void* p, size_t i)
 }
 
 // The sums over one group of CHUNKS * 32 values (weights from w, x from q;
-// row i of x at q + i * K) of q * xq for XR rows of x as 8 int32 lanes each. The weights are unpacked once for
-// all the rows. 4-bit: a chunk's 16 bytes become its 32 codes (evens, then
-// odds, as x is laid out) and vpmaddubsw multiplies them with int8 x into
-// int16 pair sums (at most 2 * 15 * 127 each, and 4 chunks' worth 15240:
-// exact), widened once a group. 8-bit: 16 codes widen to int16 and vpmaddwd
-// multiplies them with int16 x into int32 pair sums.
+// row i of x at q + i * K) of q * xq for XR rows of x as 8 int32 lanes each:
+// 16 weights widen to int16 lanes in one instruction, once for all the rows,
+// and vpmaddwd multiplies and pairs them with x.
 template <int BITS, int XR, int CHUNKS>
-__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* w,
-                                                                               const Code<BITS>* q, size_t K,
-                                                                               __m256i (&s)[XR]) {
+__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* w, const int16_t* q,
+                                                                               size_t K, __m256i (&s)[XR]) {
+#pragma GCC unroll 2
+  for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
   if constexpr (BITS == 4) {
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256i pairs[XR];
+    const __m256i low4 = _mm256_set1_epi16(15);
 #pragma GCC unroll 4
     for (int c = 0; c < CHUNKS; ++c) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
+      const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
 #pragma GCC unroll 2
       for (int i = 0; i < XR; ++i) {
-        const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + 32 * c));
-        const __m256i p = _mm256_maddubs_epi16(codes, xi);
-        pairs[i] = c == 0 ? p : _mm256_add_epi16(pairs[i], p);
+        const __m256i* xi = reinterpret_cast<const __m256i*>(q + i * K + 32 * c);
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(xi)));
+        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(odd, _mm256_loadu_si256(xi + 1)));
       }
     }
-#pragma GCC unroll 2
-    for (int i = 0; i < XR; ++i) s[i] = _mm256_madd_epi16(pairs[i], ones);
   } else {
-#pragma GCC unroll 2
-    for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int c = 0; c < 2 * CHUNKS; ++c) {
       const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
@@ -176,7 +154,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(con
   // address arithmetic per chunk); the weights of the rows ahead are
   // prefetched, a cache line per line read.
   constexpr size_t group_bytes = group * BITS / 8;
-  const Code<BITS>* q = codes<BITS>(x, m0);
+  const int16_t* q = x.q.data() + m0 * K;
   const uint8_t* w = row;
   size_t g = 0;
   for (; g + 2 <= groups; g += 2, w += 2 * group_bytes, q += 2 * group) {
@@ -233,8 +211,7 @@ Dots dots_avx2_for(int group) {
 
 // One group of x: false if it holds a NaN or an infinity, else its scale
 // and sum, and q[slot(i)] = round(x[i] / scale) for every i.
-template <class T>
-bool quantize_group_generic(const float* x, int group, int bits, T* q, float& scale, float& sum) {
+bool quantize_group_generic(const float* x, int group, int bits, int16_t* q, float& scale, float& sum) {
   float amax = 0;
   sum = 0;
   for (int i = 0; i < group; ++i) {
@@ -242,17 +219,16 @@ bool quantize_group_generic(const float* x, int group, int bits, T* q, float& sc
     amax = std::fmax(amax, std::fabs(x[i]));
     sum += x[i];
   }
-  const float to_int = amax > 0 ? levels(bits) / amax : 0.0f;
-  scale = amax / levels(bits);
-  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<T>(std::nearbyint(x[i] * to_int));
+  const float to_int = amax > 0 ? kLevels / amax : 0.0f;
+  scale = amax / kLevels;
+  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<int16_t>(std::nearbyint(x[i] * to_int));
   return true;
 }
 
 #if defined(__x86_64__)
 // The same, 32 values at a time (groups are 32, 64 or 128). Rounding is the
 // CPU's default, to nearest even, as std::nearbyint's.
-template <class T>
-__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, T* q,
+__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, int16_t* q,
                                                              float& scale, float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
   __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
@@ -267,8 +243,8 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
   sum = hsum(total);
-  scale = top / levels(bits);
-  const __m256 to_int = _mm256_set1_ps(top > 0 ? levels(bits) / top : 0.0f);
+  scale = top / kLevels;
+  const __m256 to_int = _mm256_set1_ps(top > 0 ? kLevels / top : 0.0f);
   // Within each 128-bit lane: the even int16 values first, then the odd ones.
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -279,13 +255,12 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
       const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h + 8), to_int));
       half[h] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
     }
-    if constexpr (sizeof(T) == 1) {
-      // [evens, odds] of each half, then the evens of both, then the odds, as int8
+    if (bits == 4) {
+      // [evens, odds] of each half, then the evens of both, then the odds
       const __m256i h0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[0], split), 0xD8);
       const __m256i h1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[1], split), 0xD8);
-      const __m256i evens = _mm256_permute2x128_si256(h0, h1, 0x20), odds = _mm256_permute2x128_si256(h0, h1, 0x31);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi16(evens, odds), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permute2x128_si256(h0, h1, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), _mm256_permute2x128_si256(h0, h1, 0x31));
     } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), half[0]);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), half[1]);
@@ -295,37 +270,29 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 }
 #endif
 
-template <class T>
-bool quantize_rows_as(const float* x, size_t M, size_t K, int group, int bits, T* q, IntRows& rows) {
-#if defined(__x86_64__)
-  const auto quantize_group = has_avx2() ? quantize_group_avx2<T> : quantize_group_generic<T>;
-#else
-  const auto quantize_group = quantize_group_generic<T>;
-#endif
+}  // namespace
+
+bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
   const size_t groups = K / group;
+  rows.M = M, rows.K = K, rows.group = group, rows.bits = bits;
+  rows.q.resize(M * K);
+  rows.scale.resize(M * groups);
+  rows.sum.resize(M * groups);
+#if defined(__x86_64__)
+  const auto quantize_group = has_avx2() ? quantize_group_avx2 : quantize_group_generic;
+#else
+  const auto quantize_group = quantize_group_generic;
+#endif
   for (size_t m = 0; m < M; ++m) {
     for (size_t g = 0; g < groups; ++g) {
       const size_t at = m * groups + g;
-      if (!quantize_group(x + m * K + g * group, group, bits, q + m * K + g * group, rows.scale[at], rows.sum[at])) {
+      if (!quantize_group(x + m * K + g * group, group, bits, rows.q.data() + m * K + g * group, rows.scale[at],
+                          rows.sum[at])) {
         return false;
       }
     }
   }
   return true;
-}
-
-}  // namespace
-
-bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
-  rows.M = M, rows.K = K, rows.group = group, rows.bits = bits;
-  rows.scale.resize(M * (K / group));
-  rows.sum.resize(M * (K / group));
-  if (bits == 4) {
-    rows.q8.resize(M * K);
-    return quantize_rows_as(x, M, K, group, bits, rows.q8.data(), rows);
-  }
-  rows.q16.resize(M * K);
-  return quantize_rows_as(x, M, K, group, bits, rows.q16.data(), rows);
 }
 
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,

@@ -1,14 +1,13 @@
-// Dot products of a few rows of x (decoding: one) with MLX's affine
-// 4- and 8-bit quantized weight rows, in integers: each group of x is
-// scaled to integers (x ~ a * xq, a = max|x| / L), so a group's sum over
-// q * xq is exact in int32 and the weights are never converted to float.
-// Against 4-bit codes x is int8 (L = 127): vpmaddubsw multiplies 32 codes
-// with x in one instruction. Against 8-bit codes it is int16 (L = 32767):
-// an 8-bit code times an int8 would overflow vpmaddubsw's int16 pair sums,
-// so vpmaddwd takes 16 at a time. The rounding of x is the only change to
-// the sum: at most half of max|x| / L per value (1/254 of the group's
-// largest |x| for 4-bit weights, below their own step of 1/15 of the
-// group's range; 1/65534 for 8-bit ones).
+// Dot products of rows of x with MLX's affine 4- and 8-bit quantized weight
+// rows, in integers: each group of x is scaled to int16 (x ~ a * xq,
+// |xq| <= 32767, a = max|x| / 32767), so a group's sum over q * xq is exact
+// in int32 and costs one multiply-add per two weights instead of a
+// conversion to float per weight. The rounding of x to 16 bits is the only
+// change to the sum: at most 2^-16 of the group's largest |x| per value, far
+// below the weights' own 4- or 8-bit steps. (int8 x, as llama.cpp takes,
+// multiplies 4-bit codes twice as fast with vpmaddubsw, but its 256x coarser
+// steps tip tokens: a prompt prefilled whole and the same prompt met token by
+// token from the cache then decode differently on near-tied logits.)
 #pragma once
 
 #include <cstddef>
@@ -21,8 +20,7 @@ namespace emlx {
 struct IntRows {
   size_t M = 0, K = 0;
   int group = 0, bits = 0;
-  std::vector<int8_t> q8;    // 4-bit weights: [M, K], each 32 values as their 16 even then 16 odd ones
-  std::vector<int16_t> q16;  // 8-bit weights: [M, K] in order
+  std::vector<int16_t> q;    // [M, K]; 4-bit: each 32 values as their 16 even then 16 odd ones
   std::vector<float> scale;  // [M, K / group]: a
   std::vector<float> sum;    // [M, K / group]: the float sum of x (the weights' bias term)
 };
