@@ -136,6 +136,11 @@ def main() -> int:
         for rep in range(args.reps):
             for name in names[rep:] + names[:rep]:
                 runner, prompt, kwargs = runs[name]
+                # Every run prefills its prompt into an empty cache: a prompt met
+                # again from the cache another run left is computed in other calls
+                # (a decode step per token, not one prefill), whose logits differ
+                # by rounding (~1e-4 of their spread), which can tip a sampled token.
+                runner.reset()
                 time.sleep(SETTLE_S)
                 results[name].append(runner.generate(prompt, max_new_tokens=args.steps, **kwargs))
             print(f"repetition {rep + 1}/{args.reps} done", flush=True)
