@@ -65,6 +65,8 @@ def mlx_quantized_linear(x, weight, bias, group_size, bits):
 
 
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
 def integer_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """x as our CPU kernel rounds it for integer dot products with the
     weights' codes: per group, to the nearest multiple of max|x| / 32767
@@ -131,6 +133,20 @@ def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
     assert got.dtype == dtype and got.shape == (m, 37)
     want = mlx_quantized_linear(x, weight, b, 64, bits)
     assert_close_to_integer_rows(got, want, x, model.table, dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_each_row_of_a_long_call_is_the_one_row_calls(bits):
+    """Rows of x go through the integer kernel two at a time, for any
+    number of rows: each row of a 40-row call (a prefill) is bit for bit
+    what a call with that row alone (a decode step) computes."""
+    model = QLinear(torch.randn(37, 320), torch.randn(37), 64, bits).eval()
+    x = rand((40, 320), torch.float32)
+    pte = lower(model, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=64)},)).to_executorch().buffer
+    program = Runtime.get().load_program(pte)  # alive while its method runs
+    method = program.load_method("forward")
+    whole = method.execute([x])[0].clone()
+    assert all(torch.equal(whole[i:i + 1], method.execute([x[i:i + 1]])[0]) for i in range(40))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -216,9 +232,9 @@ def test_kernel_paths_agree_in_subprocesses(tmp_path):
 # ------------------------------------------------------------ whole models --
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from executorch_mlx.llm.model_folders import write_model_folder
-
     from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.model_folders import write_model_folder
 
     path = write_model_folder(tmp_path_factory.mktemp("qmodel") / "llama", "llama", hidden=128, intermediate=256)
     # Norm weights as a trained model has them, not the initial ones: with

@@ -6,8 +6,9 @@
 // change to the sum: at most 2^-16 of the group's largest |x| per value, far
 // below the weights' own 4- or 8-bit steps. (int8 x, as llama.cpp takes,
 // multiplies 4-bit codes twice as fast with vpmaddubsw, but its 256x coarser
-// steps tip tokens: a prompt prefilled whole and the same prompt met token by
-// token from the cache then decode differently on near-tied logits.)
+// steps tip tokens far more often: on the benchmark model's looping prompt,
+// greedy decoding of the prompt prefilled whole and of the same prompt met
+// token by token from the cache parted; with int16 x they agree.)
 #pragma once
 
 #include <cstddef>
