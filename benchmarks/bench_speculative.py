@@ -139,7 +139,7 @@ def main() -> int:
                 # Every run prefills its prompt into an empty cache: a prompt met
                 # again from the cache another run left is computed in other calls
                 # (a decode step per token, not one prefill), whose logits differ
-                # by rounding (~1e-4 of their spread), which can tip a sampled token.
+                # by rounding (up to ~1e-3 of their spread), which can tip a sampled token.
                 runner.reset()
                 time.sleep(SETTLE_S)
                 results[name].append(runner.generate(prompt, max_new_tokens=args.steps, **kwargs))
