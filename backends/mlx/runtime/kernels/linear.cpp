@@ -220,6 +220,13 @@ constexpr auto decode_rows_avx2 = decode_rows_generic;
 // floats or, quantized, in integers (quantized_dot.h).
 constexpr size_t kGemmRows = kDotRows + 1;
 
+// Weight rows per block of a dot-product call over N rows: about 8 blocks a
+// thread (each claim of a block is an atomic both cores write, and a block's
+// rows are one stream for the prefetcher), a multiple of `unit`.
+size_t block_rows(size_t N, size_t unit) {
+  return std::max(unit, (N / (8 * pool_size()) + unit - 1) / unit * unit);
+}
+
 // out = x w^T (+ bias) with OpenBLAS's sgemm, one tile of weight rows per
 // task of our pool (OpenBLAS itself single-threaded: its own threads spin
 // against ours and collapse when another process wants a core). Weights not
@@ -303,10 +310,8 @@ class Linear : public CpuKernel {
         // Integer dot products on the packed rows (quantized_dot.h), for any
         // number of rows: 2.3x faster a row than sgemm on decoded tiles (a
         // 32000 x 1024 int8 layer, docs/llm.md), and every row is what a
-        // decode step computes. About 8 blocks a thread: each claim of a block is an
-        // atomic both cores write, and a block's rows are one stream for the
-        // prefetcher; each weight row meets every row of x while in L1.
-        const size_t rows = std::max<size_t>(16, (N / (8 * pool_size()) + 15) / 16 * 16);
+        // decode step computes. Each weight row meets every row of x while in L1.
+        const size_t rows = block_rows(N, 16);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
         parallel_for(blocks, [&](int b) {
           const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
@@ -319,9 +324,9 @@ class Linear : public CpuKernel {
       } else if (M >= kGemmRows) {
         gemm(o);
       } else {
-        // About 8 blocks a thread, as above (each 4 weight rows stay in cache
-        // while every row of x passes them, whatever the block's size).
-        const size_t rows = std::max<size_t>(4, (N / (8 * pool_size()) + 3) / 4 * 4);
+        // Each 4 weight rows stay in cache while every row of x passes them,
+        // whatever the block's size.
+        const size_t rows = block_rows(N, 4);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
         const bool avx2 = has_avx2();
         parallel_for(blocks, [&](int b) {
