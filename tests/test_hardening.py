@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import cli
 from container_fuzz import MAX_CONTEXT, export_program
 from llm_programs import family_program
 
@@ -212,12 +213,6 @@ def test_tokenizer_smaller_than_the_model_is_an_error(llm, tmp_path):
 
 
 # ------------------------------------------------------------------- export --
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "executorch_mlx.cli", *args], capture_output=True, text=True)
-
-
 def _one_line_error(done: subprocess.CompletedProcess, command: str, fragment: str) -> None:
     """Exit code 2, no traceback, and the last line of stderr names the cause."""
     assert done.returncode == 2, done.stderr
@@ -227,6 +222,12 @@ def _one_line_error(done: subprocess.CompletedProcess, command: str, fragment: s
 
 
 def test_export_onto_the_models_own_weights_is_refused(llm, tmp_path):
+    """In a new process, as a user runs it (the other CLI errors here run
+    in this one, tests/cli_runs.py): the error is the one line on stderr,
+    nothing else is printed (no warning of torch, transformers or torchao
+    as they are imported), and the exit status is 2."""
+    import sys
+
     folder = shutil.copytree(llm[0], tmp_path / "model")
     weights = (folder / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match=r"is model.safetensors of the model folder .* would overwrite its input"):
@@ -234,12 +235,14 @@ def test_export_onto_the_models_own_weights_is_refused(llm, tmp_path):
     for name in ("config.json", "tokenizer.json"):
         with pytest.raises(ValueError, match=rf"is {name} of the model folder"):
             export_llm(folder, folder / name, max_context=16, progress=None)
-    _one_line_error(_cli("export", str(folder), "-o", str(folder / "model.safetensors")), "export",
-                    "would overwrite its input")
+    done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "export", str(folder), "-o",
+                           str(folder / "model.safetensors")], capture_output=True, text=True)
+    _one_line_error(done, "export", "would overwrite its input")
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and done.stderr.endswith("\n"), done.stderr
     assert (folder / "model.safetensors").read_bytes() == weights
 
 
-def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path):
+def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path, capfd):
     folder = llm[0]
     with pytest.raises(IsADirectoryError, match=r"output .* is a folder"):
         export_llm(folder, tmp_path, max_context=16, progress=None)
@@ -248,7 +251,7 @@ def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileNotFoundError, match=r"the output's folder .*file does not exist \(or is not a folder\)"):
         export_llm(folder, tmp_path / "file" / "m.pte", max_context=16, progress=None)
-    _one_line_error(_cli("export", str(folder), "-o", str(tmp_path)), "export", "is a folder")
+    _one_line_error(cli(capfd, "export", folder, "-o", tmp_path), "export", "is a folder")
 
 
 def test_export_to_an_unwritable_folder_is_refused_before_any_work(llm, tmp_path, monkeypatch):
@@ -365,7 +368,7 @@ def test_weights_load_from_safetensors_only(folder_copy, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "truncated shard"])
-def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage):
+def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage, capfd):
     """Found from the header, before the model is built (the CLI refuses in
     seconds), in model.safetensors or in a shard that the index names."""
     path = folder_copy / "model.safetensors"
@@ -383,7 +386,7 @@ def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage):
                                          r"deserializing header"):
         export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
     if damage != "truncated shard":
-        _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte")), "export",
+        _one_line_error(cli(capfd, "export", folder_copy, "-o", tmp_path / "m.pte"), "export",
                         "cannot load the weights of")
 
 
@@ -417,7 +420,7 @@ def test_config_that_is_not_json_names_the_file(folder_copy, tmp_path):
         export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
 
 
-def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_path):
+def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_path, capfd):
     from executorch_mlx.llm.export_checks import check_context
     from executorch_mlx.llm.hf_export import read_config
 
@@ -425,7 +428,7 @@ def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_pa
     with pytest.raises(ValueError, match=r"max_context 64 exceeds the model's max_position_embeddings 32 .*"
                                          r"allow_longer_context=True \(--allow-longer-context\)"):
         export_llm(folder_copy, tmp_path / "m.pte", max_context=64, progress=None)
-    _one_line_error(_cli("export", str(folder_copy), "-o", str(tmp_path / "m.pte"), "--max-context", "64"),
+    _one_line_error(cli(capfd, "export", folder_copy, "-o", tmp_path / "m.pte", "--max-context", "64"),
                     "export", "exceeds the model's max_position_embeddings 32")
     check_context(read_config(folder_copy), folder_copy, 64, True, 4)  # allowed: no error
 
@@ -478,9 +481,9 @@ GENERATE_ERRORS = {
 
 
 @pytest.mark.parametrize("name", sorted(GENERATE_ERRORS))
-def test_generate_refuses_bad_files_with_one_line(llm, bad_files, name):
+def test_generate_refuses_bad_files_with_one_line(llm, bad_files, name, capfd):
     folder = llm[0]
-    _one_line_error(_cli("generate", str(bad_files[name]), "--tokenizer", str(folder), "--prompt", "hi"),
+    _one_line_error(cli(capfd, "generate", bad_files[name], "--tokenizer", folder, "--prompt", "hi"),
                     "generate", GENERATE_ERRORS[name])
 
 
@@ -498,8 +501,8 @@ def test_cpp_runner_refuses_bad_files_without_a_signal(bad_files, name):
                                            ("random", "is not an ExecuTorch program"),
                                            ("identifier", "is not an ExecuTorch program"),
                                            ("byte58", "is not a readable .pte (corrupt or truncated)")])
-def test_inspect_refuses_bad_files_with_one_line(bad_files, name, fragment):
-    _one_line_error(_cli("inspect", str(bad_files[name])), "inspect", fragment)
+def test_inspect_refuses_bad_files_with_one_line(bad_files, name, fragment, capfd):
+    _one_line_error(cli(capfd, "inspect", bad_files[name]), "inspect", fragment)
 
 
 def test_a_tokenizer_that_is_not_json_is_an_error(llm, tmp_path):
@@ -509,12 +512,10 @@ def test_a_tokenizer_that_is_not_json_is_an_error(llm, tmp_path):
         LLMRunner(pte, tmp_path)
 
 
-def test_cli_shows_the_runtimes_reason_for_a_load_failure(llm):
-    """A memory-budget refusal used to end with ExecuTorch's "error 0x:23"."""
-    import sys
-
+def test_cli_shows_the_runtimes_reason_for_a_load_failure(llm, capfd, monkeypatch):
+    """A memory-budget refusal used to end with ExecuTorch's "error 0x:23".
+    The runtime reads EMLX_MEMORY_BUDGET at each load (memory_budget.cpp)."""
     folder, pte = llm
-    done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
-                           str(folder), "--prompt", "hi"], capture_output=True, text=True,
-                          env={**os.environ, "EMLX_MEMORY_BUDGET": "10000"})
-    _one_line_error(done, "generate", "over the memory budget of 10000 bytes")
+    monkeypatch.setenv("EMLX_MEMORY_BUDGET", "10000")
+    _one_line_error(cli(capfd, "generate", pte, "--tokenizer", folder, "--prompt", "hi"), "generate",
+                    "over the memory budget of 10000 bytes")
