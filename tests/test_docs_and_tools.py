@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cli_runs import cli
 from harness import lower
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,25 +54,21 @@ def _bfbs() -> bytes:
         return (Path(tmp) / "schema.bfbs").read_bytes()
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "executorch_mlx.cli", *args], capture_output=True, text=True)
-
-
-def test_cli_inspect_prints_the_delegate_graph(tmp_path):
+def test_cli_inspect_prints_the_delegate_graph(tmp_path, capfd):
     class M(torch.nn.Module):
         def forward(self, x):
             return torch.softmax(x * 2.0, dim=-1)
 
     pte = tmp_path / "m.pte"
     pte.write_bytes(lower(M(), (torch.randn(2, 5),)).to_executorch().buffer)
-    res = _cli("inspect", str(pte))
+    res = cli(capfd, "inspect", pte)
     assert res.returncode == 0, res.stderr
     assert "MLXGraphBackend" in res.stdout
     assert "input %" in res.stdout and "float32[2, 5]" in res.stdout
     assert "SoftmaxNode" in res.stdout and "MultiplyNode" in res.stdout
 
 
-def test_the_partitioner_and_inspect_say_why_an_op_stayed_outside(tmp_path):
+def test_the_partitioner_and_inspect_say_why_an_op_stayed_outside(tmp_path, capfd):
     from executorch.exir import to_edge_transform_and_lower
 
     from executorch_mlx import MLXPartitioner
@@ -86,7 +83,7 @@ def test_the_partitioner_and_inspect_say_why_an_op_stayed_outside(tmp_path):
     assert ("dim_order_ops._to_dim_order_copy.default", "dtype torch.float64") in partitioner.outside
     pte = tmp_path / "m.pte"
     pte.write_bytes(edge.to_executorch().buffer)
-    res = _cli("inspect", str(pte))
+    res = cli(capfd, "inspect", pte)
     assert res.returncode == 0, res.stderr
     assert "runs outside the delegates: aten::sort.values (no MLX handler for this op)" in res.stdout
     assert "_to_dim_order_copy.out (an MLX handler refused this use; export printed why)" in res.stdout

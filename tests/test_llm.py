@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_runs import cli
 from llm_programs import family_program
 from transformers import AutoModelForCausalLM
 
@@ -211,11 +210,9 @@ def test_context_overflow_is_refused(exported):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # exported with and without logprobs
-def test_cli_generate_json(exported, family):
+def test_cli_generate_json(exported, family, capfd):
     folder, pte = exported(family)
-    res = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
-                          str(folder), "--prompt", PROMPT, "--max-new-tokens", "8", "--json"],
-                         capture_output=True, text=True)
+    res = cli(capfd, "generate", pte, "--tokenizer", folder, "--prompt", PROMPT, "--max-new-tokens", "8", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)  # exactly one JSON object on stdout
     assert set(out) == {"token_ids", "text", "logprobs", "stop_reason", "prefill_tokens_per_s", "decode_tokens_per_s",
@@ -227,8 +224,7 @@ def test_cli_generate_json(exported, family):
         assert out["logprobs"] is None
     else:
         assert out["logprobs"] == pytest.approx(want.logprobs) and len(want.logprobs) == 8
-    bad = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte), "--tokenizer",
-                          str(folder), "--prompt", PROMPT, "--max-new-tokens", "500"], capture_output=True, text=True)
+    bad = cli(capfd, "generate", pte, "--tokenizer", folder, "--prompt", PROMPT, "--max-new-tokens", "500")
     assert bad.returncode == 2 and "max context" in bad.stderr and "Traceback" not in bad.stderr
 
 

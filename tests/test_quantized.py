@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from cli_runs import cli
 from executorch.runtime import Runtime
 from harness import lower, node_types, run, undelegated_ops
 from test_ops import rand
@@ -191,7 +192,8 @@ KERNEL_CASES = {
 def test_kernel_paths_agree_in_subprocesses(tmp_path):
     """For each weight format, our kernel, one thread of it, and the MLX-ops
     path (what GPUs run: matmul / quantized_matmul) give the same result on
-    the same program, for one row of x and for several."""
+    the same program, for one row of x and for several. The environment
+    variables are read once per process: the last two run in subprocesses."""
     torch.manual_seed(0)
     cases, want, models = [], [], []
     for i, (case, make) in enumerate(KERNEL_CASES.items()):
@@ -212,8 +214,13 @@ def test_kernel_paths_agree_in_subprocesses(tmp_path):
               "    p = Runtime.get().load_program(open(pte, 'rb').read()); m = p.load_method('forward')\n"
               "    out.append([m.execute([x])[0] for x in xs])\n"
               "torch.save(out, sys.argv[2])")
-    outs = []
-    for i, env in enumerate([{}, {"EMLX_NUM_THREADS": "1"}, {"EMLX_DISABLE_CPU_KERNELS": "1"}]):
+    # the kernel as this process's environment sets it up (what the script in a process of the same env runs)
+    outs = [[]]
+    for pte, xs in cases:
+        program = Runtime.get().load_program(open(pte, "rb").read())  # kept alive while its method runs
+        method = program.load_method("forward")
+        outs[0].append([method.execute([x])[0] for x in xs])
+    for i, env in enumerate([{"EMLX_NUM_THREADS": "1"}, {"EMLX_DISABLE_CPU_KERNELS": "1"}]):
         out = tmp_path / f"y{i}.pt"
         subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
                        env={**os.environ, **env})
@@ -352,8 +359,7 @@ def test_layer_not_divisible_by_group_size_is_named(tmp_path):
         export_llm(folder, tmp_path / "x.pte", quantize="int8", group_size=64, progress=None)
 
 
-def test_cli_export_refuses_a_bad_group_size(folder, tmp_path):
+def test_cli_export_refuses_a_bad_group_size(folder, tmp_path, capfd):
     """(A quantized CLI export that works: the README's, tests/test_documented_commands.py.)"""
-    cli = [sys.executable, "-m", "executorch_mlx.cli", "export", str(folder), "-o", str(tmp_path / "q.pte")]
-    bad = subprocess.run(cli + ["--quantize", "int4", "--group-size", "48"], capture_output=True, text=True)
+    bad = cli(capfd, "export", folder, "-o", tmp_path / "q.pte", "--quantize", "int4", "--group-size", "48")
     assert bad.returncode == 2 and "group_size must be one of 32, 64, 128, got 48" in bad.stderr

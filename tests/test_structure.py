@@ -8,10 +8,10 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from cli_runs import cli
 
 from executorch_mlx.llm import program_contract
 from executorch_mlx.serialization import sampler_params
@@ -75,9 +75,9 @@ def test_host_checks_say_the_tables_range():
             sampling_inputs(2, 1.0, **{spec.name: int(bad) if spec.integer else bad})
 
 
-def test_generate_has_a_flag_per_table_row_with_one():
-    done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", "--help"], capture_output=True,
-                          text=True, check=True)
+def test_generate_has_a_flag_per_table_row_with_one(capfd):
+    done = cli(capfd, "generate", "--help")
+    assert done.returncode == 0, done.stderr
     for spec in sampler_params.SAMPLER_INPUTS:
         if spec.cli:
             assert spec.cli in done.stdout, spec.name

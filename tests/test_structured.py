@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import jsonschema
 import lark
 import pytest
+from cli_runs import cli
 from container_fuzz import MAX_CONTEXT, export_program
 from llm_programs import family_program
 
@@ -108,12 +107,10 @@ def test_no_grammar_exports_leave_the_mask_input_out():
     assert with_mask[-1] == "token_bitmask" and without == with_mask[:-1]
 
 
-def test_cli_generate_with_a_json_schema(program):
+def test_cli_generate_with_a_json_schema(program, capfd):
     pte, folder = program
-    done = subprocess.run([sys.executable, "-m", "executorch_mlx.cli", "generate", str(pte),
-                           "--tokenizer", str(folder), "--prompt", "Hi", "--temperature", "1",
-                           "--seed", "3", "--max-new-tokens", str(MAX_CONTEXT - 4), "--json-schema",
-                           json.dumps(SCHEMA), "--json"], capture_output=True, text=True)
+    done = cli(capfd, "generate", pte, "--tokenizer", folder, "--prompt", "Hi", "--temperature", "1", "--seed", "3",
+               "--max-new-tokens", MAX_CONTEXT - 4, "--json-schema", json.dumps(SCHEMA), "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
