@@ -1,10 +1,12 @@
 """The sampler's filter cases, an independent float64 oracle of docs/sampling.md,
 and the draws of one lowered program over them.
 
-`python sampler_cases.py OUT` writes the draws of every case to OUT (a
-torch file): the test runs that in a subprocess with
+`python sampler_cases.py OUT [PROGRAMS]` writes the draws of every case to
+OUT (a torch file): the test runs that in a subprocess with
 EMLX_DISABLE_CPU_KERNELS=1 to hold the MLX-ops path to the same contract as
-the native kernel.
+the native kernel. PROGRAMS, a folder of the programs the test process
+exported (write_programs), saves the subprocess importing the export stack
+and exporting the same bytes again (~15 s): the runtime alone runs them.
 """
 
 from __future__ import annotations
@@ -113,20 +115,43 @@ def program_inputs(params: list[dict], seeds: torch.Tensor, position: int, vocab
     def col(name, off, dtype=torch.float32):
         return torch.tensor([p.get(name, off) for p in params], dtype=dtype)
 
-    ids = torch.full((rows, BIAS_SLOTS), -1, dtype=torch.int64)
-    values = torch.zeros(rows, BIAS_SLOTS)
+    ids = [[-1] * BIAS_SLOTS for _ in range(rows)]
+    values = [[0.0] * BIAS_SLOTS for _ in range(rows)]
     for r, p in enumerate(params):
         for j, (t, v) in enumerate((p.get("bias") or {}).items()):
-            ids[r, j], values[r, j] = t, v
-    masks = torch.tensor([mask_words(p.get("mask"), vocab) for p in params], dtype=torch.int32)
+            ids[r][j], values[r][j] = t, v
+    words = {}  # a mask's words, computed once per distinct mask (the cases repeat two down the batch)
+    for p in params:
+        mask = p.get("mask")
+        key = None if mask is None else frozenset(mask)
+        if key not in words:
+            words[key] = mask_words(mask, vocab)
+    masks = torch.tensor([words[None if p.get("mask") is None else frozenset(p["mask"])] for p in params],
+                         dtype=torch.int32)
     return [col("temperature", 1.0), seeds, torch.full((rows,), position, dtype=torch.int64),
             col("top_k", 0, torch.int64), col("top_p", 1.0), col("min_p", 0.0), col("repetition_penalty", 1.0),
             col("frequency_penalty", 0.0), col("presence_penalty", 0.0),
-            torch.tensor([HISTORY] * rows, dtype=torch.int64), ids, values, masks]
+            torch.tensor([HISTORY] * rows, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(values, dtype=torch.float32), masks]
+
+
+# (rows, vocab) -> the program's bytes, exported by another process (see the module's docstring)
+EXPORTED: dict[tuple[int, int], bytes] = {}
+PROGRAM_SIZES = [(ROWS, VOCAB), (64, 1000)]  # those of draws and edge_draws, and of shared_word_draws
+
+
+def write_programs(folder) -> None:
+    """The programs of PROGRAM_SIZES as files `folder`/ROWSxVOCAB.pte."""
+    from pathlib import Path
+
+    for rows, vocab in PROGRAM_SIZES:
+        (Path(folder) / f"{rows}x{vocab}.pte").write_bytes(all_parameters_pte(rows, vocab))
 
 
 @functools.cache
 def all_parameters_pte(rows: int = ROWS, vocab: int = VOCAB) -> bytes:
+    if (rows, vocab) in EXPORTED:
+        return EXPORTED[rows, vocab]
     from executorch_mlx.llm.sampling import export_sampling_head
 
     class Logits(torch.nn.Module):
@@ -149,27 +174,38 @@ def all_parameters_method(rows: int = ROWS, vocab: int = VOCAB):
     return program, program.load_method("forward")
 
 
-def reference_tokens(logits: torch.Tensor, params: list[dict]) -> torch.Tensor:
-    """torch.ops.mlx.sample (the CPU reference, unseeded) over rows with `params`."""
+def reference_tokens(logits: torch.Tensor, params: list[dict], times: int = 1) -> torch.Tensor:
+    """torch.ops.mlx.sample (the CPU reference, unseeded) over rows with
+    `params`, in one call over the rows `times` over ([times * rows])."""
     inputs = program_inputs(params, torch.zeros(len(params), dtype=torch.int64), 0, logits.shape[1])
+    inputs = [t.repeat(times, *[1] * (t.dim() - 1)) for t in inputs]
+    logits = logits.repeat(times, 1)
     names = ["temperature", None, None, "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
              "presence_penalty", "history", "logit_bias_ids", "logit_bias_values",
              "token_bitmask"]  # program_inputs' order
     return torch.ops.mlx.sample(logits, **{n: t for n, t in zip(names, inputs) if n})
 
 
+def calls(method, logits: torch.Tensor, params: list[dict], seeds, n: int) -> torch.Tensor:
+    """[n, rows] tokens of n calls of `method` at positions 0..n-1, call c
+    with seeds(c); the parameter inputs are built once (only the seeds and
+    the position change from call to call)."""
+    rows, vocab = logits.shape
+    fixed = program_inputs(params, torch.zeros(rows, dtype=torch.int64), 0, vocab)
+    out = []
+    for c in range(n):
+        position = torch.full((rows,), c, dtype=torch.int64)
+        out.append(method.execute([logits, fixed[0], seeds(c), position, *fixed[3:]])[0])
+    return torch.stack(out)
+
+
 def draws(case: str) -> torch.Tensor:
     """[CALLS, ROWS] tokens of the lowered program; even rows use the case's
     first parameters, odd rows its second."""
-    method = all_parameters_method()[1]
     even, odd = CASES[case]
     params = [even if r % 2 == 0 else odd for r in range(ROWS)]
-    logits = torch.tensor([LOGITS] * ROWS)
-    out = []
-    for c in range(CALLS):
-        seeds = torch.arange(ROWS, dtype=torch.int64) + 1_000_003 * c
-        out.append(method.execute([logits, *program_inputs(params, seeds, c)])[0])
-    return torch.stack(out)
+    return calls(all_parameters_method()[1], torch.tensor([LOGITS] * ROWS), params,
+                 lambda c: torch.arange(ROWS, dtype=torch.int64) + 1_000_003 * c, CALLS)
 
 
 def shared_word_draws() -> torch.Tensor:
@@ -177,11 +213,9 @@ def shared_word_draws() -> torch.Tensor:
     the same random words, so they agree except where a uniform falls within
     rounding of a CDF step (the native kernel uses 53 bits, MLX ops 24)."""
     rows, vocab = 64, 1000
-    method = all_parameters_method(rows, vocab)[1]
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(11)) * 2
     params = [dict(temperature=1.0, top_k=200, top_p=0.95, min_p=0.001)] * rows
-    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(rows) * 977, c, vocab)])[0]
-                        for c in range(10)])
+    return calls(all_parameters_method(rows, vocab)[1], logits, params, lambda c: torch.arange(rows) * 977, 10)
 
 
 # The two silent wrong results issue #6 found, and token masks that allow no
@@ -202,14 +236,12 @@ EDGE_ROWS = [
 ]
 
 
-def edge_draws(calls: int = 20) -> torch.Tensor:
-    """[calls, ROWS] tokens for EDGE_ROWS repeated down the batch (padded with -inf)."""
-    method = all_parameters_method()[1]
+def edge_draws(n: int = 20) -> torch.Tensor:
+    """[n, ROWS] tokens for EDGE_ROWS repeated down the batch (padded with -inf)."""
     kinds = [EDGE_ROWS[r % len(EDGE_ROWS)] for r in range(ROWS)]
     logits = torch.tensor([row + [-INF] * (VOCAB - len(row)) for row, *_ in kinds])
     params = [dict(temperature=t, mask=mask[0] if mask else None) for _, t, _, *mask in kinds]
-    return torch.stack([method.execute([logits, *program_inputs(params, torch.arange(ROWS) + 7 * c, c)])[0]
-                        for c in range(calls)])
+    return calls(all_parameters_method()[1], logits, params, lambda c: torch.arange(ROWS) + 7 * c, n)
 
 
 def greedy_draws() -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
@@ -225,8 +257,13 @@ def greedy_draws() -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
 
 
 if __name__ == "__main__":
+    from pathlib import Path
+
     import executorch_mlx  # noqa: F401
 
+    if len(sys.argv) > 2:
+        for rows, vocab in PROGRAM_SIZES:
+            EXPORTED[rows, vocab] = (Path(sys.argv[2]) / f"{rows}x{vocab}.pte").read_bytes()
     out = {case: draws(case) for case in CASES}
     out["shared words"] = shared_word_draws()
     out["edge"] = edge_draws()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from harness import run
 from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB, draws, edge_draws, greedy_draws,
-                           oracle, reference_tokens, shared_word_draws)
+                           oracle, reference_tokens, shared_word_draws, write_programs)
 from scipy.stats import chisquare
 
 from executorch_mlx.llm.decode import SampledDecoder
@@ -42,11 +42,14 @@ def _check_distribution(tokens: torch.Tensor, params: dict) -> None:
 
 @pytest.fixture(scope="module")
 def mlx_ops_draws(tmp_path_factory) -> dict:
-    """Every case drawn with the native kernel off (the path Apple and CUDA GPUs run)."""
-    out = tmp_path_factory.mktemp("mlx_ops") / "draws.pt"
+    """Every case drawn with the native kernel off (the path Apple and CUDA GPUs run),
+    on the programs the native path runs (exported here, once)."""
+    folder = tmp_path_factory.mktemp("mlx_ops")
+    out = folder / "draws.pt"
+    write_programs(folder)
     env = {**os.environ, "EMLX_DISABLE_CPU_KERNELS": "1"}
-    subprocess.run([sys.executable, str(Path(__file__).with_name("sampler_cases.py")), str(out)], check=True,
-                   env=env, cwd=Path(__file__).parent)
+    subprocess.run([sys.executable, str(Path(__file__).with_name("sampler_cases.py")), str(out), str(folder)],
+                   check=True, env=env, cwd=Path(__file__).parent)
     return torch.load(out)
 
 
@@ -58,11 +61,10 @@ def test_filters_draw_the_exact_distribution(case, path, request):
         tokens = draws(case)
     elif path == "mlx-ops":
         tokens = request.getfixturevalue("mlx_ops_draws")[case]
-    else:  # the CPU reference op (unseeded: torch's generator), same parameters
+    else:  # the CPU reference op (unseeded: torch's generator), same parameters, all CALLS * ROWS rows in one call
         torch.manual_seed(0)
         params = [even if r % 2 == 0 else odd for r in range(ROWS)]
-        logits = torch.tensor([LOGITS] * ROWS)
-        tokens = torch.stack([reference_tokens(logits, params) for _ in range(CALLS)])
+        tokens = reference_tokens(torch.tensor([LOGITS] * ROWS), params, times=CALLS).reshape(CALLS, ROWS)
     assert tokens.shape == (CALLS, ROWS)
     _check_distribution(tokens[:, 0::2], even)
     _check_distribution(tokens[:, 1::2], odd)
