@@ -363,6 +363,23 @@ def test_attention_kernel_row_that_attends_nothing_is_zero_like_torch():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_kernel_rows_equal_one_row_calls_bit_for_bit():
+    """A call of a few query rows (speculative verification) computes each row
+    as a one-row call (a decode step) does, whatever key columns the other
+    rows attend: here a sliding window moves each row's first column."""
+    S, L = 40, 5
+    q, k, v = rand((1, 4, L, 16)), rand((1, 2, S, 16)), rand((1, 2, S, 24))
+    pos, cols = torch.arange(S - 3 - L, S - 3)[:, None], torch.arange(S)[None, :]
+    mask = ((cols <= pos) & (cols > pos - 11))[None, None]  # first columns 22..26
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731
+    many = run(lower(Fn(fn), (q, k, v, mask)).to_executorch().buffer, [q, k, v, mask])[0]
+    torch.testing.assert_close(many, fn(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    one = lower(Fn(fn), (q[:, :, :1], k, v, mask[:, :, :1])).to_executorch().buffer
+    for i in range(L):
+        got = run(one, [q[:, :, i:i + 1].contiguous(), k, v, mask[:, :, i:i + 1].contiguous()])[0]
+        assert torch.equal(got[:, :, 0], many[:, :, i]), i
+
+
 class StaticCacheAttention(torch.nn.Module):
     """A decoder layer's attention over a static cache, as transformers writes
     it: index_copy_ of the new keys/values at their positions, repeat_kv, a

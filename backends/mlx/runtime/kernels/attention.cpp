@@ -163,6 +163,203 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
   }
 }
 
+// ---- Few query rows (decode steps, verify calls), in 8-float vectors ------
+//
+// Every (head, row) is computed by the same instructions whatever the other
+// rows and heads of the call: a row's output is the one-row call's, bit for
+// bit (kDotRows). Lanes of the softmax sums belong to absolute key columns
+// (the range starts at a multiple of 8), so a wider range of key columns, which
+// other rows of the call may need, only adds exact zeros.
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+#define EMLX_INLINE __attribute__((always_inline)) inline
+
+EMLX_INLINE v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+EMLX_INLINE void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+EMLX_INLINE v8 splat(float x) { return v8{} + x; }
+
+// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's hadd)
+EMLX_INLINE v8 pair_sums(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// Lane c: the lanes of acc[c] summed as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+EMLX_INLINE v8 lane_sums(const v8* acc) {
+  const v8 g0 = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
+  const v8 g1 = pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7]));
+  return __builtin_shufflevector(g0, g1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(g0, g1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+EMLX_INLINE float sum_lanes(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+// e^x for x <= 0 (scores minus their maximum); exactly 0 below -87 and for
+// -inf. Cephes' expf: a degree-5 polynomial on x - n ln2, times 2^n.
+EMLX_INLINE v8 exp_nonpositive(v8 x) {
+  const i32x8 keep = x >= -87.0f;
+  x = keep ? x : splat(-87.0f);
+  const v8 fx = x * 1.44269504088896341f + 0.5f;
+  v8 n = __builtin_convertvector(__builtin_convertvector(fx, i32x8), v8);  // toward zero
+  n = n > fx ? n - 1.0f : n;                                                // floor
+  const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  v8 two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof two_n);
+  return keep ? p * two_n : v8{};
+}
+
+// out[0, 8 NV) = sum over columns c in [c0, c1) of p[c - c0] * v row c.
+template <int NV>
+EMLX_INLINE void weighted_rows(const float* p, const float* vp, int64_t ldv, int64_t c0, int64_t c1, float* out) {
+  v8 acc[NV] = {};
+  for (int64_t c = c0; c < c1; ++c) {
+    const v8 pc = splat(p[c - c0]);
+    const float* vr = vp + c * ldv;
+    for (int i = 0; i < NV; ++i) acc[i] += pc * load8(vr + 8 * i);
+  }
+  for (int i = 0; i < NV; ++i) store8(out + 8 * i, acc[i]);
+}
+
+// Query heads [h0, h1) of batch b, all of kv head g's group, every query row;
+// D and Dv multiples of 8.
+EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t h1) {
+  const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
+  const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int64_t S = k.shape(2), Dv = v.shape(3), heads = h1 - h0, nq = heads * L;
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> qbuf, ks, vs, scores;
+  qbuf.resize(nq * D);
+  for (int64_t h = h0; h < h1; ++h) {  // query rows, contiguous
+    const auto& st = q.strides();
+    const float* p = q.data<float>() + b * st[0] + h * st[1];
+    for (int64_t r = 0; r < L; ++r) {
+      float* dst = qbuf.data() + ((h - h0) * L + r) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = p[r * st[2] + d * st[3]];
+    }
+  }
+  int64_t ldk, ldv;
+  const float* kp = rows_of(k, b, g, ks, ldk);
+  const float* vp = rows_of(v, b, g, vs, ldv);
+  auto plane = [&](int64_t h, const uint8_t*& bools, const float*& adds) {
+    bools = nullptr, adds = nullptr;
+    if (t.kind == MaskKind::None) return;
+    const auto& st = t.mask->strides();
+    const int64_t offset = b * st[0] + h * st[1];
+    if (t.kind == MaskKind::Bool) bools = t.mask->data<uint8_t>() + offset;
+    else adds = t.mask->data<float>() + offset;
+  };
+  // The key columns any query attends: [j0, j1).
+  int64_t j0 = 0, j1 = S;
+  if (t.kind != MaskKind::None) {
+    j0 = S, j1 = 0;
+    for (int64_t h = h0; h < h1; ++h) {
+      const uint8_t* bools;
+      const float* adds;
+      plane(h, bools, adds);
+      for (int64_t i = 0; i < L; ++i) {
+        int64_t first = 0, last = S;
+        while (first < S && !attends(t, bools, adds, i, first)) ++first;
+        while (last > first && !attends(t, bools, adds, i, last - 1)) --last;
+        if (first < last) j0 = std::min(j0, first), j1 = std::max(j1, last);
+      }
+    }
+  }
+  float* out0 = t.out + ((b * H + h0) * L) * Dv;  // the heads' rows are adjacent
+  if (j1 <= j0) {
+    std::fill(out0, out0 + nq * Dv, 0.0f);
+    return;
+  }
+  const int64_t c0 = j0 & ~int64_t{7}, cols = (j1 - c0 + 7) & ~int64_t{7};
+  scores.resize(nq * cols);
+  for (int64_t c = 0; c < cols; c += 8) {  // 8 keys, read once for every query
+    const float* key[8];
+    for (int i = 0; i < 8; ++i) key[i] = kp + std::min(c0 + c + i, j1 - 1) * ldk;  // past j1: discarded
+    for (int64_t n = 0; n < nq; ++n) {
+      const float* qn = qbuf.data() + n * D;
+      v8 acc[8] = {};
+      for (int64_t d = 0; d < D; d += 8) {
+        const v8 qv = load8(qn + d);
+        for (int i = 0; i < 8; ++i) acc[i] += qv * load8(key[i] + d);
+      }
+      store8(scores.data() + n * cols + c, lane_sums(acc) * t.scale);
+    }
+  }
+  for (int64_t n = 0; n < nq; ++n) {
+    const int64_t h = h0 + n / L, i = n % L;
+    const uint8_t* bools;
+    const float* adds;
+    plane(h, bools, adds);
+    float* s = scores.data() + n * cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t j = c0 + c;
+      if (j < j0 || j >= j1) {
+        s[c] = kMasked;
+      } else if (t.kind == MaskKind::Bool) {
+        if (!attends(t, bools, adds, i, j)) s[c] = kMasked;
+      } else if (t.kind == MaskKind::Additive) {
+        const auto& st = t.mask->strides();
+        s[c] += adds[i * st[2] + j * st[3]];
+      }
+    }
+    v8 top8 = splat(kMasked);
+    for (int64_t c = 0; c < cols; c += 8) top8 = top8 > load8(s + c) ? top8 : load8(s + c);
+    float top = kMasked;
+    for (int l = 0; l < 8; ++l) top = std::max(top, top8[l]);
+    float* out = out0 + n * Dv;
+    if (top == kMasked) {  // a query that attends nothing gets zeros, as in torch
+      std::fill(out, out + Dv, 0.0f);
+      continue;
+    }
+    v8 sum8 = {};
+    for (int64_t c = 0; c < cols; c += 8) {
+      const v8 e = exp_nonpositive(load8(s + c) - top);
+      store8(s + c, e);
+      sum8 += e;
+    }
+    const float inv = 1.0f / sum_lanes(sum8);
+    for (int64_t c = 0; c < cols; c += 8) store8(s + c, load8(s + c) * inv);
+    int64_t d = 0;
+    for (; d + 64 <= Dv; d += 64) weighted_rows<8>(s, vp + d, ldv, c0, j1, out + d);
+    switch ((Dv - d) / 8) {
+      case 7: weighted_rows<7>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 6: weighted_rows<6>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 5: weighted_rows<5>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 4: weighted_rows<4>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 3: weighted_rows<3>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 2: weighted_rows<2>(s, vp + d, ldv, c0, j1, out + d); break;
+      case 1: weighted_rows<1>(s, vp + d, ldv, c0, j1, out + d); break;
+      default: break;
+    }
+  }
+}
+
+void attend_few_generic(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t h1) { attend_few(t, b, g, h0, h1); }
+
+#if defined(__x86_64__)
+// The same code for AVX2+FMA machines.
+__attribute__((target("avx2,fma"))) void attend_few_avx2(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t h1) {
+  attend_few(t, b, g, h0, h1);
+}
+#else
+constexpr auto attend_few_avx2 = attend_few_generic;
+#endif
+
 class Attention : public CpuKernel {
  public:
   Attention(mx::Stream s, float scale, MaskKind kind) : CpuKernel(s), scale_(scale), kind_(kind) {}
@@ -180,6 +377,19 @@ class Attention : public CpuKernel {
       const Task t{&inputs[0], &inputs[1], &inputs[2], kind == MaskKind::None ? nullptr : &inputs[3], kind, scale,
                    out.data<float>()};
       const int64_t B = inputs[0].shape(0), H = inputs[0].shape(1), L = inputs[0].shape(2);
+      const int64_t Hkv = inputs[1].shape(1), G = H / Hkv;
+      if (L < kGemmRows && inputs[0].shape(3) % 8 == 0 && inputs[2].shape(3) % 8 == 0) {
+        // A kv head's query heads together (its keys read once), split when
+        // there are fewer kv heads than threads.
+        const int64_t chunks = std::min(G, std::max<int64_t>(1, (pool_size() + B * Hkv - 1) / (B * Hkv)));
+        const int64_t per = (G + chunks - 1) / chunks;
+        const auto few = has_avx2() ? attend_few_avx2 : attend_few_generic;
+        parallel_for(static_cast<int>(B * Hkv * chunks), [&](int task) {
+          const int64_t bg = task / chunks, g = bg % Hkv, h0 = g * G + task % chunks * per;
+          if (h0 < g * G + G) few(t, bg / Hkv, g, h0, std::min(g * G + G, h0 + per));
+        });
+        return;
+      }
       const int64_t blocks = (L + kQueryBlock - 1) / kQueryBlock;
       parallel_for(static_cast<int>(B * H * blocks), [&](int task) {
         const int64_t block = task % blocks, bh = task / blocks;

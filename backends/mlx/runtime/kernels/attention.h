@@ -12,7 +12,9 @@ namespace emlx {
 // q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (H a multiple of Hkv),
 // mask broadcastable to [B, H, L, S]: boolean (true = attend) or additive.
 // float32 without `causal` on a CPU stream runs our kernel (OpenBLAS GEMMs per
-// block of queries, key columns that no query of the block attends skipped);
+// block of queries, key columns that no query of the block attends skipped;
+// up to kDotRows queries, vectorized dot products, a kv head's keys read once
+// for all its query heads);
 // a query that attends no key gets zeros, as in torch (MLX's own path gives
 // NaN). Anything else is mlx::core::fast::scaled_dot_product_attention.
 mlx::core::array attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
