@@ -132,3 +132,69 @@ def _cache_callable_subscriptions():
 
 
 _cache_callable_subscriptions()
+
+
+def _lighter_cia_override():
+    """torch.export swaps in the decomposition of each of the ~560
+    CompositeImplicitAutograd ops twice per lowering, and back after it
+    (_override_composite_implicit_decomp): ~0.12 s of the ~0.33 s that
+    lowering and running a one-op module takes, most of it in
+    OperatorBase.py_impl's checks and dispatch-cache clears, once per key
+    registered. The copy below makes the same changes to each op's
+    py_kernels (the keys that py_impl's checks let through, in the same
+    order), clears its dispatch cache once, and registers and drops the same
+    fake-tensor rule: 0.06 s instead. It replaces torch's function only while
+    that is the version it was copied from (torch 2.13.0)."""
+    import contextlib
+    import functools
+    import hashlib
+    import inspect
+
+    import torch.export.exported_program as exported_program
+    from torch._export.utils import _get_decomp_for_cia
+    from torch._higher_order_ops.utils import autograd_not_implemented
+    from torch._subclasses.fake_impls import _deregister_op_impl, _is_op_registered_to_fake_rule, register_op_impl
+
+    original = exported_program._override_composite_implicit_decomp
+    source = inspect.getsource(getattr(original, "__wrapped__", original))
+    if hashlib.sha256(source.encode()).hexdigest() != "4422dc79d0792af728dd8eacf0a2fadcf00195c8802ceca15632b737d9d5c9bd":
+        return  # another torch: its own function
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+
+    def force_dispatch_to_orig_cia_callable(fake_tensor_mode, op, *args, **kwargs):
+        orig_cia_callable = kwargs.pop("original_callable")
+        with fake_tensor_mode:
+            return orig_cia_callable(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def override(cia_ops_to_callable):
+        saved_tables = {}
+        for op, decomp_callable in cia_ops_to_callable.items():
+            kernels = op.py_kernels
+            saved_tables[op] = kernels.copy()
+            for key in exported_program._AUTOGRAD_ALIAS_BACKEND_KEYS_TO_OVERRIDE:
+                if key not in kernels:
+                    kernels[key] = autograd_not_implemented(op, deferred_error=True)
+            orig_cia_callable = _get_decomp_for_cia(op)  # before the CIA kernel is replaced
+            kernels.pop(cia, None)
+            kernels[cia] = decomp_callable
+            if not _is_op_registered_to_fake_rule(op):
+                register_op_impl(op)(functools.partial(force_dispatch_to_orig_cia_callable,
+                                                       original_callable=orig_cia_callable))
+            for key in exported_program._BACKEND_KEYS_TO_OVERRIDE:
+                if key not in kernels:
+                    kernels[key] = orig_cia_callable
+            op._dispatch_cache.clear()
+        try:
+            yield
+        finally:
+            for op, table in saved_tables.items():
+                op.py_kernels.clear()
+                op.py_kernels.update(table)
+                op._dispatch_cache.clear()
+                _deregister_op_impl(op)
+
+    exported_program._override_composite_implicit_decomp = override
+
+
+_lighter_cia_override()
