@@ -87,7 +87,8 @@ def workspace(tmp_path_factory):
     `.venv` is this interpreter's environment and MODEL_DIR a tiny model."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / ".venv").symlink_to(sys.prefix)
-    write_model_folder(tmp / "MODEL_DIR", "llama")
+    # one layer: what runs here is the README's commands (two-layer exports: tests/test_llm.py)
+    write_model_folder(tmp / "MODEL_DIR", "llama", layers=1)
     done = bash(runnable(README, "export-generate"), tmp)
     return tmp, done
 
@@ -101,7 +102,8 @@ def test_readme_export_and_generate_print_only_our_lines(workspace):
     ours = re.compile(r"\[\s*\d+\.\d s\] .+|prefill [\d.]+ tokens/s, decode [\d.]+ tokens/s \(.+\)")
     assert [line for line in done.stderr.splitlines() if not ours.fullmatch(line)] == []
     assert "Warning" not in done.stderr and "\r" not in done.stderr
-    assert "quantized 14 layers to int4, group size 64" in done.stderr  # the tied head stays with the table
+    # 7 linears of the one layer: the tied head stays with the table
+    assert "quantized 7 layers to int4, group size 64" in done.stderr
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(tmp / "model.pte"))
