@@ -8,9 +8,10 @@ the SystemExit argparse raises (bad arguments: 2, --help: 0) is the status.
 capfd reads file descriptors 1 and 2, so output of the native runtime is seen
 as a process's pipes would see it. A new process also starts with no Python
 warning filters of ours; main installs them, and they are taken back here.
-A fresh process is still run where that is the point: tests/test_hardening.py
-(an export error is one line on stderr, nothing else) and
-tests/test_container_fuzz.py (a generate error likewise)."""
+A new process is still run where that is the point, warnings printed as
+modules are imported included: tests/test_container_fuzz.py (a generate
+error is exactly one line on stderr) and tests/test_documented_commands.py
+(the README's export and generate print only their own lines)."""
 
 from __future__ import annotations
 
