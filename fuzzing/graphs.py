@@ -225,6 +225,11 @@ def layer_norm():
     return s.finish(s.op(ir.LayerNormNode, a=s.x, weight=s.full([4], 1.5), bias=s.full([4], -0.5), eps=1e-5), 3)
 
 
+def silu():
+    s = Sketch()
+    return s.finish(s.op(ir.SiluNode, a=s.x, b=s.op(ir.SiluNode, a=s.x)), 3)
+
+
 def rope():
     s = Sketch()
     return s.finish(s.op(ir.RopeNode, x=s.x, cos=s.full([4], 0.5), sin=s.full([1, 4], 0.25)), 3)
@@ -317,7 +322,7 @@ GRAPHS = {
     "TakeNode": take, "ConcatenateNode": concatenate, "FullNode": full, "ArangeNode": arange,
     "RandomBitsNode": random_bits, "CumsumNode": cumsum, "SymIntNode": sym_int, "DynArangeNode": dyn_arange,
     "DynSliceNode": dyn_slice, "ScatterNode": scatter, "ScaledDotProductAttentionNode": attention,
-    "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "RopeNode": rope, "LinearNode": linear,
+    "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "SiluNode": silu, "RopeNode": rope, "LinearNode": linear,
     "SliceUpdateNode": slice_update,
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     # graph-level seeds: persistent state, every dtype

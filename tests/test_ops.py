@@ -8,10 +8,12 @@ through ExecuTorch's runtime and compare with eager PyTorch.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops
+from harness import assert_matches_eager, delegate_graphs, lower, lower_and_run, node_types, run, undelegated_ops
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64]
@@ -747,7 +749,31 @@ def test_sigmoid(dtype):
 
 @floats
 def test_silu(dtype):
-    check(F.silu, rand(dtype=dtype, lo=-6, hi=6), nodes={"SigmoidNode", "MultiplyNode"})
+    check(F.silu, rand(dtype=dtype, lo=-6, hi=6), nodes={"SiluNode"})
+
+
+def test_silu_kernel_edges():
+    """The CPU kernel's sigmoid is built from e^-|x|: saturated inputs, zeros,
+    infinities and NaN come out as torch's (below x = -87 the result, under
+    1e-36, is flushed to zero); a length that is not a multiple of 8 goes
+    through the vector tail."""
+    x = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.5, -3.5, 87.5, -87.5, 100.0, -100.0, 1e4, -1e4,
+                      math.inf, -math.inf, math.nan])
+    edge, (got,) = lower_and_run(Fn(F.silu), (x,))
+    assert node_types(edge) == {"SiluNode"}
+    torch.testing.assert_close(got, F.silu(x), atol=1e-36, rtol=2e-7, equal_nan=True)
+
+
+@floats
+def test_swiglu_is_one_node(dtype):
+    """silu(gate) * up (a gated MLP) is one SiluNode, either operand order;
+    with the silu read elsewhere too, it stays its own node."""
+    gate, up = rand((5, 37), dtype=dtype, lo=-6, hi=6), rand((5, 37), dtype=dtype)
+    check(lambda g, u: F.silu(g) * u, gate, up, nodes={"SiluNode"})
+    edge, _ = lower_and_run(Fn(lambda g, u: u * F.silu(g)), (gate, up))
+    assert [type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes] == ["SiluNode"]
+    edge, _ = lower_and_run(Fn(lambda g, u: (F.silu(g) * u, F.silu(g))), (gate, up))
+    assert [type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes] == ["SiluNode", "SiluNode"]
 
 
 @floats

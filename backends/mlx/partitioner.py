@@ -19,7 +19,8 @@ from .lowering.builder import GraphBuilder, meta_val
 from .lowering.registry import Unsupported, aten_op, handler_for
 
 # Ops whose ATen decomposition would lose a fused form we lower directly.
-KEEP_WHOLE = [torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default]
+KEEP_WHOLE = [torch.ops.aten.linear.default, torch.ops.aten.scaled_dot_product_attention.default,
+              torch.ops.aten.silu.default]
 
 
 def _scratch_value(b: GraphBuilder, val):

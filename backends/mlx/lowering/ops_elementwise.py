@@ -99,9 +99,14 @@ def _rms_norm(b: GraphBuilder, node) -> tuple | None:
 def mul(b: GraphBuilder, node: torch.fx.Node) -> None:
     """x * rsqrt(mean(x^2) + eps) is one RmsNormNode; weight * that (float32:
     transformers' RMSNorm) is one RmsNormNode with the weight, the same
-    roundings. (The norm node lowered first is then dead and dropped.)"""
+    roundings. (The norm node lowered first is then dead and dropped.)
+    silu(gate) * up is one SiluNode."""
     x, y = node.args[:2]
     out = meta_val(node)
+    if (gated := _gated_silu(node)) is not None:  # (the SiluNode lowered first is then dead and dropped)
+        gate, up = gated
+        b.bind(node, b.emit(ir.SiluNode, out.dtype, out.shape, a=b.get_upstream(gate).tid, b=b.get(up).tid))
+        return
     if (norm := _rms_norm(b, node)) is not None:
         b.bind(node, b.emit(ir.RmsNormNode, out.dtype, out.shape, a=b.get(norm[0]).tid, eps=norm[1]))
         return
@@ -247,9 +252,20 @@ def relu(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(aten.silu.default)
 def silu(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    x = b.get(node.args[0])
-    s = unary(b, ir.SigmoidNode, x, out.dtype)
-    b.bind(node, b.emit(ir.MultiplyNode, out.dtype, out.shape, a=x.tid, b=s.tid))
+    b.bind(node, b.emit(ir.SiluNode, out.dtype, out.shape, a=b.operand(node.args[0], out.dtype).tid))
+
+
+def _gated_silu(node) -> tuple | None:
+    """(gate, up) if `node` is silu(gate) * up of one shape and floating dtype
+    (a SwiGLU MLP), the silu read by nothing else."""
+    out = meta_val(node)
+    for s, up in (node.args[:2], node.args[1::-1]):
+        if (_is(s, aten.silu.default) and len(s.users) == 1 and isinstance(up, torch.fx.Node)
+                and out.dtype.is_floating_point
+                and meta_val(s.args[0]).dtype == meta_val(s).dtype == out.dtype == meta_val(up).dtype
+                and tuple(meta_val(s).shape) == tuple(meta_val(up).shape) == tuple(out.shape)):
+            return s.args[0], up
+    return None
 
 
 @handles(aten.gelu.default)

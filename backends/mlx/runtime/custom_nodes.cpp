@@ -8,6 +8,7 @@
 
 #include "dtype.h"
 #include "interpreter.h"
+#include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/linear.h"
 #include "kernels/norm.h"
@@ -227,6 +228,13 @@ void exec_LayerNormNode(Interpreter& st, const ir::LayerNormNode* n) {
     }
   }
   st.set(n->out(), mx::fast::layer_norm(a, weight, bias, n->eps()));
+}
+
+void exec_SiluNode(Interpreter& st, const ir::SiluNode* n) {
+  const auto& a = st.get(n->a());
+  auto b = st.get_optional(n->b());
+  if (b && b->shape() != a.shape()) throw std::invalid_argument("SiluNode: b must have a's shape");
+  st.set(n->out(), silu(a, b ? std::optional<mx::array>(*b) : std::nullopt));
 }
 
 void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {

@@ -118,6 +118,7 @@ class Op(object):
     LayerNormNode = 71
     Expm1Node = 72
     Log1pNode = 73
+    SiluNode = 74
 
 
 # Reference to a value slot of the graph.
@@ -6110,6 +6111,77 @@ def LayerNormNodeAddOut(builder, out):
     builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def LayerNormNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# silu(a) = a * sigmoid(a), times `b` (a's shape) when given: a gated MLP's
+# activation (SwiGLU: silu(gate) * up) in one node.
+class SiluNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = SiluNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSiluNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SiluNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # SiluNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # SiluNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SiluNode
+    def B(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SiluNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def SiluNodeStart(builder):
+    builder.StartObject(3)
+
+def SiluNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def SiluNodeAddB(builder, b):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(b), 0)
+
+def SiluNodeAddOut(builder, out):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SiluNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -245,6 +245,9 @@ struct RmsNormNodeBuilder;
 struct LayerNormNode;
 struct LayerNormNodeBuilder;
 
+struct SiluNode;
+struct SiluNodeBuilder;
+
 struct RopeNode;
 struct RopeNodeBuilder;
 
@@ -483,11 +486,12 @@ enum class Op : uint8_t {
   LayerNormNode = 71,
   Expm1Node = 72,
   Log1pNode = 73,
+  SiluNode = 74,
   MIN = NONE,
-  MAX = Log1pNode
+  MAX = SiluNode
 };
 
-inline const Op (&EnumValuesOp())[74] {
+inline const Op (&EnumValuesOp())[75] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -562,13 +566,14 @@ inline const Op (&EnumValuesOp())[74] {
     Op::RopeNode,
     Op::LayerNormNode,
     Op::Expm1Node,
-    Op::Log1pNode
+    Op::Log1pNode,
+    Op::SiluNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[75] = {
+  static const char * const names[76] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -643,13 +648,14 @@ inline const char * const *EnumNamesOp() {
     "LayerNormNode",
     "Expm1Node",
     "Log1pNode",
+    "SiluNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::Log1pNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SiluNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -948,6 +954,10 @@ template<> struct OpTraits<emlx::ir::Expm1Node> {
 
 template<> struct OpTraits<emlx::ir::Log1pNode> {
   static const Op enum_value = Op::Log1pNode;
+};
+
+template<> struct OpTraits<emlx::ir::SiluNode> {
+  static const Op enum_value = Op::SiluNode;
 };
 
 template <bool B = false>
@@ -6983,6 +6993,78 @@ struct LayerNormNode::Traits {
   static auto constexpr Create = CreateLayerNormNode;
 };
 
+/// silu(a) = a * sigmoid(a), times `b` (a's shape) when given: a gated MLP's
+/// activation (SwiGLU: silu(gate) * up) in one node.
+struct SiluNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SiluNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SiluNodeBuilder {
+  typedef SiluNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(SiluNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(SiluNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SiluNode::VT_OUT, out);
+  }
+  explicit SiluNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SiluNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SiluNode>(end);
+    fbb_.Required(o, SiluNode::VT_A);
+    fbb_.Required(o, SiluNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SiluNode> CreateSiluNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  SiluNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct SiluNode::Traits {
+  using type = SiluNode;
+  static auto constexpr Create = CreateSiluNode;
+};
+
 /// Rotary position embedding as transformers applies it:
 /// x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])
 /// on the last axis (D even); cos and sin broadcast to x, last axis D.
@@ -7750,6 +7832,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Log1pNode *op_as_Log1pNode() const {
     return op_type() == emlx::ir::Op::Log1pNode ? static_cast<const emlx::ir::Log1pNode *>(op()) : nullptr;
   }
+  const emlx::ir::SiluNode *op_as_SiluNode() const {
+    return op_type() == emlx::ir::Op::SiluNode ? static_cast<const emlx::ir::SiluNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8050,6 +8135,10 @@ template<> inline const emlx::ir::Expm1Node *Node::op_as<emlx::ir::Expm1Node>() 
 
 template<> inline const emlx::ir::Log1pNode *Node::op_as<emlx::ir::Log1pNode>() const {
   return op_as_Log1pNode();
+}
+
+template<> inline const emlx::ir::SiluNode *Node::op_as<emlx::ir::SiluNode>() const {
+  return op_as_SiluNode();
 }
 
 struct NodeBuilder {
@@ -8558,6 +8647,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::Log1pNode: {
       auto ptr = reinterpret_cast<const emlx::ir::Log1pNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SiluNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SiluNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -10,6 +10,7 @@
 #include "blas.h"
 #include "cpu_kernel.h"
 #include "thread_pool.h"
+#include "vec8.h"
 
 namespace emlx {
 
@@ -75,7 +76,7 @@ inline bool attends(const Task& t, const uint8_t* bool_plane, const float* add_p
   return add_plane[i * st[2] + j * st[3]] != -std::numeric_limits<float>::infinity();
 }
 
-void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
   const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
   const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int64_t Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
@@ -111,21 +112,22 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
     std::fill(out, out + rows * Dv, 0.0f);
     return;
   }
-  const int64_t cols = j1 - j0;
-  scores.resize(rows * cols);
+  // Score rows padded to whole vectors with -inf (e^-inf = 0).
+  const int64_t cols = j1 - j0, ld = (cols + 7) & ~int64_t{7};
+  scores.assign(rows * ld, -std::numeric_limits<float>::infinity());
   // A decoding step has one query row: sgemm would first pack (copy) the
   // keys and values it reads once.
   const bool few = rows < kGemmRows;
   if (few) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] = t.scale * dot(qp + r * ldq, kp + (j0 + c) * ldk, D);
+      for (int64_t c = 0; c < cols; ++c) scores[r * ld + c] = t.scale * dot(qp + r * ldq, kp + (j0 + c) * ldk, D);
     }
   } else {
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + j0 * ldk, ldk,
-                      0.0f, scores.data(), cols);
+                      0.0f, scores.data(), ld);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores.data() + r * cols;
+    float* s = scores.data() + r * ld;
     if (t.kind != MaskKind::None) {
       const auto& st = t.mask->strides();
       for (int64_t c = 0; c < cols; ++c) {
@@ -137,30 +139,40 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
         }
       }
     }
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < cols; ++c) top = std::max(top, s[c]);
+    v8 top8 = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < ld; c += 8) top8 = top8 > load8(s + c) ? top8 : load8(s + c);
+    float top = top8[0];
+    for (int l = 1; l < 8; ++l) top = std::max(top, top8[l]);
     if (top == -std::numeric_limits<float>::infinity()) {
-      std::fill(s, s + cols, 0.0f);
+      std::fill(s, s + ld, 0.0f);
       continue;
     }
-    float sum = 0;
-    for (int64_t c = 0; c < cols; ++c) sum += (s[c] = std::exp(s[c] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t c = 0; c < cols; ++c) s[c] *= inv;
+    v8 sum8 = {};
+    for (int64_t c = 0; c < ld; c += 8) {
+      const v8 e = exp_nonpositive(load8(s + c) - top);
+      store8(s + c, e);
+      sum8 += e;
+    }
+    const float inv = 1.0f / sum_lanes(sum8);
+    for (int64_t c = 0; c < ld; c += 8) store8(s + c, load8(s + c) * inv);
   }
   if (few) {
     std::fill(out, out + rows * Dv, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
-        const float p = scores[r * cols + c];
+        const float p = scores[r * ld + c];
         const float* vr = vp + (j0 + c) * ldv;
         for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] += p * vr[d];
       }
     }
   } else {
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), cols,
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), ld,
                       vp + j0 * ldv, ldv, 0.0f, out, Dv);
   }
+}
+
+void attend_block_generic(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+  attend_block(t, b, h, i0, i1);
 }
 
 // ---- Few query rows (decode steps, verify calls), in 8-float vectors ------
@@ -170,59 +182,6 @@ void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
 // bit (kDotRows). Lanes of the softmax sums belong to absolute key columns
 // (the range starts at a multiple of 8), so a wider range of key columns, which
 // other rows of the call may need, only adds exact zeros.
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-
-#define EMLX_INLINE __attribute__((always_inline)) inline
-
-EMLX_INLINE v8 load8(const float* p) {
-  v8 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-EMLX_INLINE void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-EMLX_INLINE v8 splat(float x) { return v8{} + x; }
-
-// [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (AVX's hadd)
-EMLX_INLINE v8 pair_sums(v8 a, v8 b) {
-  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-// Lane c: the lanes of acc[c] summed as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
-EMLX_INLINE v8 lane_sums(const v8* acc) {
-  const v8 g0 = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
-  const v8 g1 = pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7]));
-  return __builtin_shufflevector(g0, g1, 0, 1, 2, 3, 8, 9, 10, 11) +
-         __builtin_shufflevector(g0, g1, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-EMLX_INLINE float sum_lanes(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
-
-// e^x for x <= 0 (scores minus their maximum); exactly 0 below -87 and for
-// -inf. Cephes' expf: a degree-5 polynomial on x - n ln2, times 2^n.
-EMLX_INLINE v8 exp_nonpositive(v8 x) {
-  const i32x8 keep = x >= -87.0f;
-  x = keep ? x : splat(-87.0f);
-  const v8 fx = x * 1.44269504088896341f + 0.5f;
-  v8 n = __builtin_convertvector(__builtin_convertvector(fx, i32x8), v8);  // toward zero
-  n = n > fx ? n - 1.0f : n;                                                // floor
-  const v8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  v8 two_n;
-  __builtin_memcpy(&two_n, &bits, sizeof two_n);
-  return keep ? p * two_n : v8{};
-}
 
 // out[0, 8 NV) = sum over columns c in [c0, c1) of p[c - c0] * v row c.
 template <int NV>
@@ -356,8 +315,14 @@ void attend_few_generic(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t
 __attribute__((target("avx2,fma"))) void attend_few_avx2(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t h1) {
   attend_few(t, b, g, h0, h1);
 }
+
+__attribute__((target("avx2,fma"))) void attend_block_avx2(const Task& t, int64_t b, int64_t h, int64_t i0,
+                                                           int64_t i1) {
+  attend_block(t, b, h, i0, i1);
+}
 #else
 constexpr auto attend_few_avx2 = attend_few_generic;
+constexpr auto attend_block_avx2 = attend_block_generic;
 #endif
 
 class Attention : public CpuKernel {
@@ -391,10 +356,11 @@ class Attention : public CpuKernel {
         return;
       }
       const int64_t blocks = (L + kQueryBlock - 1) / kQueryBlock;
+      const auto block_of = has_avx2() ? attend_block_avx2 : attend_block_generic;
       parallel_for(static_cast<int>(B * H * blocks), [&](int task) {
         const int64_t block = task % blocks, bh = task / blocks;
         const int64_t i0 = block * kQueryBlock;
-        attend_block(t, bh / H, bh % H, i0, std::min(L, i0 + kQueryBlock));
+        block_of(t, bh / H, bh % H, i0, std::min(L, i0 + kQueryBlock));
       });
     };
   }
