@@ -16,10 +16,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # with its last (scripts/dev runs --dist loadfile --no-loadscope-reorder), so
 # starting with the long files keeps both workers busy to the end: a long
 # file started last kept one worker alone for the final ~100 s.
-LONGEST_FIRST = ["test_ops.py", "test_llm.py", "test_hardening.py", "test_documented_commands.py",
-                 "test_quantized.py", "test_llm_ops.py", "test_sampler.py", "test_speculative.py",
-                 "test_cpp_runner.py", "test_fuzz.py", "test_serve.py", "test_sampling.py", "test_docs_and_tools.py",
-                 "test_runtime.py", "test_container_fuzz.py"]
+LONGEST_FIRST = ["test_llm.py", "test_ops.py", "test_hardening.py", "test_documented_commands.py",
+                 "test_llm_ops.py", "test_quantized.py", "test_fuzz.py", "test_sampler.py", "test_speculative.py",
+                 "test_sampling.py", "test_runtime.py", "test_container_fuzz.py", "test_serve.py",
+                 "test_docs_and_tools.py", "test_structured.py", "test_cpp_runner.py", "test_structure.py"]
 
 
 def pytest_collection_modifyitems(items):
