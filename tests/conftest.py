@@ -157,8 +157,7 @@ def _lighter_cia_override():
 
     original = exported_program._override_composite_implicit_decomp
     source = inspect.getsource(getattr(original, "__wrapped__", original))
-    copied = "4422dc79d0792af728dd8eacf0a2fadcf00195c8802ceca15632b737d9d5c9bd"  # sha256 of torch 2.13.0's
-    if hashlib.sha256(source.encode()).hexdigest() != copied:
+    if hashlib.sha256(source.encode()).hexdigest() != "4422dc79d0792af728dd8eacf0a2fadcf00195c8802ceca15632b737d9d5c9bd":
         return  # another torch: its own function
     cia = torch._C.DispatchKey.CompositeImplicitAutograd
 
