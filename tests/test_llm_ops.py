@@ -363,12 +363,14 @@ def test_attention_kernel_row_that_attends_nothing_is_zero_like_torch():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_kernel_rows_equal_one_row_calls_bit_for_bit():
+@pytest.mark.parametrize("D,Dv", [(16, 24), (12, 20)], ids=["vectors", "other-head-dims"])
+def test_attention_kernel_rows_equal_one_row_calls_bit_for_bit(D, Dv):
     """A call of a few query rows (speculative verification) computes each row
     as a one-row call (a decode step) does, whatever key columns the other
-    rows attend: here a sliding window moves each row's first column."""
+    rows attend: here a sliding window moves each row's first column. (Head
+    dims not a multiple of 8 take the kernel's other few-row path.)"""
     S, L = 40, 5
-    q, k, v = rand((1, 4, L, 16)), rand((1, 2, S, 16)), rand((1, 2, S, 24))
+    q, k, v = rand((1, 4, L, D)), rand((1, 2, S, D)), rand((1, 2, S, Dv))
     pos, cols = torch.arange(S - 3 - L, S - 3)[:, None], torch.arange(S)[None, :]
     mask = ((cols <= pos) & (cols > pos - 11))[None, None]  # first columns 22..26
     fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)  # noqa: E731

@@ -112,12 +112,15 @@ EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, i
     std::fill(out, out + rows * Dv, 0.0f);
     return;
   }
-  // Score rows padded to whole vectors with -inf (e^-inf = 0).
-  const int64_t cols = j1 - j0, ld = (cols + 7) & ~int64_t{7};
-  scores.assign(rows * ld, -std::numeric_limits<float>::infinity());
   // A decoding step has one query row: sgemm would first pack (copy) the
   // keys and values it reads once.
   const bool few = rows < kGemmRows;
+  // Few rows: softmax lanes tied to absolute key columns, as in attend_few
+  // (the columns added are masked for every row of the block).
+  if (few) j0 &= ~int64_t{7};
+  // Score rows padded to whole vectors with -inf (e^-inf = 0).
+  const int64_t cols = j1 - j0, ld = (cols + 7) & ~int64_t{7};
+  scores.assign(rows * ld, -std::numeric_limits<float>::infinity());
   if (few) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) scores[r * ld + c] = t.scale * dot(qp + r * ldq, kp + (j0 + c) * ldk, D);
