@@ -63,13 +63,7 @@ class Silu : public CpuKernel {
     return [gated = gated_](const std::vector<mx::array>& inputs, mx::array& out) {
       std::vector<uint8_t> packed[2];
       const float* in[2] = {nullptr, nullptr};
-      for (int k = 0; k < (gated ? 2 : 1); ++k) {
-        in[k] = inputs[k].data<float>();
-        if (!inputs[k].flags().row_contiguous) {
-          packed[k] = row_major_bytes(inputs[k]);
-          in[k] = reinterpret_cast<const float*>(packed[k].data());
-        }
-      }
+      for (int k = 0; k < (gated ? 2 : 1); ++k) in[k] = row_major_data<float>(inputs[k], packed[k]);
       const auto range = has_avx2() ? silu_range_avx2 : silu_range_generic;
       float* od = out.data<float>();
       parallel_rows(static_cast<int64_t>(out.size()), kChunk,

@@ -69,11 +69,76 @@ struct Task {
   float* out;  // [B, H, L, Dv], contiguous
 };
 
-// Whether query row i may attend key column j (the mask's [b, h] plane given).
-inline bool attends(const Task& t, const uint8_t* bool_plane, const float* add_plane, int64_t i, int64_t j) {
+constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
+// The mask's [b, h] plane: boolean or additive (both null without a mask).
+struct Plane {
+  const uint8_t* bools = nullptr;
+  const float* adds = nullptr;
+};
+
+Plane plane_of(const Task& t, int64_t b, int64_t h) {
+  Plane p;
+  if (t.kind == MaskKind::None) return p;
   const auto& st = t.mask->strides();
-  if (t.kind == MaskKind::Bool) return bool_plane[i * st[2] + j * st[3]] != 0;
-  return add_plane[i * st[2] + j * st[3]] != -std::numeric_limits<float>::infinity();
+  const int64_t offset = b * st[0] + h * st[1];
+  if (t.kind == MaskKind::Bool) p.bools = t.mask->data<uint8_t>() + offset;
+  else p.adds = t.mask->data<float>() + offset;
+  return p;
+}
+
+// Whether query row i may attend key column j (a mask given).
+inline bool attends(const Task& t, const Plane& p, int64_t i, int64_t j) {
+  const auto& st = t.mask->strides();
+  if (t.kind == MaskKind::Bool) return p.bools[i * st[2] + j * st[3]] != 0;
+  return p.adds[i * st[2] + j * st[3]] != kMasked;
+}
+
+// Widens [j0, j1) to the key columns that query rows [i0, i1) of plane p
+// attend (S columns; a mask given).
+void widen_to_attended(const Task& t, const Plane& p, int64_t i0, int64_t i1, int64_t S, int64_t& j0, int64_t& j1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t first = 0, last = S;
+    while (first < S && !attends(t, p, i, first)) ++first;
+    while (last > first && !attends(t, p, i, last - 1)) --last;
+    if (first < last) j0 = std::min(j0, first), j1 = std::max(j1, last);
+  }
+}
+
+// Scores s of query row i for key columns c0, c0 + 1, ... (width of them):
+// -inf outside [j0, j1) and where the mask forbids, the additive mask added.
+inline void mask_scores(const Task& t, const Plane& p, int64_t i, float* s, int64_t c0, int64_t width, int64_t j0,
+                        int64_t j1) {
+  for (int64_t c = 0; c < width; ++c) {
+    const int64_t j = c0 + c;
+    if (j < j0 || j >= j1) {
+      s[c] = kMasked;
+    } else if (t.kind == MaskKind::Bool) {
+      if (!attends(t, p, i, j)) s[c] = kMasked;
+    } else if (t.kind == MaskKind::Additive) {
+      const auto& st = t.mask->strides();
+      s[c] += p.adds[i * st[2] + j * st[3]];
+    }
+  }
+}
+
+// Softmax of a score row in place (width a multiple of 8; lane l sums the
+// columns l, l + 8, ...). False, s untouched, when every score is -inf.
+EMLX_INLINE bool softmax_in_place(float* s, int64_t width) {
+  v8 top8 = splat(kMasked);
+  for (int64_t c = 0; c < width; c += 8) top8 = top8 > load8(s + c) ? top8 : load8(s + c);
+  float top = kMasked;
+  for (int l = 0; l < 8; ++l) top = std::max(top, top8[l]);
+  if (top == kMasked) return false;
+  v8 sum8 = {};
+  for (int64_t c = 0; c < width; c += 8) {
+    const v8 e = exp_nonpositive(load8(s + c) - top);
+    store8(s + c, e);
+    sum8 += e;
+  }
+  const float inv = 1.0f / sum_lanes(sum8);
+  for (int64_t c = 0; c < width; c += 8) store8(s + c, load8(s + c) * inv);
+  return true;
 }
 
 EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
@@ -87,27 +152,11 @@ EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, i
   const float* kp = rows_of(k, b, g, ks, ldk);
   const float* vp = rows_of(v, b, g, vs, ldv);
   float* out = t.out + ((b * H + h) * L + i0) * Dv;
-
-  const uint8_t* bool_plane = nullptr;
-  const float* add_plane = nullptr;
-  if (t.kind != MaskKind::None) {
-    const auto& st = t.mask->strides();
-    const int64_t offset = b * st[0] + h * st[1];
-    if (t.kind == MaskKind::Bool) bool_plane = t.mask->data<uint8_t>() + offset;
-    else add_plane = t.mask->data<float>() + offset;
-  }
+  const Plane plane = plane_of(t, b, h);
   // The key columns any query of the block attends: [j0, j1). A causal
   // mask leaves the later columns of early blocks out entirely.
   int64_t j0 = 0, j1 = S;
-  if (t.kind != MaskKind::None) {
-    j0 = S, j1 = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      int64_t first = 0, last = S;
-      while (first < S && !attends(t, bool_plane, add_plane, i, first)) ++first;
-      while (last > first && !attends(t, bool_plane, add_plane, i, last - 1)) --last;
-      if (first < last) j0 = std::min(j0, first), j1 = std::max(j1, last);
-    }
-  }
+  if (t.kind != MaskKind::None) j0 = S, j1 = 0, widen_to_attended(t, plane, i0, i1, S, j0, j1);
   if (j1 <= j0) {  // a query that attends nothing gets zeros, as in torch
     std::fill(out, out + rows * Dv, 0.0f);
     return;
@@ -117,60 +166,35 @@ EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, i
   const bool few = rows < kGemmRows;
   // Few rows: softmax lanes tied to absolute key columns, as in attend_few
   // (the columns added are masked for every row of the block).
-  if (few) j0 &= ~int64_t{7};
+  const int64_t c0 = few ? j0 & ~int64_t{7} : j0;
   // Score rows padded to whole vectors with -inf (e^-inf = 0).
-  const int64_t cols = j1 - j0, ld = (cols + 7) & ~int64_t{7};
-  scores.assign(rows * ld, -std::numeric_limits<float>::infinity());
+  const int64_t cols = j1 - c0, ld = (cols + 7) & ~int64_t{7};
+  scores.assign(rows * ld, kMasked);
   if (few) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) scores[r * ld + c] = t.scale * dot(qp + r * ldq, kp + (j0 + c) * ldk, D);
+      for (int64_t c = 0; c < cols; ++c) scores[r * ld + c] = t.scale * dot(qp + r * ldq, kp + (c0 + c) * ldk, D);
     }
   } else {
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + j0 * ldk, ldk,
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, D, t.scale, qp, ldq, kp + c0 * ldk, ldk,
                       0.0f, scores.data(), ld);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores.data() + r * ld;
-    if (t.kind != MaskKind::None) {
-      const auto& st = t.mask->strides();
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t at = (i0 + r) * st[2] + (j0 + c) * st[3];
-        if (t.kind == MaskKind::Bool) {
-          if (!bool_plane[at]) s[c] = -std::numeric_limits<float>::infinity();
-        } else {
-          s[c] += add_plane[at];
-        }
-      }
-    }
-    v8 top8 = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t c = 0; c < ld; c += 8) top8 = top8 > load8(s + c) ? top8 : load8(s + c);
-    float top = top8[0];
-    for (int l = 1; l < 8; ++l) top = std::max(top, top8[l]);
-    if (top == -std::numeric_limits<float>::infinity()) {
-      std::fill(s, s + ld, 0.0f);
-      continue;
-    }
-    v8 sum8 = {};
-    for (int64_t c = 0; c < ld; c += 8) {
-      const v8 e = exp_nonpositive(load8(s + c) - top);
-      store8(s + c, e);
-      sum8 += e;
-    }
-    const float inv = 1.0f / sum_lanes(sum8);
-    for (int64_t c = 0; c < ld; c += 8) store8(s + c, load8(s + c) * inv);
+    if (t.kind != MaskKind::None) mask_scores(t, plane, i0 + r, s, c0, cols, j0, j1);
+    if (!softmax_in_place(s, ld)) std::fill(s, s + ld, 0.0f);
   }
   if (few) {
     std::fill(out, out + rows * Dv, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < cols; ++c) {
         const float p = scores[r * ld + c];
-        const float* vr = vp + (j0 + c) * ldv;
+        const float* vr = vp + (c0 + c) * ldv;
         for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] += p * vr[d];
       }
     }
   } else {
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), ld,
-                      vp + j0 * ldv, ldv, 0.0f, out, Dv);
+                      vp + c0 * ldv, ldv, 0.0f, out, Dv);
   }
 }
 
@@ -204,7 +228,6 @@ EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int
   const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
   const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int64_t S = k.shape(2), Dv = v.shape(3), heads = h1 - h0, nq = heads * L;
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   thread_local std::vector<float> qbuf, ks, vs, scores;
   qbuf.resize(nq * D);
   for (int64_t h = h0; h < h1; ++h) {  // query rows, contiguous
@@ -218,29 +241,11 @@ EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int
   int64_t ldk, ldv;
   const float* kp = rows_of(k, b, g, ks, ldk);
   const float* vp = rows_of(v, b, g, vs, ldv);
-  auto plane = [&](int64_t h, const uint8_t*& bools, const float*& adds) {
-    bools = nullptr, adds = nullptr;
-    if (t.kind == MaskKind::None) return;
-    const auto& st = t.mask->strides();
-    const int64_t offset = b * st[0] + h * st[1];
-    if (t.kind == MaskKind::Bool) bools = t.mask->data<uint8_t>() + offset;
-    else adds = t.mask->data<float>() + offset;
-  };
   // The key columns any query attends: [j0, j1).
   int64_t j0 = 0, j1 = S;
   if (t.kind != MaskKind::None) {
     j0 = S, j1 = 0;
-    for (int64_t h = h0; h < h1; ++h) {
-      const uint8_t* bools;
-      const float* adds;
-      plane(h, bools, adds);
-      for (int64_t i = 0; i < L; ++i) {
-        int64_t first = 0, last = S;
-        while (first < S && !attends(t, bools, adds, i, first)) ++first;
-        while (last > first && !attends(t, bools, adds, i, last - 1)) --last;
-        if (first < last) j0 = std::min(j0, first), j1 = std::max(j1, last);
-      }
-    }
+    for (int64_t h = h0; h < h1; ++h) widen_to_attended(t, plane_of(t, b, h), 0, L, S, j0, j1);
   }
   float* out0 = t.out + ((b * H + h0) * L) * Dv;  // the heads' rows are adjacent
   if (j1 <= j0) {
@@ -263,39 +268,13 @@ EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int
     }
   }
   for (int64_t n = 0; n < nq; ++n) {
-    const int64_t h = h0 + n / L, i = n % L;
-    const uint8_t* bools;
-    const float* adds;
-    plane(h, bools, adds);
     float* s = scores.data() + n * cols;
-    for (int64_t c = 0; c < cols; ++c) {
-      const int64_t j = c0 + c;
-      if (j < j0 || j >= j1) {
-        s[c] = kMasked;
-      } else if (t.kind == MaskKind::Bool) {
-        if (!attends(t, bools, adds, i, j)) s[c] = kMasked;
-      } else if (t.kind == MaskKind::Additive) {
-        const auto& st = t.mask->strides();
-        s[c] += adds[i * st[2] + j * st[3]];
-      }
-    }
-    v8 top8 = splat(kMasked);
-    for (int64_t c = 0; c < cols; c += 8) top8 = top8 > load8(s + c) ? top8 : load8(s + c);
-    float top = kMasked;
-    for (int l = 0; l < 8; ++l) top = std::max(top, top8[l]);
+    mask_scores(t, plane_of(t, b, h0 + n / L), n % L, s, c0, cols, j0, j1);
     float* out = out0 + n * Dv;
-    if (top == kMasked) {  // a query that attends nothing gets zeros, as in torch
+    if (!softmax_in_place(s, cols)) {  // a query that attends nothing gets zeros, as in torch
       std::fill(out, out + Dv, 0.0f);
       continue;
     }
-    v8 sum8 = {};
-    for (int64_t c = 0; c < cols; c += 8) {
-      const v8 e = exp_nonpositive(load8(s + c) - top);
-      store8(s + c, e);
-      sum8 += e;
-    }
-    const float inv = 1.0f / sum_lanes(sum8);
-    for (int64_t c = 0; c < cols; c += 8) store8(s + c, load8(s + c) * inv);
     int64_t d = 0;
     for (; d + 64 <= Dv; d += 64) weighted_rows<8>(s, vp + d, ldv, c0, j1, out + d);
     switch ((Dv - d) / 8) {

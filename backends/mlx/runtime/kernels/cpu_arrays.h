@@ -45,6 +45,15 @@ inline std::vector<uint8_t> row_major_bytes(const mlx::core::array& a) {
   return out;
 }
 
+// `a`'s data in row-major order: its own buffer when row-contiguous, else a
+// copy made into `packed` (which must outlive the pointer).
+template <class T>
+inline const T* row_major_data(const mlx::core::array& a, std::vector<uint8_t>& packed) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  packed = row_major_bytes(a);
+  return static_cast<const T*>(static_cast<const void*>(packed.data()));
+}
+
 // `a` itself when it is evaluated and row-contiguous (weights are: a
 // contiguous() would add an MLX node, a task scheduled per call, for
 // nothing), else a contiguous copy.

@@ -286,11 +286,7 @@ class Linear : public CpuKernel {
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
       std::vector<uint8_t> packed;
-      const void* xdata = x.data<void>();
-      if (!x.flags().row_contiguous) {
-        packed = row_major_bytes(x);
-        xdata = packed.data();
-      }
+      const void* xdata = row_major_data<void>(x, packed);
       std::vector<float> x32, out32;
       Operands o{};
       o.format = format, o.group = group;

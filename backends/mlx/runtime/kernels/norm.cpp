@@ -44,11 +44,7 @@ class RmsNorm : public CpuKernel {
     return [eps = eps_, has_weight = has_weight_](const std::vector<mx::array>& inputs, mx::array& out) {
       const auto& x = inputs[0];
       std::vector<uint8_t> packed;
-      const float* xd = x.data<float>();
-      if (!x.flags().row_contiguous) {
-        packed = row_major_bytes(x);
-        xd = reinterpret_cast<const float*>(packed.data());
-      }
+      const float* xd = row_major_data<float>(x, packed);
       const float* w = has_weight ? inputs[1].data<float>() : nullptr;
       const int64_t D = x.shape(-1), rows = x.size() / D;
       float* od = out.data<float>();
