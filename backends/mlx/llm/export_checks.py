@@ -125,8 +125,9 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 def check_architecture(config: dict, model_dir: str | Path) -> None:
     """Any decoder-only causal LM of transformers whose layers attend with a
-    key/value cache; what export does not build yet (mixture-of-experts
-    layers, latent attention, state layers) is an error naming it."""
+    key/value cache; what export does not build yet (latent attention, state
+    layers) is an error naming it. Mixture-of-experts layers are checked once
+    the model is built (llm/experts.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(model_dir) / "config.json"
@@ -134,8 +135,6 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
                          "(AutoModelForCausalLM)")
-    if any(config.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")):
-        raise NotImplementedError(f"{path}: {arch} has mixture-of-experts layers, which export does not lower yet")
     if config.get("kv_lora_rank"):
         raise NotImplementedError(f"{path}: {arch} uses multi-head latent attention, which needs a latent KV cache "
                                   "(not built yet)")

@@ -35,6 +35,7 @@ from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
+from .experts import route_experts
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
@@ -229,6 +230,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
     model = load_weights(model_dir, DTYPES[dtype])
+    experts = route_experts(model, config, model_dir)
+    if experts:
+        stage(f"{len(experts)} mixture-of-experts layers")
     if quantize is not None:
         layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
                                 embedding=quantize_embedding)

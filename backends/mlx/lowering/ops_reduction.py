@@ -1,12 +1,14 @@
-"""Reductions along axes, arg-reductions and (log-)softmax."""
+"""Reductions along axes, arg-reductions, top-k and (log-)softmax."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from ..serialization import ir
 from .builder import GraphBuilder, meta_val, node_arg
-from .registry import handles
+from .registry import Unsupported, handles
 
 aten = torch.ops.aten
 
@@ -100,6 +102,47 @@ def _argreduce_handler(op_cls, *ops):
 
 _argreduce_handler(ir.ArgmaxNode, aten.argmax.default)
 _argreduce_handler(ir.ArgminNode, aten.argmin.default)
+
+
+def _reduce_with_index_handler(value_cls, index_cls, op):
+    @handles(op)
+    def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
+        """(values, indices) along one axis; the indices only when read."""
+        values, indices = meta_val(node)
+        x = b.get(node.args[0])
+        if len(x.shape) == 0:
+            raise Unsupported(f"{op} of a 0-d tensor")
+        axis, keepdim = node.args[1] % len(x.shape), bool(node_arg(node, 2, "keepdim", False))
+        v = b.emit(value_cls, x.dtype, values.shape, a=x.tid, axes=[axis], keepdims=keepdim)
+        i = None
+        if any(user.target is operator.getitem and user.args[1] == 1 for user in node.users):
+            i = b.cast(b.emit(index_cls, torch.int32, indices.shape, a=x.tid, axis=axis, keepdims=keepdim),
+                       indices.dtype)
+        b.bind(node, [v, i])
+
+    return handler
+
+
+_reduce_with_index_handler(ir.MaxNode, ir.ArgmaxNode, aten.max.dim)
+_reduce_with_index_handler(ir.MinNode, ir.ArgminNode, aten.min.dim)
+
+
+@handles(aten.topk.default)
+def topk(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """(values, indices) of the k largest (or smallest) along `dim`, in
+    order; equal values in index order (torch leaves their order open)."""
+    values, indices = meta_val(node)
+    x = b.get(node.args[0])
+    k = node.args[1]
+    if not isinstance(k, int) or len(x.shape) == 0:
+        raise Unsupported("topk needs a fixed k and at least one axis")
+    axis = node_arg(node, 2, "dim", -1) % len(x.shape)
+    keys = b.cast(x, x.dtype if x.dtype.is_floating_point else torch.float32)
+    if not node_arg(node, 3, "largest", True):
+        keys = b.emit(ir.NegativeNode, keys.dtype, keys.shape, a=keys.tid)
+    ids = b.emit(ir.ArgTopKNode, torch.int32, indices.shape, a=keys.tid, k=k, axis=axis)
+    picked = b.emit(ir.TakeAlongAxisNode, x.dtype, values.shape, a=x.tid, indices=ids.tid, axis=axis)
+    b.bind(node, [b.cast(picked, values.dtype), b.cast(ids, indices.dtype)])
 
 
 def _softmax_input(b: GraphBuilder, node: torch.fx.Node):

@@ -63,6 +63,7 @@ def _load_handlers() -> None:
         ops_attention,
         ops_creation,
         ops_elementwise,
+        ops_experts,
         ops_linalg,
         ops_quantized,
         ops_reduction,

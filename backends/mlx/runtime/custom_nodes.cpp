@@ -259,6 +259,83 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
                                   mx::take(biases, ids, 0), n->group_size(), n->bits()));
 }
 
+namespace {
+// Indices clamped into [0, size - 1], as uint32 (what MLX's gather kernels take).
+mx::array in_bounds(const mx::array& indices, int size, const char* node) {
+  return mx::astype(mx::maximum(in_range(indices, size, node), mx::array(0, indices.dtype())), mx::uint32);
+}
+
+// x [T, K] or [T, k, K] against indices [T, k] as gather_mm's left operand
+// [T, 1 or k, 1, K] (its batch index defaults to the position: row t, or row t's expert j).
+mx::array expert_rows(const mx::array& x, const mx::array& indices, int K, const char* node) {
+  const bool shared = x.ndim() == 2;
+  if (indices.ndim() != 2 || (x.ndim() != 2 && x.ndim() != 3) || x.shape(0) != indices.shape(0) ||
+      (!shared && x.shape(1) != indices.shape(1)) || x.shape(-1) != K) {
+    throw std::invalid_argument(std::string(node) + ": x [T, K] or [T, k, K] and indices [T, k] expected");
+  }
+  return shared ? mx::expand_dims(x, {1, 2}) : mx::expand_dims(x, 2);
+}
+
+mx::array plus_expert_bias(mx::array y, const std::optional<mx::array>& bias, const mx::array& ids, int E, int N,
+                           const char* node) {
+  y = mx::squeeze(y, 2);  // [T, k, N]
+  if (!bias) return y;
+  if (bias->shape() != mx::Shape{E, N}) throw std::invalid_argument(std::string(node) + ": bias must be [E, N]");
+  return mx::add(y, mx::take(*bias, ids, 0));
+}
+}  // namespace
+
+void exec_ArgTopKNode(Interpreter& st, const ir::ArgTopKNode* n) {
+  const auto& a = st.get(n->a());
+  const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema
+  if (n->k() < 1 || n->k() > a.shape(axis)) throw std::invalid_argument("ArgTopKNode: k out of range");
+  // a stable sort of the negated values: largest first, ties in index order
+  auto order = mx::argsort(mx::negative(a), axis);
+  auto stop = a.shape();
+  stop[axis] = n->k();
+  st.set(n->out(), mx::astype(mx::slice(order, mx::Shape(a.ndim(), 0), stop), mx::int32));
+}
+
+void exec_TakeAlongAxisNode(Interpreter& st, const ir::TakeAlongAxisNode* n) {
+  const auto& a = st.get(n->a());
+  const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema
+  const auto& indices = st.get(n->indices());
+  if (indices.ndim() != a.ndim()) throw std::invalid_argument("TakeAlongAxisNode: indices must have a's rank");
+  st.set(n->out(), mx::take_along_axis(a, in_bounds(indices, a.shape(axis), "TakeAlongAxisNode"), axis));
+}
+
+void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
+  const auto& w = st.get(n->weight());
+  if (w.ndim() != 3) throw std::invalid_argument("GatherLinearNode: weight must be [E, N, K]");
+  const auto& indices = st.get(n->indices());
+  auto x = expert_rows(st.get(n->x()), indices, w.shape(2), "GatherLinearNode");
+  auto ids = in_bounds(indices, w.shape(0), "GatherLinearNode");
+  auto y = mx::gather_mm(mx::astype(x, w.dtype()), mx::swapaxes(w, 1, 2), std::nullopt, ids);
+  st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, w.shape(0), w.shape(1), "GatherLinearNode"));
+}
+
+void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLinearNode* n) {
+  const auto &w = st.get(n->weight()), &scales = st.get(n->scales()), &biases = st.get(n->biases());
+  const char* node = "GatherQuantizedLinearNode";
+  if (w.ndim() != 3 || scales.ndim() != 3 || biases.ndim() != 3) {
+    throw std::invalid_argument(std::string(node) + ": weight, scales and biases must be [E, N, ...]");
+  }
+  const int E = w.shape(0), N = w.shape(1);
+  const int K = static_cast<int>(static_cast<int64_t>(w.shape(2)) * 32 / std::max(n->bits(), 1));
+  if (scales.shape(0) != E || biases.shape(0) != E) {
+    throw std::invalid_argument(std::string(node) + ": scales and biases must have one row block per expert");
+  }
+  // the per-expert layout is QuantizedLinearNode's: check it as one [E * N, ...] table
+  check_quantization(node, mx::reshape(w, {E * N, w.shape(2)}), mx::reshape(scales, {E * N, scales.shape(2)}),
+                     mx::reshape(biases, {E * N, biases.shape(2)}), n->group_size(), n->bits(), K);
+  const auto& indices = st.get(n->indices());
+  auto x = expert_rows(st.get(n->x()), indices, K, node);
+  auto ids = in_bounds(indices, E, node);
+  auto y = mx::gather_qmm(mx::astype(x, scales.dtype()), mx::view(w, mx::uint32), scales, biases, std::nullopt, ids,
+                          /*transpose=*/true, n->group_size(), n->bits());
+  st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, E, N, node));
+}
+
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }
 
 }  // namespace emlx

@@ -92,6 +92,14 @@ class ArangeNode:
 
 
 @dataclass
+class ArgTopKNode:
+    a: Tid | None = None
+    k: int = 0
+    axis: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class ArgmaxNode:
     a: Tid | None = None
     axis: int = 0
@@ -255,6 +263,28 @@ class FullNode:
     dtype: DType = DType.float32
     out: Tid | None = None
     MLX_FN = 'full'
+
+
+@dataclass
+class GatherLinearNode:
+    x: Tid | None = None
+    weight: Tid | None = None
+    indices: Tid | None = None
+    bias: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
+class GatherQuantizedLinearNode:
+    x: Tid | None = None
+    weight: Tid | None = None
+    scales: Tid | None = None
+    biases: Tid | None = None
+    indices: Tid | None = None
+    bias: Tid | None = None
+    group_size: int = 0
+    bits: int = 0
+    out: Tid | None = None
 
 
 @dataclass
@@ -706,6 +736,14 @@ class Symbol:
 
 
 @dataclass
+class TakeAlongAxisNode:
+    a: Tid | None = None
+    indices: Tid | None = None
+    axis: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class TakeNode:
     a: Tid | None = None
     indices: Tid | None = None
@@ -742,8 +780,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -755,6 +793,7 @@ FIELD_TYPES = {
     'AllNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'AnyNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'ArangeNode': {'start': 'Double', 'stop': 'Double', 'step': 'Double', 'dtype': 'DType', 'out': 'Tid required'},
+    'ArgTopKNode': {'a': 'Tid required', 'k': 'Int', 'axis': 'Int', 'out': 'Tid required'},
     'ArgmaxNode': {'a': 'Tid required', 'axis': 'Int', 'keepdims': 'Bool', 'out': 'Tid required'},
     'ArgminNode': {'a': 'Tid required', 'axis': 'Int', 'keepdims': 'Bool', 'out': 'Tid required'},
     'AsTypeNode': {'a': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
@@ -776,6 +815,8 @@ FIELD_TYPES = {
     'ExpandDimsNode': {'a': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
     'Expm1Node': {'a': 'Tid required', 'out': 'Tid required'},
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
+    'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
+    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -829,6 +870,7 @@ FIELD_TYPES = {
     'SumNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'SymIntNode': {'code': '[Long] required', 'out': 'Tid required'},
     'Symbol': {'name': 'String', 'min': 'Long', 'max': 'Long'},
+    'TakeAlongAxisNode': {'a': 'Tid required', 'indices': 'Tid required', 'axis': 'Int', 'out': 'Tid required'},
     'TakeNode': {'a': 'Tid required', 'indices': 'Tid required', 'axis': 'Int', 'out': 'Tid required'},
     'TanhNode': {'a': 'Tid required', 'out': 'Tid required'},
     'Tid': {'idx': 'UInt'},
@@ -922,6 +964,21 @@ def _pack_ArangeNode(b, v):
 
 def _unpack_ArangeNode(r):
     return ArangeNode(start=r.Start(), stop=r.Stop(), step=r.Step(), dtype=DType(r.Dtype()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_ArgTopKNode(b, v):
+    fb.ArgTopKNodeStart(b)
+    if v.a is not None:
+        fb.ArgTopKNodeAddA(b, _pack_Tid(b, v.a))
+    fb.ArgTopKNodeAddK(b, v.k)
+    fb.ArgTopKNodeAddAxis(b, v.axis)
+    if v.out is not None:
+        fb.ArgTopKNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.ArgTopKNodeEnd(b)
+
+
+def _unpack_ArgTopKNode(r):
+    return ArgTopKNode(a=_opt(_unpack_Tid, r.A()), k=r.K(), axis=r.Axis(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ArgmaxNode(b, v):
@@ -1280,6 +1337,50 @@ def _pack_FullNode(b, v):
 
 def _unpack_FullNode(r):
     return FullNode(shape=[_unpack_IntOrSlot(r.Shape(i)) for i in range(r.ShapeLength())], value=_opt(_unpack_Tid, r.Value()), dtype=DType(r.Dtype()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_GatherLinearNode(b, v):
+    fb.GatherLinearNodeStart(b)
+    if v.x is not None:
+        fb.GatherLinearNodeAddX(b, _pack_Tid(b, v.x))
+    if v.weight is not None:
+        fb.GatherLinearNodeAddWeight(b, _pack_Tid(b, v.weight))
+    if v.indices is not None:
+        fb.GatherLinearNodeAddIndices(b, _pack_Tid(b, v.indices))
+    if v.bias is not None:
+        fb.GatherLinearNodeAddBias(b, _pack_Tid(b, v.bias))
+    if v.out is not None:
+        fb.GatherLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.GatherLinearNodeEnd(b)
+
+
+def _unpack_GatherLinearNode(r):
+    return GatherLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_GatherQuantizedLinearNode(b, v):
+    fb.GatherQuantizedLinearNodeStart(b)
+    if v.x is not None:
+        fb.GatherQuantizedLinearNodeAddX(b, _pack_Tid(b, v.x))
+    if v.weight is not None:
+        fb.GatherQuantizedLinearNodeAddWeight(b, _pack_Tid(b, v.weight))
+    if v.scales is not None:
+        fb.GatherQuantizedLinearNodeAddScales(b, _pack_Tid(b, v.scales))
+    if v.biases is not None:
+        fb.GatherQuantizedLinearNodeAddBiases(b, _pack_Tid(b, v.biases))
+    if v.indices is not None:
+        fb.GatherQuantizedLinearNodeAddIndices(b, _pack_Tid(b, v.indices))
+    if v.bias is not None:
+        fb.GatherQuantizedLinearNodeAddBias(b, _pack_Tid(b, v.bias))
+    fb.GatherQuantizedLinearNodeAddGroupSize(b, v.group_size)
+    fb.GatherQuantizedLinearNodeAddBits(b, v.bits)
+    if v.out is not None:
+        fb.GatherQuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.GatherQuantizedLinearNodeEnd(b)
+
+
+def _unpack_GatherQuantizedLinearNode(r):
+    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_Graph(b, v):
@@ -2299,6 +2400,22 @@ def _pack_Symbol(b, v):
 
 def _unpack_Symbol(r):
     return Symbol(name=_str(r.Name()), min=r.Min(), max=r.Max())
+
+
+def _pack_TakeAlongAxisNode(b, v):
+    fb.TakeAlongAxisNodeStart(b)
+    if v.a is not None:
+        fb.TakeAlongAxisNodeAddA(b, _pack_Tid(b, v.a))
+    if v.indices is not None:
+        fb.TakeAlongAxisNodeAddIndices(b, _pack_Tid(b, v.indices))
+    fb.TakeAlongAxisNodeAddAxis(b, v.axis)
+    if v.out is not None:
+        fb.TakeAlongAxisNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.TakeAlongAxisNodeEnd(b)
+
+
+def _unpack_TakeAlongAxisNode(r):
+    return TakeAlongAxisNode(a=_opt(_unpack_Tid, r.A()), indices=_opt(_unpack_Tid, r.Indices()), axis=r.Axis(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_TakeNode(b, v):

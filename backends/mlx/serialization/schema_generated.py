@@ -119,6 +119,10 @@ class Op(object):
     Expm1Node = 72
     Log1pNode = 73
     SiluNode = 74
+    ArgTopKNode = 75
+    TakeAlongAxisNode = 76
+    GatherLinearNode = 77
+    GatherQuantizedLinearNode = 78
 
 
 # Reference to a value slot of the graph.
@@ -6182,6 +6186,410 @@ def SiluNodeAddOut(builder, out):
     builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def SiluNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# The indices (int32) of the k largest values of `a` along `axis`, largest
+# first, equal values in index order; 1 <= k <= the axis' size.
+# (torch.topk: its values are these indices' TakeAlongAxisNode.)
+class ArgTopKNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = ArgTopKNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsArgTopKNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def ArgTopKNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # ArgTopKNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # ArgTopKNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # ArgTopKNode
+    def K(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # ArgTopKNode
+    def Axis(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # ArgTopKNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def ArgTopKNodeStart(builder):
+    builder.StartObject(4)
+
+def ArgTopKNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def ArgTopKNodeAddK(builder, k):
+    builder.PrependInt32Slot(1, k, 0)
+
+def ArgTopKNodeAddAxis(builder, axis):
+    builder.PrependInt32Slot(2, axis, 0)
+
+def ArgTopKNodeAddOut(builder, out):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def ArgTopKNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# take_along_axis(a, indices, axis); indices are clamped into [0, n-1]
+# (n = the axis size) first.
+class TakeAlongAxisNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = TakeAlongAxisNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsTakeAlongAxisNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def TakeAlongAxisNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # TakeAlongAxisNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # TakeAlongAxisNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # TakeAlongAxisNode
+    def Indices(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # TakeAlongAxisNode
+    def Axis(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # TakeAlongAxisNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def TakeAlongAxisNodeStart(builder):
+    builder.StartObject(4)
+
+def TakeAlongAxisNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def TakeAlongAxisNodeAddIndices(builder, indices):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(indices), 0)
+
+def TakeAlongAxisNodeAddAxis(builder, axis):
+    builder.PrependInt32Slot(2, axis, 0)
+
+def TakeAlongAxisNodeAddOut(builder, out):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def TakeAlongAxisNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# A mixture-of-experts projection (custom_kernel_ops/experts.py):
+# out[t, j] = x[t] (or x[t, j]) @ weight[indices[t, j]]^T (+ bias[indices[t, j]]),
+# x [T, K] or [T, k, K], indices [T, k] (clamped into [0, E)), weight
+# [E, N, K], bias [E, N] -> [T, k, N]. Runs mlx::core::gather_mm, which
+# reads only the experts the rows use.
+class GatherLinearNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = GatherLinearNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsGatherLinearNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def GatherLinearNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # GatherLinearNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # GatherLinearNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherLinearNode
+    def Weight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherLinearNode
+    def Indices(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherLinearNode
+    def Bias(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherLinearNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def GatherLinearNodeStart(builder):
+    builder.StartObject(5)
+
+def GatherLinearNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def GatherLinearNodeAddWeight(builder, weight):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(weight), 0)
+
+def GatherLinearNodeAddIndices(builder, indices):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(indices), 0)
+
+def GatherLinearNodeAddBias(builder, bias):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(bias), 0)
+
+def GatherLinearNodeAddOut(builder, out):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def GatherLinearNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# GatherLinearNode on weights in QuantizedLinearNode's layout, one per
+# expert: weight [E, N, K * bits / 32], scales and biases [E, N, K / group_size].
+# Runs mlx::core::gather_qmm.
+class GatherQuantizedLinearNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = GatherQuantizedLinearNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsGatherQuantizedLinearNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def GatherQuantizedLinearNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # GatherQuantizedLinearNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # GatherQuantizedLinearNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def Weight(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def Scales(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def Biases(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def Indices(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def Bias(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatherQuantizedLinearNode
+    def GroupSize(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # GatherQuantizedLinearNode
+    def Bits(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # GatherQuantizedLinearNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def GatherQuantizedLinearNodeStart(builder):
+    builder.StartObject(9)
+
+def GatherQuantizedLinearNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def GatherQuantizedLinearNodeAddWeight(builder, weight):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(weight), 0)
+
+def GatherQuantizedLinearNodeAddScales(builder, scales):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(scales), 0)
+
+def GatherQuantizedLinearNodeAddBiases(builder, biases):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(biases), 0)
+
+def GatherQuantizedLinearNodeAddIndices(builder, indices):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(indices), 0)
+
+def GatherQuantizedLinearNodeAddBias(builder, bias):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(bias), 0)
+
+def GatherQuantizedLinearNodeAddGroupSize(builder, groupSize):
+    builder.PrependInt32Slot(6, groupSize, 0)
+
+def GatherQuantizedLinearNodeAddBits(builder, bits):
+    builder.PrependInt32Slot(7, bits, 0)
+
+def GatherQuantizedLinearNodeAddOut(builder, out):
+    builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def GatherQuantizedLinearNodeEnd(builder):
     return builder.EndObject()
 
 

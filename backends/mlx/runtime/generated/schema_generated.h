@@ -248,6 +248,18 @@ struct LayerNormNodeBuilder;
 struct SiluNode;
 struct SiluNodeBuilder;
 
+struct ArgTopKNode;
+struct ArgTopKNodeBuilder;
+
+struct TakeAlongAxisNode;
+struct TakeAlongAxisNodeBuilder;
+
+struct GatherLinearNode;
+struct GatherLinearNodeBuilder;
+
+struct GatherQuantizedLinearNode;
+struct GatherQuantizedLinearNodeBuilder;
+
 struct RopeNode;
 struct RopeNodeBuilder;
 
@@ -487,11 +499,15 @@ enum class Op : uint8_t {
   Expm1Node = 72,
   Log1pNode = 73,
   SiluNode = 74,
+  ArgTopKNode = 75,
+  TakeAlongAxisNode = 76,
+  GatherLinearNode = 77,
+  GatherQuantizedLinearNode = 78,
   MIN = NONE,
-  MAX = SiluNode
+  MAX = GatherQuantizedLinearNode
 };
 
-inline const Op (&EnumValuesOp())[75] {
+inline const Op (&EnumValuesOp())[79] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -567,13 +583,17 @@ inline const Op (&EnumValuesOp())[75] {
     Op::LayerNormNode,
     Op::Expm1Node,
     Op::Log1pNode,
-    Op::SiluNode
+    Op::SiluNode,
+    Op::ArgTopKNode,
+    Op::TakeAlongAxisNode,
+    Op::GatherLinearNode,
+    Op::GatherQuantizedLinearNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[76] = {
+  static const char * const names[80] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -649,13 +669,17 @@ inline const char * const *EnumNamesOp() {
     "Expm1Node",
     "Log1pNode",
     "SiluNode",
+    "ArgTopKNode",
+    "TakeAlongAxisNode",
+    "GatherLinearNode",
+    "GatherQuantizedLinearNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SiluNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::GatherQuantizedLinearNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -958,6 +982,22 @@ template<> struct OpTraits<emlx::ir::Log1pNode> {
 
 template<> struct OpTraits<emlx::ir::SiluNode> {
   static const Op enum_value = Op::SiluNode;
+};
+
+template<> struct OpTraits<emlx::ir::ArgTopKNode> {
+  static const Op enum_value = Op::ArgTopKNode;
+};
+
+template<> struct OpTraits<emlx::ir::TakeAlongAxisNode> {
+  static const Op enum_value = Op::TakeAlongAxisNode;
+};
+
+template<> struct OpTraits<emlx::ir::GatherLinearNode> {
+  static const Op enum_value = Op::GatherLinearNode;
+};
+
+template<> struct OpTraits<emlx::ir::GatherQuantizedLinearNode> {
+  static const Op enum_value = Op::GatherQuantizedLinearNode;
 };
 
 template <bool B = false>
@@ -7065,6 +7105,406 @@ struct SiluNode::Traits {
   static auto constexpr Create = CreateSiluNode;
 };
 
+/// The indices (int32) of the k largest values of `a` along `axis`, largest
+/// first, equal values in index order; 1 <= k <= the axis' size.
+/// (torch.topk: its values are these indices' TakeAlongAxisNode.)
+struct ArgTopKNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef ArgTopKNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_K = 6,
+    VT_AXIS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  int32_t k() const {
+    return GetField<int32_t>(VT_K, 0);
+  }
+  int32_t axis() const {
+    return GetField<int32_t>(VT_AXIS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyField<int32_t>(verifier, VT_K, 4) &&
+           VerifyField<int32_t>(verifier, VT_AXIS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct ArgTopKNodeBuilder {
+  typedef ArgTopKNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(ArgTopKNode::VT_A, a);
+  }
+  void add_k(int32_t k) {
+    fbb_.AddElement<int32_t>(ArgTopKNode::VT_K, k, 0);
+  }
+  void add_axis(int32_t axis) {
+    fbb_.AddElement<int32_t>(ArgTopKNode::VT_AXIS, axis, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(ArgTopKNode::VT_OUT, out);
+  }
+  explicit ArgTopKNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<ArgTopKNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<ArgTopKNode>(end);
+    fbb_.Required(o, ArgTopKNode::VT_A);
+    fbb_.Required(o, ArgTopKNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<ArgTopKNode> CreateArgTopKNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    int32_t k = 0,
+    int32_t axis = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  ArgTopKNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axis(axis);
+  builder_.add_k(k);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct ArgTopKNode::Traits {
+  using type = ArgTopKNode;
+  static auto constexpr Create = CreateArgTopKNode;
+};
+
+/// take_along_axis(a, indices, axis); indices are clamped into [0, n-1]
+/// (n = the axis size) first.
+struct TakeAlongAxisNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef TakeAlongAxisNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_INDICES = 6,
+    VT_AXIS = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *indices() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_INDICES);
+  }
+  int32_t axis() const {
+    return GetField<int32_t>(VT_AXIS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyField<int32_t>(verifier, VT_AXIS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct TakeAlongAxisNodeBuilder {
+  typedef TakeAlongAxisNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(TakeAlongAxisNode::VT_A, a);
+  }
+  void add_indices(const emlx::ir::Tid *indices) {
+    fbb_.AddStruct(TakeAlongAxisNode::VT_INDICES, indices);
+  }
+  void add_axis(int32_t axis) {
+    fbb_.AddElement<int32_t>(TakeAlongAxisNode::VT_AXIS, axis, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(TakeAlongAxisNode::VT_OUT, out);
+  }
+  explicit TakeAlongAxisNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<TakeAlongAxisNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<TakeAlongAxisNode>(end);
+    fbb_.Required(o, TakeAlongAxisNode::VT_A);
+    fbb_.Required(o, TakeAlongAxisNode::VT_INDICES);
+    fbb_.Required(o, TakeAlongAxisNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<TakeAlongAxisNode> CreateTakeAlongAxisNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *indices = nullptr,
+    int32_t axis = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  TakeAlongAxisNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_axis(axis);
+  builder_.add_indices(indices);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct TakeAlongAxisNode::Traits {
+  using type = TakeAlongAxisNode;
+  static auto constexpr Create = CreateTakeAlongAxisNode;
+};
+
+/// A mixture-of-experts projection (custom_kernel_ops/experts.py):
+/// out[t, j] = x[t] (or x[t, j]) @ weight[indices[t, j]]^T (+ bias[indices[t, j]]),
+/// x [T, K] or [T, k, K], indices [T, k] (clamped into [0, E)), weight
+/// [E, N, K], bias [E, N] -> [T, k, N]. Runs mlx::core::gather_mm, which
+/// reads only the experts the rows use.
+struct GatherLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GatherLinearNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_INDICES = 8,
+    VT_BIAS = 10,
+    VT_OUT = 12
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *indices() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_INDICES);
+  }
+  const emlx::ir::Tid *bias() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIAS);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GatherLinearNodeBuilder {
+  typedef GatherLinearNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(GatherLinearNode::VT_X, x);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(GatherLinearNode::VT_WEIGHT, weight);
+  }
+  void add_indices(const emlx::ir::Tid *indices) {
+    fbb_.AddStruct(GatherLinearNode::VT_INDICES, indices);
+  }
+  void add_bias(const emlx::ir::Tid *bias) {
+    fbb_.AddStruct(GatherLinearNode::VT_BIAS, bias);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(GatherLinearNode::VT_OUT, out);
+  }
+  explicit GatherLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GatherLinearNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GatherLinearNode>(end);
+    fbb_.Required(o, GatherLinearNode::VT_X);
+    fbb_.Required(o, GatherLinearNode::VT_WEIGHT);
+    fbb_.Required(o, GatherLinearNode::VT_INDICES);
+    fbb_.Required(o, GatherLinearNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GatherLinearNode> CreateGatherLinearNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *indices = nullptr,
+    const emlx::ir::Tid *bias = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  GatherLinearNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bias(bias);
+  builder_.add_indices(indices);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct GatherLinearNode::Traits {
+  using type = GatherLinearNode;
+  static auto constexpr Create = CreateGatherLinearNode;
+};
+
+/// GatherLinearNode on weights in QuantizedLinearNode's layout, one per
+/// expert: weight [E, N, K * bits / 32], scales and biases [E, N, K / group_size].
+/// Runs mlx::core::gather_qmm.
+struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GatherQuantizedLinearNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_WEIGHT = 6,
+    VT_SCALES = 8,
+    VT_BIASES = 10,
+    VT_INDICES = 12,
+    VT_BIAS = 14,
+    VT_GROUP_SIZE = 16,
+    VT_BITS = 18,
+    VT_OUT = 20
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *weight() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHT);
+  }
+  const emlx::ir::Tid *scales() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SCALES);
+  }
+  const emlx::ir::Tid *biases() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIASES);
+  }
+  const emlx::ir::Tid *indices() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_INDICES);
+  }
+  const emlx::ir::Tid *bias() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BIAS);
+  }
+  int32_t group_size() const {
+    return GetField<int32_t>(VT_GROUP_SIZE, 0);
+  }
+  int32_t bits() const {
+    return GetField<int32_t>(VT_BITS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
+           VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
+           VerifyField<int32_t>(verifier, VT_BITS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GatherQuantizedLinearNodeBuilder {
+  typedef GatherQuantizedLinearNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_X, x);
+  }
+  void add_weight(const emlx::ir::Tid *weight) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_WEIGHT, weight);
+  }
+  void add_scales(const emlx::ir::Tid *scales) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_SCALES, scales);
+  }
+  void add_biases(const emlx::ir::Tid *biases) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_BIASES, biases);
+  }
+  void add_indices(const emlx::ir::Tid *indices) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_INDICES, indices);
+  }
+  void add_bias(const emlx::ir::Tid *bias) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_BIAS, bias);
+  }
+  void add_group_size(int32_t group_size) {
+    fbb_.AddElement<int32_t>(GatherQuantizedLinearNode::VT_GROUP_SIZE, group_size, 0);
+  }
+  void add_bits(int32_t bits) {
+    fbb_.AddElement<int32_t>(GatherQuantizedLinearNode::VT_BITS, bits, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_OUT, out);
+  }
+  explicit GatherQuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GatherQuantizedLinearNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GatherQuantizedLinearNode>(end);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_X);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_WEIGHT);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_SCALES);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_BIASES);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_INDICES);
+    fbb_.Required(o, GatherQuantizedLinearNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLinearNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *weight = nullptr,
+    const emlx::ir::Tid *scales = nullptr,
+    const emlx::ir::Tid *biases = nullptr,
+    const emlx::ir::Tid *indices = nullptr,
+    const emlx::ir::Tid *bias = nullptr,
+    int32_t group_size = 0,
+    int32_t bits = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  GatherQuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_bits(bits);
+  builder_.add_group_size(group_size);
+  builder_.add_bias(bias);
+  builder_.add_indices(indices);
+  builder_.add_biases(biases);
+  builder_.add_scales(scales);
+  builder_.add_weight(weight);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct GatherQuantizedLinearNode::Traits {
+  using type = GatherQuantizedLinearNode;
+  static auto constexpr Create = CreateGatherQuantizedLinearNode;
+};
+
 /// Rotary position embedding as transformers applies it:
 /// x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2])
 /// on the last axis (D even); cos and sin broadcast to x, last axis D.
@@ -7835,6 +8275,18 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::SiluNode *op_as_SiluNode() const {
     return op_type() == emlx::ir::Op::SiluNode ? static_cast<const emlx::ir::SiluNode *>(op()) : nullptr;
   }
+  const emlx::ir::ArgTopKNode *op_as_ArgTopKNode() const {
+    return op_type() == emlx::ir::Op::ArgTopKNode ? static_cast<const emlx::ir::ArgTopKNode *>(op()) : nullptr;
+  }
+  const emlx::ir::TakeAlongAxisNode *op_as_TakeAlongAxisNode() const {
+    return op_type() == emlx::ir::Op::TakeAlongAxisNode ? static_cast<const emlx::ir::TakeAlongAxisNode *>(op()) : nullptr;
+  }
+  const emlx::ir::GatherLinearNode *op_as_GatherLinearNode() const {
+    return op_type() == emlx::ir::Op::GatherLinearNode ? static_cast<const emlx::ir::GatherLinearNode *>(op()) : nullptr;
+  }
+  const emlx::ir::GatherQuantizedLinearNode *op_as_GatherQuantizedLinearNode() const {
+    return op_type() == emlx::ir::Op::GatherQuantizedLinearNode ? static_cast<const emlx::ir::GatherQuantizedLinearNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8139,6 +8591,22 @@ template<> inline const emlx::ir::Log1pNode *Node::op_as<emlx::ir::Log1pNode>() 
 
 template<> inline const emlx::ir::SiluNode *Node::op_as<emlx::ir::SiluNode>() const {
   return op_as_SiluNode();
+}
+
+template<> inline const emlx::ir::ArgTopKNode *Node::op_as<emlx::ir::ArgTopKNode>() const {
+  return op_as_ArgTopKNode();
+}
+
+template<> inline const emlx::ir::TakeAlongAxisNode *Node::op_as<emlx::ir::TakeAlongAxisNode>() const {
+  return op_as_TakeAlongAxisNode();
+}
+
+template<> inline const emlx::ir::GatherLinearNode *Node::op_as<emlx::ir::GatherLinearNode>() const {
+  return op_as_GatherLinearNode();
+}
+
+template<> inline const emlx::ir::GatherQuantizedLinearNode *Node::op_as<emlx::ir::GatherQuantizedLinearNode>() const {
+  return op_as_GatherQuantizedLinearNode();
 }
 
 struct NodeBuilder {
@@ -8651,6 +9119,22 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::SiluNode: {
       auto ptr = reinterpret_cast<const emlx::ir::SiluNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::ArgTopKNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::ArgTopKNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::TakeAlongAxisNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::TakeAlongAxisNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::GatherLinearNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::GatherLinearNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::GatherQuantizedLinearNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::GatherQuantizedLinearNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -1,0 +1,82 @@
+"""Mixture-of-experts layers for export.
+
+transformers stores a family's experts as 3-D weights in one module (the
+classes under its `@use_experts_implementation`: Qwen2/3-MoE, Mixtral,
+GraniteMoE, gpt-oss, OLMoE, ...) and runs them, by default, in a loop over
+the experts a batch hits (`nonzero`, data-dependent shapes that neither
+torch.export nor a static graph takes). `route_experts` gives each such
+module a forward of ours: every row goes through its k experts with
+`mlx::gather_linear` (custom_kernel_ops/experts.py), one IR node per
+projection that reads only the chosen experts' weights, then the k outputs
+are weighted and summed. The router (top-k over the gate's logits, softmax or
+sigmoid, normalisation, shared experts) stays the family's own code, which
+lowers as ordinary ops.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+from ..custom_kernel_ops import experts as _experts_ops  # noqa: F401  (defines the ops)
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """A transformers experts module (what `@use_experts_implementation` sets up)."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and \
+        isinstance(getattr(module, "down_proj", None), torch.Tensor)
+
+
+def projections(module: torch.nn.Module) -> tuple[str, str]:
+    """The names of the module's two expert weights, input side first."""
+    return ("gate_up_proj" if module.has_gate else "up_proj"), "down_proj"
+
+
+def _project(module: torch.nn.Module, name: str, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    bias = getattr(module, f"{name}_bias") if module.has_bias else None
+    quantized = getattr(module, f"{name}_quantized", None)  # llm/quantize.py
+    if quantized is not None:
+        return quantized(x, indices, bias)
+    return torch.ops.mlx.gather_linear(x, getattr(module, name), indices, bias)
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H], the router's expert ids and weights [T, k] -> [T, H]."""
+    first, down = projections(self)
+    h = _project(self, first, hidden_states, top_k_index)  # [T, k, N]
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    out = _project(self, down, h, top_k_index)  # [T, k, H]
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)
+    return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
+# config.json keys of a model with mixture-of-experts layers
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def route_experts(model: torch.nn.Module, config: dict, model_dir: str | Path) -> list[str]:
+    """Gives every experts module of `model` our forward, in place, with its
+    weights in one layout, [E, N, K] (gpt-oss stores [E, K, N]); returns the
+    modules' names. A config with experts whose model has none of these
+    modules is an error naming the family."""
+    names = []
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        if module.is_transposed:
+            for weight in projections(module):
+                param = getattr(module, weight)
+                setattr(module, weight, torch.nn.Parameter(param.detach().transpose(1, 2).contiguous(),
+                                                           requires_grad=False))
+            module.is_transposed = False
+        module.forward = types.MethodType(_experts_forward, module)
+        names.append(name)
+    if not names and any(config.get(k) for k in MOE_CONFIG_KEYS):
+        raise NotImplementedError(f"{Path(model_dir) / 'config.json'}: {config.get('model_type')} has "
+                                  "mixture-of-experts layers that are not transformers' experts modules, which "
+                                  "export does not lower yet")
+    return names
