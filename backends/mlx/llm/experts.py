@@ -58,11 +58,10 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
-def route_experts(model: torch.nn.Module, config: dict, model_dir: str | Path) -> list[str]:
+def route_experts(model: torch.nn.Module) -> list[str]:
     """Gives every experts module of `model` our forward, in place, with its
     weights in one layout, [E, N, K] (gpt-oss stores [E, K, N]); returns the
-    modules' names. A config with experts whose model has none of these
-    modules is an error naming the family."""
+    modules' names. Routing twice changes nothing."""
     names = []
     for name, module in model.named_modules():
         if not is_experts_module(module):
@@ -75,8 +74,13 @@ def route_experts(model: torch.nn.Module, config: dict, model_dir: str | Path) -
             module.is_transposed = False
         module.forward = types.MethodType(_experts_forward, module)
         names.append(name)
-    if not names and any(config.get(k) for k in MOE_CONFIG_KEYS):
+    return names
+
+
+def check_experts_routed(config: dict, routed: list[str], model_dir: str | Path) -> None:
+    """A config with experts whose model has no experts module we route (an
+    older layout: a list of MLP modules and a loop) is an error naming the family."""
+    if not routed and any(config.get(k) for k in MOE_CONFIG_KEYS):
         raise NotImplementedError(f"{Path(model_dir) / 'config.json'}: {config.get('model_type')} has "
                                   "mixture-of-experts layers that are not transformers' experts modules, which "
                                   "export does not lower yet")
-    return names

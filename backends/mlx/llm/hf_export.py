@@ -35,7 +35,7 @@ from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
-from .experts import route_experts
+from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
 from . import program_contract
@@ -230,7 +230,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
     stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
     model = load_weights(model_dir, DTYPES[dtype])
-    experts = route_experts(model, config, model_dir)
+    experts = route_experts(model)
+    check_experts_routed(config, experts, model_dir)
     if experts:
         stage(f"{len(experts)} mixture-of-experts layers")
     if quantize is not None:

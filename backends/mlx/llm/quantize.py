@@ -3,7 +3,9 @@
 `quantize_model` replaces every `nn.Linear` of a model (and, when asked,
 its input embedding) with modules that hold MLX's affine quantized layout,
 computed by `mlx.core.quantize` itself, and call `mlx::quantized_linear` /
-`mlx::quantized_embedding` (custom_kernel_ops/quantized.py). A layer whose
+`mlx::quantized_embedding` (custom_kernel_ops/quantized.py); the expert
+weights of mixture-of-experts layers (llm/experts.py) are quantized per
+expert and run with `mlx::gather_quantized_linear`. A layer whose
 input width does not divide by the group size is an error naming the layer,
 never silently left in full precision.
 
@@ -19,6 +21,7 @@ import torch
 
 from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
 from ..progress import counter
+from .experts import projections, route_experts
 
 QUANTIZE_MODES = {"int4": 4, "int8": 8}
 
@@ -75,6 +78,23 @@ class QuantizedLinear(torch.nn.Module):
         return self.table.linear(x, self.bias)
 
 
+class QuantizedExperts(torch.nn.Module):
+    """A mixture-of-experts projection's [E, N, K] weights, each expert's
+    [N, K] quantized as a linear layer's."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, bits: int):
+        super().__init__()
+        experts, out_features, in_features = weight.shape
+        tables = quantize_weight(weight.reshape(experts * out_features, in_features), group_size, bits)
+        for name, t in zip(("qweight", "scales", "biases"), tables):
+            self.register_buffer(name, t.reshape(experts, out_features, -1))
+        self.group_size, self.bits = group_size, bits
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mlx.gather_quantized_linear(x, self.qweight, self.scales, self.biases, indices, bias,
+                                                     self.group_size, self.bits)
+
+
 def _check_mode(bits: int, group_size: int) -> None:
     if bits not in BITS:
         raise ValueError(f"quantization bits must be one of {BITS}, got {bits}")
@@ -110,13 +130,16 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
         targets = [(n, m) for n, m in targets if m is not head]
     if embedding and embed is not None:
         targets.append((names[id(embed)], embed))
+    experts = [(f"{n}.{p}", model.get_submodule(n), p) for n in route_experts(model)
+               for p in projections(model.get_submodule(n))]
     bad = [f"{n} (input width {m.weight.shape[1]})" for n, m in targets if m.weight.shape[1] % group_size]
+    bad += [f"{n} (input width {getattr(m, p).shape[2]})" for n, m, p in experts if getattr(m, p).shape[2] % group_size]
     if bad:
         raise ValueError(f"cannot quantize with group size {group_size}: the input width of "
                          f"{', '.join(bad)} is not a multiple of it")
 
     tables: dict[int, QuantizedTable] = {}  # id(weight) -> table: a tied weight is quantized once
-    with counter(f"quantizing to {bits} bits", len(targets)) as count:
+    with counter(f"quantizing to {bits} bits", len(targets) + len(experts)) as count:
         for name, module in targets:
             scale = _embedding_scale(name, module) if module is embed else None
             table = tables.get(id(module.weight))
@@ -128,4 +151,8 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
             count.advance()
-    return [name for name, _ in targets]
+        for _, module, weight in experts:  # llm/experts.py reads `<weight>_quantized`
+            setattr(module, f"{weight}_quantized", QuantizedExperts(getattr(module, weight), group_size, bits))
+            delattr(module, weight)
+            count.advance()
+    return [name for name, _ in targets] + [name for name, _, _ in experts]
