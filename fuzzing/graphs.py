@@ -258,6 +258,30 @@ def quantized_linear():
     return s.finish(s.op(ir.QuantizedLinearNode, x=x, bias=s.full([8], 1.0), **_quantized(s)), 2)
 
 
+def arg_top_k():
+    s = Sketch()
+    return s.finish(s.op(ir.ArgTopKNode, a=s.x, k=2, axis=2), 3)
+
+
+def take_along_axis():
+    s = Sketch()
+    return s.finish(s.op(ir.TakeAlongAxisNode, a=s.full([2, 3], 1.5), indices=s.i, axis=1), 2)
+
+
+def gather_linear():
+    s = Sketch()  # x [2, 3, 4]: each of a row's 3 experts (ids in i) sees its own x
+    return s.finish(s.op(ir.GatherLinearNode, x=s.x, weight=s.full([3, 5, 4], 0.25), indices=s.i,
+                         bias=s.full([3, 5], 1.0)), 3)
+
+
+def gather_quantized_linear():
+    s = Sketch()
+    q = _quantized(s, rows=24)  # 3 experts of 8 rows
+    q.update(weight=s.op(ir.ReshapeNode, a=q["weight"], shape=sizes(3, 8, 8)),
+             **{k: s.op(ir.ReshapeNode, a=q[k], shape=sizes(3, 8, 2)) for k in ("scales", "biases")})
+    return s.finish(s.op(ir.GatherQuantizedLinearNode, x=s.full([2, 64], 1.0), indices=s.i, **q), 3)
+
+
 def quantized_embedding():
     s = Sketch()
     return s.finish(s.op(ir.QuantizedEmbeddingNode, indices=s.i, **_quantized(s)), 3)
@@ -325,6 +349,8 @@ GRAPHS = {
     "RmsNormNode": rms_norm, "LayerNormNode": layer_norm, "SiluNode": silu, "RopeNode": rope, "LinearNode": linear,
     "SliceUpdateNode": slice_update,
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
+    "ArgTopKNode": arg_top_k, "TakeAlongAxisNode": take_along_axis, "GatherLinearNode": gather_linear,
+    "GatherQuantizedLinearNode": gather_quantized_linear,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,
 }

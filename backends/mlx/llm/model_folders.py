@@ -13,7 +13,7 @@ import torch
 
 # The families the tests export and hold to transformers' greedy output.
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2",
-            "falcon")
+            "falcon", "qwen3_moe", "gpt_oss")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -91,6 +91,13 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
     if family == "falcon":  # multi-query attention (one cached key/value head), a fused qkv projection
         return tf.FalconConfig(**{k: v for k, v in common.items()
                                   if k not in ("num_key_value_heads", "intermediate_size")})
+    if family == "qwen3_moe":  # mixture of experts: softmax, then the top 2 of 4 experts, renormalised
+        return tf.Qwen3MoeConfig(**common, head_dim=head_dim, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=intermediate // 4, norm_topk_prob=True)
+    if family == "gpt_oss":  # experts with biases and a clamped gate, attention sinks, a sliding window
+        return tf.GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                               + ["sliding_attention"] * (layers % 2))
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 

@@ -1,0 +1,150 @@
+"""Mixture-of-experts layers: the gather ops against their references (and
+hostile indices), top-k, our experts forward against transformers' own in
+six families, a family exported with int4 experts, and the refusal of
+experts we do not route. The families' whole-program greedy tests are
+test_llm.py's (qwen3_moe and gpt_oss are in FAMILIES)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import assert_matches_eager, lower, node_types, run
+from test_llm import non_delegated_ops
+from test_ops import Fn, check, rand
+
+from executorch_mlx.custom_kernel_ops import experts  # noqa: F401  (defines the ops)
+from executorch_mlx.llm.experts import check_experts_routed, route_experts
+from executorch_mlx.llm.quantize import QuantizedExperts, quantize_model
+
+E, N, K, T, TOP = 5, 12, 64, 7, 2
+
+
+def _indices(t: int = T) -> torch.Tensor:
+    return torch.stack([torch.randperm(E)[:TOP] for _ in range(t)])
+
+
+@pytest.mark.parametrize("per_expert_x", [False, True], ids=["x-shared", "x-per-expert"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gather_linear(per_expert_x, bias):
+    x = rand((T, TOP, K) if per_expert_x else (T, K))
+    w, b = rand((E, N, K)), (rand((E, N)) if bias else None)
+    fn = lambda x, i: torch.ops.mlx.gather_linear(x, w, i, b)  # noqa: E731
+    check(fn, x, _indices(), nodes={"GatherLinearNode"})
+    # against plain per-row math: row t's expert j is w[i[t, j]]
+    i = _indices()
+    got = fn(x, i)
+    rows = x if per_expert_x else x.unsqueeze(1).expand(-1, TOP, -1)
+    for t in range(T):
+        for j in range(TOP):
+            want = w[i[t, j]] @ rows[t, j] + (b[i[t, j]] if bias else 0)
+            torch.testing.assert_close(got[t, j], want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gather_quantized_linear(bits):
+    table = QuantizedExperts(rand((E, N, K)), 32, bits)
+    b = rand((E, N))
+    check(lambda x, i: table(x, i, b), rand((T, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
+    check(lambda x, i: table(x, i, None), rand((T, TOP, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
+
+
+def test_expert_ids_out_of_range_are_clamped():
+    """A program's indices are untrusted input: MLX's gather kernels do not
+    check them, so the runtime clamps them into [0, E) before any read."""
+    w = rand((E, N, K))
+    fn = lambda x, i: torch.ops.mlx.gather_linear(x, w, i, None)  # noqa: E731
+    x = rand((3, K))
+    edge = lower(Fn(fn), (x, _indices(3)))
+    hostile = torch.tensor([[E, -1], [1 << 30, -(1 << 30)], [E - 1, 0]])
+    got = run(edge.to_executorch().buffer, [x, hostile])[0]
+    torch.testing.assert_close(got, fn(x, hostile.clamp(0, E - 1)))
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_topk(largest, dim):
+    check(lambda x: tuple(torch.topk(x, 3, dim=dim, largest=largest)), rand((6, 9)),
+          nodes={"ArgTopKNode", "TakeAlongAxisNode"})
+
+
+def test_topk_keeps_equal_values_in_index_order():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    edge = lower(Fn(lambda x: tuple(torch.topk(x, 4))), (x,))
+    values, indices = run(edge.to_executorch().buffer, [x])
+    assert indices.tolist() == [[1, 2, 4, 5], [0, 1, 2, 3]]
+    assert values.tolist() == [[3.0, 3.0, 3.0, 2.0], [5.0] * 4]
+
+
+def test_max_and_min_along_a_dim():
+    x = rand((4, 9))
+    check(lambda x: tuple(torch.max(x, dim=1)), x, nodes={"MaxNode", "ArgmaxNode"})
+    check(lambda x: tuple(torch.min(x, dim=0, keepdim=True)), x, nodes={"MinNode", "ArgminNode"})
+    # only the values read (attention sinks' max): no arg-reduction computed
+    assert_matches_eager(Fn(lambda x: torch.max(x, dim=-1, keepdim=True).values + 1), (x,), expect_nodes={"MaxNode"})
+    assert "ArgmaxNode" not in node_types(lower(Fn(lambda x: torch.max(x, dim=-1).values), (x,)))
+
+
+def _tiny(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.2)
+    return {
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        "granitemoe": lambda: tf.GraniteMoeConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        "gpt_oss": lambda: tf.GptOssConfig(**common, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                           max_position_embeddings=131072),
+        "olmoe": lambda: tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2),
+    }[family]()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "gpt_oss", "olmoe"])
+def test_routed_experts_compute_what_transformers_computes(family):
+    """Our experts forward (every row through its k experts at once) against
+    transformers' loop over the experts hit, in eager PyTorch: the router,
+    gating and shared experts stay the family's own code."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny(family)).eval()
+    ids = torch.randint(0, 96, (1, 11))
+    routed = copy.deepcopy(model)
+    assert route_experts(routed) == ["model.layers.0." + ("block_sparse_moe" if family == "granitemoe" else "mlp")
+                                     + ".experts"]
+    with torch.no_grad():
+        torch.testing.assert_close(routed(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_int4_experts_export_whole_and_match_the_quantized_model(shared, tmp_path):
+    """Qwen3-MoE with int4 experts (and linear layers): one delegate, and the
+    greedy ids of the quantized model run eagerly (our ops' references)."""
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.model_folders import write_model_folder
+    from executorch_mlx.llm.runner import LLMRunner
+
+    folder = shared.get("qwen3_moe", lambda r: write_model_folder(r / "qwen3_moe", "qwen3_moe", layers=1))
+    pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, quantize="int4", group_size=32, progress=None)
+    assert non_delegated_ops(pte.read_bytes()) == []
+    runner = LLMRunner(pte, folder)
+    ids = runner.tokenizer.encode("Once upon a time").ids
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    quantized = quantize_model(model, bits=4, group_size=32)
+    assert "model.layers.0.mlp.experts.down_proj" in quantized
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()
+    assert runner.generate(ids, max_new_tokens=12).token_ids == want
+
+
+def test_experts_we_do_not_route_are_refused_by_name(tmp_path):
+    with pytest.raises(NotImplementedError, match=r"dbrx has mixture-of-experts layers that are not transformers'"):
+        check_experts_routed({"model_type": "dbrx", "num_local_experts": 4}, [], tmp_path)
+    check_experts_routed({"model_type": "qwen3_moe", "num_experts": 4}, ["model.layers.0.mlp.experts"], tmp_path)
+    check_experts_routed({"model_type": "llama"}, [], tmp_path)
