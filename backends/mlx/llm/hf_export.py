@@ -38,6 +38,7 @@ from .attention import attend_written_prefix
 from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
+from .ring_cache import ring_chunk, use_rings
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import sampler_examples
@@ -104,7 +105,9 @@ class CachedLM(torch.nn.Module):
     # where the Hugging Face model sits in this module (a prefix of its modules' paths)
     MODEL_PATH = "wrapper.model."
 
-    def __init__(self, model, max_context: int):
+    def __init__(self, model, max_context: int, ring_chunk: int | None = None):
+        """`ring_chunk`: put the sliding-window layers on ring buffers for
+        calls of at most that many tokens (llm/ring_cache.py)."""
         super().__init__()
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
@@ -112,6 +115,7 @@ class CachedLM(torch.nn.Module):
         _set_cached_kv_heads(model.config)
         self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
+        self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,
                 rows: int | torch.SymInt = 1) -> torch.Tensor:
@@ -124,6 +128,9 @@ class CachedLM(torch.nn.Module):
             layer.values = getattr(self.wrapper, f"value_cache_{i}")
             layer.cumulative_length = getattr(self.wrapper, f"cumulative_length_{i}")
             layer.cumulative_length.copy_(cache_position[0])
+            if i in self.rings:
+                layer.positions = getattr(self.wrapper, f"ring_positions_{i}")
+                layer.query_positions = cache_position
         seq = input_ids.shape[1]
         # no [S, V] logits on prefill: the last `rows` positions only (by index,
         # which transformers takes for a count that is a size of an input)
@@ -155,11 +162,12 @@ class SampledLM(torch.nn.Module):
 
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
-             logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0) -> dict:
+             logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0,
+             cache_rewind: int | None = None) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     names = SAMPLER_INPUTS if token_mask else tuple(n for n in SAMPLER_INPUTS if n != TOKEN_MASK)
     return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names,
-                                         max_draft_tokens)
+                                         max_draft_tokens, cache_rewind)
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
@@ -238,8 +246,13 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
                                 embedding=quantize_embedding)
         stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
-    max_chunk = max_context - 1
-    lm = CachedLM(model, max_context)
+    # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
+    chunk = ring_chunk(model.config.get_text_config(), max_context, MAX_DRAFT_TOKENS + 1)
+    max_chunk = chunk or max_context - 1
+    lm = CachedLM(model, max_context, chunk)
+    if chunk:
+        slots = next(iter(lm.rings.values())).max_cache_len
+        stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {slots} slots, calls of up to {chunk} tokens")
     seq = torch.export.Dim("seq", min=1, max=max_chunk)
     example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
     dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
@@ -278,7 +291,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                            constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                      quantization, logprobs and sampling, token_mask,
-                                                                     max_draft_tokens))
+                                                                     max_draft_tokens, chunk))
         del ep, module, lm, model  # the delegate's weights are in those files now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())

@@ -38,6 +38,9 @@ MODEL_TYPE = "emlx_model_type"
 QUANTIZATION = "emlx_quantization"
 MAX_DRAFT_TOKENS = "emlx_max_draft_tokens"  # int: drafts one call verifies (llm/speculative.py)
 CACHE_WRAPS = "emlx_cache_wraps"  # bool: a sliding-window cache shorter than the context (it wraps around)
+# int: with CACHE_WRAPS, how many positions before the end of what the cache
+# was written a call may start (rewind) without losing its window (llm/ring_cache.py)
+CACHE_REWIND = "emlx_cache_rewind"
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
 
@@ -58,13 +61,14 @@ def head_metadata(input_names: list[str], logprobs: bool) -> dict:
 
 
 def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
-                 logprobs: bool, sampler_inputs: tuple[str, ...], max_draft_tokens: int = 0) -> dict:
-    """The metadata of an LLM program: ExecuTorch's names, then ours."""
+                 logprobs: bool, sampler_inputs: tuple[str, ...], max_draft_tokens: int = 0,
+                 cache_rewind: int | None = None) -> dict:
+    """The metadata of an LLM program: ExecuTorch's names, then ours.
+    `cache_rewind`: None when the cache keeps every position, else how far
+    back from its end a call may start (a ring-buffer cache)."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     bos = config.get("bos_token_id")
-    window = config.get("sliding_window")
-    wraps = bool(window) and window < max_context and "sliding_attention" in (config.get("layer_types") or [])
     return {
         MAX_SEQ_LEN: max_chunk,
         MAX_CONTEXT_LEN: max_context,
@@ -79,7 +83,8 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
         INPUT_NAMES: ",".join(LLM_INPUTS + (sampler_inputs if sampling else ())),
         MODEL_TYPE: config["model_type"],
         QUANTIZATION: quantization,
-        CACHE_WRAPS: wraps,
+        CACHE_WRAPS: cache_rewind is not None,
+        CACHE_REWIND: cache_rewind or 0,
         MAX_DRAFT_TOKENS: max_draft_tokens,
     }
 

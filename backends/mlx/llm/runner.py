@@ -101,8 +101,10 @@ class LLMRunner(ProgramRunner):
         self._chat_template = None
         self._grammar_tokenizer = None  # built on the first structured generation
         # A sliding-window cache wraps around: positions past a common prefix
-        # may have overwritten what the prefix needs (unknown: assume it does).
+        # may have overwritten what the prefix needs (unknown: assume it does),
+        # except within the last `cache_rewind` positions written (llm/ring_cache.py).
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
+        self.cache_rewind = self.contract.one(program_contract.CACHE_REWIND, int, 0) if self.cache_wraps else None
         # Drafts one call verifies (llm/speculative.py); 0 for programs exported before.
         self.max_draft_tokens = self.contract.one(program_contract.MAX_DRAFT_TOKENS, int, 0)
         if self.max_draft_tokens and "history" in self.input_shapes:
@@ -160,9 +162,10 @@ class LLMRunner(ProgramRunner):
             if a != b:
                 break
             n += 1
-        if n < len(self._cached) and self.cache_wraps:
-            n = 0
-        return min(n, len(ids) - 1)
+        n = min(n, len(ids) - 1)
+        if self.cache_wraps and len(self._cached) - n > self.cache_rewind:
+            n = 0  # too far back: the window of position n may be overwritten
+        return n
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor],
               constrained: bool = False) -> tuple[list[int], list[float | None]]:
@@ -274,10 +277,10 @@ class LLMRunner(ProgramRunner):
                 num_draft_tokens, int) or not 1 <= num_draft_tokens <= self.max_draft_tokens):
             raise ValueError(f"num_draft_tokens must be in [1, {self.max_draft_tokens}] (this program's "
                              f"--max-draft-tokens), got {num_draft_tokens!r}")
-        if self.cache_wraps:
+        if self.cache_wraps and self.cache_rewind < (num_draft_tokens or self.max_draft_tokens):
+            # (programs exported before ring caches: every rewind may lose the window)
             raise NotImplementedError("speculative decoding with a sliding-window cache that wraps around (rejected "
-                                      "drafts would overwrite entries still in the window): export with "
-                                      "--max-context at most the window")
+                                      "drafts would overwrite entries still in the window): re-export the program")
         if constrained:
             raise NotImplementedError("speculative decoding with structured output (the grammar's mask of each "
                                       "drafted position)")

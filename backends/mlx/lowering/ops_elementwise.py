@@ -47,6 +47,7 @@ for _cls, _ops in [
     (ir.MultiplyNode, (aten.mul.Scalar,)),
     (ir.MaximumNode, (aten.maximum.default,)),
     (ir.MinimumNode, (aten.minimum.default,)),
+    (ir.RemainderNode, (aten.remainder.Tensor, aten.remainder.Scalar)),
     (ir.EqualNode, (aten.eq.Tensor, aten.eq.Scalar)),
     (ir.NotEqualNode, (aten.ne.Tensor, aten.ne.Scalar)),
     (ir.LessNode, (aten.lt.Tensor, aten.lt.Scalar)),

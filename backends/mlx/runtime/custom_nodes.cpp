@@ -285,6 +285,16 @@ mx::array plus_expert_bias(mx::array y, const std::optional<mx::array>& bias, co
 }
 }  // namespace
 
+void exec_RemainderNode(Interpreter& st, const ir::RemainderNode* n) {
+  const auto &a = st.get(n->a()), &b = st.get(n->b());
+  if (mx::issubdtype(mx::promote_types(a.dtype(), b.dtype()), mx::integer)) {
+    auto zero = mx::equal(b, mx::array(0, b.dtype()));
+    st.set(n->out(), mx::remainder(a, mx::where(zero, mx::array(1, b.dtype()), b)));
+    return;
+  }
+  st.set(n->out(), mx::remainder(a, b));
+}
+
 void exec_ArgTopKNode(Interpreter& st, const ir::ArgTopKNode* n) {
   const auto& a = st.get(n->a());
   const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema

@@ -561,6 +561,13 @@ class RandomBitsNode:
 
 
 @dataclass
+class RemainderNode:
+    a: Tid | None = None
+    b: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
 class ReshapeNode:
     a: Tid | None = None
     shape: list[IntOrSlot] = field(default_factory=list)
@@ -780,8 +787,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -850,6 +857,7 @@ FIELD_TYPES = {
     'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
     'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
     'RandomBitsNode': {'shape': '[IntOrSlot] required', 'seed': 'Tid', 'position': 'Tid', 'width': 'Int', 'out': 'Tid required'},
+    'RemainderNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
     'RightShiftNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'RmsNormNode': {'a': 'Tid required', 'weight': 'Tid', 'eps': 'Float', 'out': 'Tid required'},
@@ -1982,6 +1990,21 @@ def _pack_RandomBitsNode(b, v):
 
 def _unpack_RandomBitsNode(r):
     return RandomBitsNode(shape=[_unpack_IntOrSlot(r.Shape(i)) for i in range(r.ShapeLength())], seed=_opt(_unpack_Tid, r.Seed()), position=_opt(_unpack_Tid, r.Position()), width=r.Width(), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_RemainderNode(b, v):
+    fb.RemainderNodeStart(b)
+    if v.a is not None:
+        fb.RemainderNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.RemainderNodeAddB(b, _pack_Tid(b, v.b))
+    if v.out is not None:
+        fb.RemainderNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.RemainderNodeEnd(b)
+
+
+def _unpack_RemainderNode(r):
+    return RemainderNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ReshapeNode(b, v):

@@ -123,6 +123,7 @@ class Op(object):
     TakeAlongAxisNode = 76
     GatherLinearNode = 77
     GatherQuantizedLinearNode = 78
+    RemainderNode = 79
 
 
 # Reference to a value slot of the graph.
@@ -6346,6 +6347,77 @@ def TakeAlongAxisNodeAddOut(builder, out):
     builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def TakeAlongAxisNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# remainder(a, b) with the divisor's sign (torch.remainder, Python's %);
+# an integer divisor of 0 reads as 1 (MLX does not check it).
+class RemainderNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = RemainderNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsRemainderNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def RemainderNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # RemainderNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # RemainderNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RemainderNode
+    def B(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # RemainderNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def RemainderNodeStart(builder):
+    builder.StartObject(3)
+
+def RemainderNodeAddA(builder, a):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def RemainderNodeAddB(builder, b):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(b), 0)
+
+def RemainderNodeAddOut(builder, out):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def RemainderNodeEnd(builder):
     return builder.EndObject()
 
 

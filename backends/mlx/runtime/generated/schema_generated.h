@@ -254,6 +254,9 @@ struct ArgTopKNodeBuilder;
 struct TakeAlongAxisNode;
 struct TakeAlongAxisNodeBuilder;
 
+struct RemainderNode;
+struct RemainderNodeBuilder;
+
 struct GatherLinearNode;
 struct GatherLinearNodeBuilder;
 
@@ -503,11 +506,12 @@ enum class Op : uint8_t {
   TakeAlongAxisNode = 76,
   GatherLinearNode = 77,
   GatherQuantizedLinearNode = 78,
+  RemainderNode = 79,
   MIN = NONE,
-  MAX = GatherQuantizedLinearNode
+  MAX = RemainderNode
 };
 
-inline const Op (&EnumValuesOp())[79] {
+inline const Op (&EnumValuesOp())[80] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -587,13 +591,14 @@ inline const Op (&EnumValuesOp())[79] {
     Op::ArgTopKNode,
     Op::TakeAlongAxisNode,
     Op::GatherLinearNode,
-    Op::GatherQuantizedLinearNode
+    Op::GatherQuantizedLinearNode,
+    Op::RemainderNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[80] = {
+  static const char * const names[81] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -673,13 +678,14 @@ inline const char * const *EnumNamesOp() {
     "TakeAlongAxisNode",
     "GatherLinearNode",
     "GatherQuantizedLinearNode",
+    "RemainderNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::GatherQuantizedLinearNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RemainderNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -998,6 +1004,10 @@ template<> struct OpTraits<emlx::ir::GatherLinearNode> {
 
 template<> struct OpTraits<emlx::ir::GatherQuantizedLinearNode> {
   static const Op enum_value = Op::GatherQuantizedLinearNode;
+};
+
+template<> struct OpTraits<emlx::ir::RemainderNode> {
+  static const Op enum_value = Op::RemainderNode;
 };
 
 template <bool B = false>
@@ -7271,6 +7281,79 @@ struct TakeAlongAxisNode::Traits {
   static auto constexpr Create = CreateTakeAlongAxisNode;
 };
 
+/// remainder(a, b) with the divisor's sign (torch.remainder, Python's %);
+/// an integer divisor of 0 reads as 1 (MLX does not check it).
+struct RemainderNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef RemainderNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct RemainderNodeBuilder {
+  typedef RemainderNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(RemainderNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(RemainderNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(RemainderNode::VT_OUT, out);
+  }
+  explicit RemainderNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<RemainderNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<RemainderNode>(end);
+    fbb_.Required(o, RemainderNode::VT_A);
+    fbb_.Required(o, RemainderNode::VT_B);
+    fbb_.Required(o, RemainderNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<RemainderNode> CreateRemainderNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  RemainderNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct RemainderNode::Traits {
+  using type = RemainderNode;
+  static auto constexpr Create = CreateRemainderNode;
+};
+
 /// A mixture-of-experts projection (custom_kernel_ops/experts.py):
 /// out[t, j] = x[t] (or x[t, j]) @ weight[indices[t, j]]^T (+ bias[indices[t, j]]),
 /// x [T, K] or [T, k, K], indices [T, k] (clamped into [0, E)), weight
@@ -8287,6 +8370,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::GatherQuantizedLinearNode *op_as_GatherQuantizedLinearNode() const {
     return op_type() == emlx::ir::Op::GatherQuantizedLinearNode ? static_cast<const emlx::ir::GatherQuantizedLinearNode *>(op()) : nullptr;
   }
+  const emlx::ir::RemainderNode *op_as_RemainderNode() const {
+    return op_type() == emlx::ir::Op::RemainderNode ? static_cast<const emlx::ir::RemainderNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8607,6 +8693,10 @@ template<> inline const emlx::ir::GatherLinearNode *Node::op_as<emlx::ir::Gather
 
 template<> inline const emlx::ir::GatherQuantizedLinearNode *Node::op_as<emlx::ir::GatherQuantizedLinearNode>() const {
   return op_as_GatherQuantizedLinearNode();
+}
+
+template<> inline const emlx::ir::RemainderNode *Node::op_as<emlx::ir::RemainderNode>() const {
+  return op_as_RemainderNode();
 }
 
 struct NodeBuilder {
@@ -9135,6 +9225,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::GatherQuantizedLinearNode: {
       auto ptr = reinterpret_cast<const emlx::ir::GatherQuantizedLinearNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::RemainderNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::RemainderNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
