@@ -13,7 +13,7 @@ from executorch_mlx.serialization.sampler_params import BY_NAME, ROW_PARAMS, TAB
 from .sketch import BOOL, F16, F32, I64, U32, Sketch, sizes
 
 BINARY = ["Add", "Subtract", "Multiply", "Divide", "Power", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
-          "LessEqual", "Greater", "GreaterEqual"]
+          "LessEqual", "Greater", "GreaterEqual", "Remainder"]
 UNARY = ["Negative", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Sigmoid", "Tanh", "Erf", "IsNan", "IsPosInf", "Sin",
          "Cos", "Expm1", "Log1p"]
 REDUCE = ["Sum", "Mean", "Max", "Min", "LogSumExp"]

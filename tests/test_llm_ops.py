@@ -39,6 +39,21 @@ def test_cumsum(dtype):
     check(lambda a: torch.cumsum(a, dim=1), rand(dtype=dtype), nodes=["CumsumNode"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_remainder_takes_the_divisors_sign(dtype):
+    a = torch.tensor([[-7, -1, 0, 5, 7, 9]], dtype=dtype)
+    check(lambda a, b: torch.remainder(a, b), a, torch.tensor([[3, -3, 3, -3, 3, 4]], dtype=dtype),
+          nodes=["RemainderNode"])
+    check(lambda a: a % 5, a, nodes=["RemainderNode"])
+
+
+def test_an_integer_remainder_by_zero_reads_as_by_one():
+    """A program's divisor is untrusted (MLX does not check it): no crash."""
+    a, b = torch.tensor([7, -3, 8]), torch.tensor([0, 2, 0])
+    edge = lower(Fn(lambda a, b: torch.remainder(a, b)), (a, torch.tensor([1, 2, 3])))
+    assert run(edge.to_executorch().buffer, [a, b])[0].tolist() == [0, 1, 0]
+
+
 def test_copy_into_buffer_shape():
     # functional copy: src cast and broadcast to self's shape and dtype
     check(lambda a, b: torch.ops.aten.copy.default(a, b), rand((2, 3)), rand((3,), torch.int32))
