@@ -31,19 +31,16 @@ torch.library.define(
 )
 
 
-def _rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x as [T, k, K]: a [T, K] row once for each of its experts."""
-    return x.unsqueeze(1).expand(-1, indices.shape[1], -1) if x.dim() == 2 else x
-
-
-def _apply(x, weight, indices, bias):
-    out = torch.einsum("tjk,tjnk->tjn", _rows(x, indices), weight[indices].to(x.dtype))
+def _gathered(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, bias) -> torch.Tensor:
+    """out[t, j] = x[t (, j)] @ weights[t, j]^T + bias[indices[t, j]], weights [T, k, N, K] gathered."""
+    rows = x.unsqueeze(1).expand(-1, indices.shape[1], -1) if x.dim() == 2 else x
+    out = torch.einsum("tjk,tjnk->tjn", rows, weights.to(x.dtype))
     return out if bias is None else out + bias[indices].to(out.dtype)
 
 
 @torch.library.impl("mlx::gather_linear", "CompositeExplicitAutograd")
 def gather_linear_reference(x, weight, indices, bias):
-    return _apply(x, weight, indices, bias)
+    return _gathered(x, weight[indices], indices, bias)
 
 
 @torch.library.register_fake("mlx::gather_linear")
@@ -54,9 +51,7 @@ def _gather_linear_fake(x, weight, indices, bias):
 @torch.library.impl("mlx::gather_quantized_linear", "CompositeExplicitAutograd")
 def gather_quantized_linear_reference(x, weight, scales, biases, indices, bias, group_size, bits):
     # only the experts the rows use are dequantized
-    w = dequantize(weight[indices], scales[indices], biases[indices], group_size, bits)
-    out = torch.einsum("tjk,tjnk->tjn", _rows(x, indices), w.to(x.dtype))
-    return out if bias is None else out + bias[indices].to(out.dtype)
+    return _gathered(x, dequantize(weight[indices], scales[indices], biases[indices], group_size, bits), indices, bias)
 
 
 @torch.library.register_fake("mlx::gather_quantized_linear")
