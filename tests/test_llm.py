@@ -149,7 +149,6 @@ def test_no_sampling_export_runs_in_executorchs_text_runner(exported):
 # ---------------------------------------------------------------- errors --
 @pytest.mark.parametrize("edit,error,match", [
     ({"model_type": "t5"}, ValueError, r"model_type 't5' is not a causal language model transformers knows"),
-    ({"kv_lora_rank": 16}, NotImplementedError, "multi-head latent attention"),
     ({"layer_types": ["conv", "full_attention"]}, NotImplementedError, "has conv layers, which need a state cache"),
 ])
 def test_what_export_does_not_build_yet_is_named(exported, tmp_path, edit, error, match):

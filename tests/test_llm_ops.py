@@ -54,6 +54,39 @@ def test_an_integer_remainder_by_zero_reads_as_by_one():
     assert run(edge.to_executorch().buffer, [a, b])[0].tolist() == [0, 1, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64])
+def test_bitwise_not(dtype):
+    check(lambda a: torch.bitwise_not(a), rand((3, 5), dtype, -50, 50), nodes=[])
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_gather(dim):
+    x = rand((4, 6))
+    index = torch.randint(0, x.shape[dim], (4, 6))
+    check(lambda x, i: torch.gather(x, dim, i), x, index, nodes=["TakeAlongAxisNode"])
+    # an index smaller than x on the other axis (torch allows it): x is cut to it first
+    small = torch.randint(0, x.shape[dim], (3, 3))
+    check(lambda x, i: torch.gather(x, dim, i), x, small, nodes=["TakeAlongAxisNode"])
+
+
+def test_scatter_of_a_value_along_the_last_axis():
+    """A router's group mask: 1 at each row's chosen groups."""
+    index = torch.tensor([[0, 2], [3, 3], [1, 0]])
+    check(lambda x, i: x.scatter(1, i, 1.5), rand((3, 5)), index, nodes=["WhereNode"])
+    check(lambda i: torch.zeros(3, 4).scatter_(1, i, 1.0), torch.tensor([[1], [3], [0]]))
+
+
+def test_empty_then_filled():
+    """new_empty (edge: _empty_dim_order) filled by slice copies, as DeepSeek's key assembly."""
+    def fn(a, b):
+        out = a.new_empty(2, 3, 7)
+        out[..., :4].copy_(a)
+        out[..., 4:].copy_(b)
+        return out
+
+    check(fn, rand((2, 3, 4)), rand((2, 3, 3)))
+
+
 def test_copy_into_buffer_shape():
     # functional copy: src cast and broadcast to self's shape and dtype
     check(lambda a, b: torch.ops.aten.copy.default(a, b), rand((2, 3)), rand((3,), torch.int32))

@@ -125,8 +125,8 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 def check_architecture(config: dict, model_dir: str | Path) -> None:
     """Any decoder-only causal LM of transformers whose layers attend with a
-    key/value cache; what export does not build yet (latent attention, state
-    layers) is an error naming it. Mixture-of-experts layers are checked once
+    key/value cache; what export does not build yet (state layers) is an
+    error naming it. Mixture-of-experts layers are checked once
     the model is built (llm/experts.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -135,9 +135,6 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
                          "(AutoModelForCausalLM)")
-    if config.get("kv_lora_rank"):
-        raise NotImplementedError(f"{path}: {arch} uses multi-head latent attention, which needs a latent KV cache "
-                                  "(not built yet)")
     others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS)
     if others or "num_attention_heads" not in with_standard_names(config):
         kinds = ", ".join(others) or "non-attention"

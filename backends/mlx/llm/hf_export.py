@@ -97,6 +97,22 @@ def _set_cached_kv_heads(config) -> None:
                                       else 1 if config.multi_query else config.num_kv_heads)
 
 
+def _fit_latent_cache(config, wrapper: torch.nn.Module, cache) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3 and their kind) caches, per
+    position, one compressed key/value latent (kv_lora_rank wide) and one
+    rotary key shared by the heads (qk_rope_head_dim wide), as transformers'
+    attention passes them to the cache, not per-head keys and values: the
+    static cache sized from the head count and head_dim would not fit them."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if not rank:
+        return
+    for i, layer in enumerate(cache.layers):
+        layer.lazy_initialization(layer.keys.new_empty(1, 1, 0, rank),
+                                  layer.values.new_empty(1, 1, 0, config.qk_rope_head_dim))
+        wrapper.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+        wrapper.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+
+
 class CachedLM(torch.nn.Module):
     """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
     with a static KV cache registered as buffers (transformers' exportable
@@ -115,6 +131,7 @@ class CachedLM(torch.nn.Module):
         _set_cached_kv_heads(model.config)
         self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
+        _fit_latent_cache(model.config.get_text_config(), self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,

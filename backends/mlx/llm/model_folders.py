@@ -13,7 +13,7 @@ import torch
 
 # The families the tests export and hold to transformers' greedy output.
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2",
-            "falcon", "qwen3_moe", "gpt_oss")
+            "falcon", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -98,6 +98,11 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
         return tf.GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
                                sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                                + ["sliding_attention"] * (layers % 2))
+    if family == "deepseek_v3":  # latent attention (a compressed cache), experts routed within groups, a shared one
+        return tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, kv_lora_rank=16, q_lora_rank=32,
+                                   qk_rope_head_dim=8, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate // 4,
+                                   n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0)
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 

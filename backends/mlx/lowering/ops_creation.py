@@ -33,7 +33,8 @@ def scalar_tensor(b: GraphBuilder, node: torch.fx.Node) -> None:
     _full(b, node, node.args[0])
 
 
-@handles(aten.zeros.default, aten.zeros_like.default)
+@handles(aten.zeros.default, aten.zeros_like.default, aten.empty.memory_format,
+         torch.ops.dim_order_ops._empty_dim_order.default)  # (edge's empty: its values are unspecified)
 def zeros(b: GraphBuilder, node: torch.fx.Node) -> None:
     _full(b, node, 0)
 

@@ -212,6 +212,17 @@ def logical_not(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, b.cast(b.emit(ir.LogicalNotNode, torch.bool, x.shape, a=x.tid), meta_val(node).dtype))
 
 
+@handles(aten.bitwise_not.default)
+def bitwise_not(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Logical not of bools, ~x = x ^ -1 of integers."""
+    out = meta_val(node)
+    x = b.get(node.args[0])
+    if out.dtype == torch.bool:
+        b.bind(node, b.emit(ir.LogicalNotNode, torch.bool, x.shape, a=x.tid))
+        return
+    b.bind(node, b.emit(ir.BitwiseXorNode, out.dtype, out.shape, a=x.tid, b=b.literal(-1, out.dtype).tid))
+
+
 def unary(b: GraphBuilder, op_cls, x, dtype: torch.dtype):
     return b.emit(op_cls, dtype, x.shape, a=x.tid)
 

@@ -7,7 +7,7 @@ import operator
 import torch
 
 from ..serialization import ir
-from .builder import GraphBuilder, meta_val, node_arg
+from .builder import GraphBuilder, ir_dtype, meta_val, node_arg
 from .registry import Unsupported, handles
 
 aten = torch.ops.aten
@@ -246,6 +246,52 @@ def _scatter(b: GraphBuilder, node: torch.fx.Node, x, axis: int, idx, values) ->
     out = meta_val(node)
     b.bind(node, b.emit(ir.ScatterNode, x.dtype, out.shape, a=x.tid, indices=[idx.tid], updates=values.tid,
                         axes=[axis]))
+
+
+def _same_size(a, b) -> bool:
+    return str(a) == str(b)  # equal ints, or one symbolic size
+
+
+@handles(aten.gather.default)
+def gather(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """torch.gather(x, dim, index): take along `dim`; x is first cut to the
+    index's size on the other axes (torch lets the index be smaller there)."""
+    x, idx = b.get(node.args[0]), b.get(node.args[2])
+    rank = len(x.shape)
+    if rank == 0 or len(idx.shape) != rank:
+        raise Unsupported("gather of a 0-d tensor or with an index of another rank")
+    dim = node.args[1] % rank
+    cut = [d for d in range(rank) if d != dim and not _same_size(x.shape[d], idx.shape[d])]
+    if cut:
+        if not all(_is_static(v) for v in (*x.shape, *idx.shape)):
+            raise Unsupported("gather with a smaller index along a dynamic axis")
+        stops = [int(x.shape[d]) if d == dim else int(idx.shape[d]) for d in range(rank)]
+        x = b.emit(ir.SliceNode, x.dtype, tuple(stops), a=x.tid, start=[0] * rank, stop=stops, strides=[1] * rank)
+    out = meta_val(node)
+    b.bind(node, b.emit(ir.TakeAlongAxisNode, x.dtype, out.shape, a=x.tid, indices=idx.tid, axis=dim))
+
+
+@handles(aten.scatter.value)
+def scatter_value(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x.scatter(dim, index, value) along the last axis (routers' masks: a
+    value at each row's k indices), as where(any_k(index == column), value, x);
+    the index shaped as x but for that axis."""
+    x, idx, value = b.get(node.args[0]), b.get(node.args[2]), node.args[3]
+    rank = len(x.shape)
+    if rank == 0 or len(idx.shape) != rank or node.args[1] % rank != rank - 1:
+        raise Unsupported("scatter of a value other than along the last axis")
+    if not all(_same_size(x.shape[d], idx.shape[d]) for d in range(rank - 1)) or not _is_static(x.shape[-1]):
+        raise Unsupported("scatter with an index smaller than the tensor, or a dynamic last axis")
+    if isinstance(value, torch.fx.Node):
+        raise Unsupported("scatter of a dynamic value")
+    columns = b.emit(ir.ArangeNode, idx.dtype, (x.shape[-1],), start=0.0, stop=float(x.shape[-1]), step=1.0,
+                     dtype=ir_dtype(idx.dtype))
+    per_k = tuple(idx.shape) + (x.shape[-1],)
+    wide = b.emit(ir.ExpandDimsNode, idx.dtype, tuple(idx.shape) + (1,), a=idx.tid, axes=[rank])
+    hit = b.emit(ir.EqualNode, torch.bool, per_k, a=wide.tid, b=columns.tid)
+    hit = b.emit(ir.AnyNode, torch.bool, tuple(x.shape), a=hit.tid, axes=[rank - 1], keepdims=False)
+    b.bind(node, b.emit(ir.WhereNode, x.dtype, tuple(x.shape), condition=hit.tid, x=b.literal(value, x.dtype).tid,
+                        y=x.tid))
 
 
 @handles(aten.cat.default)
