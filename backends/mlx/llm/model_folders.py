@@ -96,7 +96,8 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
                                  moe_intermediate_size=intermediate // 4, norm_topk_prob=True)
     if family == "gpt_oss":  # experts with biases and a clamped gate, attention sinks, a sliding window
         return tf.GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=head_dim,
-                               num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                               num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                                + ["sliding_attention"] * (layers % 2))
     if family == "deepseek_v3":  # latent attention (a compressed cache), experts routed within groups, a shared one
         return tf.DeepseekV3Config(**{**common, "num_key_value_heads": heads}, kv_lora_rank=16, q_lora_rank=32,
