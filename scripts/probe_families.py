@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Probes which transformers decoder families `export_llm` handles, and prints a markdown table.
+
+    .venv/bin/python scripts/probe_families.py [FAMILY ...] [--jobs 1] [--timeout 180]
+
+For each family (a transformers `model_type`; default: FAMILIES below) it writes a tiny random-weight model
+folder (2 layers, hidden size 64, the trained tokenizer of executorch_mlx.llm.model_folders), exports it with
+max_context 64, counts the program's delegates and the ops outside them, and compares 16 greedy tokens of
+LLMRunner with transformers' own greedy generation. Each family runs in a subprocess of this script
+(`--one FAMILY`, printing one JSON line), so that a crash or a hang (over --timeout seconds) ends only its row.
+A NotImplementedError from export is a deliberate refusal naming what is missing: "refused: <message>".
+Progress (one JSON row per family) goes to stderr; the table and the total time to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FAMILIES = ("llama qwen2 qwen3 gemma gemma3_text phi3 mistral olmo2 stablelm starcoder2 falcon ministral olmo olmo3 "
+            "smollm3 gemma2 cohere cohere2 glm ernie4_5 hunyuan_v1_dense bitnet exaone4 helium arcee seed_oss "
+            "nemotron persimmon granite phi gpt_neox gpt2 apertus qwen3_moe qwen2_moe mixtral granitemoe gpt_oss "
+            "olmoe phimoe ernie4_5_moe hunyuan_v1_moe dots1 glm4_moe deepseek_v3 qwen3_next minimax llama4_text "
+            "gemma3n_text lfm2").split()
+PROMPT = "Once upon a time"
+NEW_TOKENS = 16
+
+# Set where the family's config has the field (hasattr, which follows attribute_map: gpt2's n_embd, ...).
+SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, head_dim=16, max_position_embeddings=2048)
+EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32)
+# Set for every family: larger random weights give distinct greedy tokens rather than ties.
+ALWAYS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.2)
+# Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
+# layers, one layer of each of the first two layer kinds, a sliding window of 8).
+OVERRIDES = {
+    # expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first
+    "glm4_moe": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),
+    "dots1": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),  # its defaults are None
+    # latent attention sizes for hidden 64; its head_dim is the rotary part's width (qk_rope_head_dim), and
+    # every query head has its own key and value once the latent is expanded (key/value heads = heads)
+    "deepseek_v3": dict(n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
+    "hunyuan_v1_moe": dict(moe_topk=2),  # its own name for experts per token
+    "qwen2_moe": dict(shared_expert_intermediate_size=32),  # default 5632: 20 times the rest of the model
+    "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, shared_expert_intermediate_size=32),
+    # no_rope_layers: one layer with RoPE, one without (1 = RoPE), as every 4th layer of the real models
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "llama4_text": dict(no_rope_layers=[1, 0], attention_chunk_size=8, intermediate_size_mlp=128),
+    # per-layer-input embeddings as wide as the vocabulary; no KV sharing (2 layers have no earlier one to share)
+    "gemma3n_text": dict(hidden_size_per_layer_input=16, num_kv_shared_layers=0, laurel_rank=8),
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),  # its default: attention only
+    # rope: original_max_position_embeddings below max_position_embeddings (2048), keeping the scaling factor
+    "apertus": dict(rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0,
+                                         original_max_position_embeddings=256, low_freq_factor=1.0,
+                                         high_freq_factor=4.0)),
+    "gpt_oss": dict(rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=64)),
+}
+
+
+def tokenizer():
+    from executorch_mlx.llm.model_folders import train_tokenizer
+
+    return train_tokenizer()
+
+
+def config(family: str, vocab: int):
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if family not in CONFIG_MAPPING:
+        raise LookupError("unknown model_type")
+    default = AutoConfig.for_model(family)
+    settable = [k for k in {**SIZES, **EXPERTS} if hasattr(default, k)
+                and not isinstance(getattr(type(default), k, None), property)]  # Falcon's head_dim is computed
+    overrides = {k: {**SIZES, **EXPERTS}[k] for k in settable}
+    if getattr(default, "sliding_window", None):  # small enough that the probe's ~21 tokens pass it
+        overrides["sliding_window"] = 8
+    kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
+    if len(kinds) > 1:  # one layer of each kind (sliding and full, say), not the first 2 of the default pattern
+        overrides["layer_types"] = kinds[:2]
+    if hasattr(default, "vocab_size_per_layer_input"):  # Gemma 3n's per-layer embeddings: 262144 rows by default
+        overrides["vocab_size_per_layer_input"] = vocab
+    overrides.update(ALWAYS, vocab_size=vocab, **OVERRIDES.get(family, {}))
+    return AutoConfig.for_model(family, **overrides)
+
+
+def non_delegated_ops(program, method: str = "forward") -> list[str]:
+    """Kernels a method calls outside delegates (as in tests/test_llm.py)."""
+    (plan,) = [p for p in program.execution_plan if p.name == method]
+    return [op.name for op in plan.operators]
+
+
+def probe(family: str, work: Path, row: dict) -> None:
+    """Fills in one family's row; row["stage"] names the step running (where an exception came from)."""
+    import torch
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.model_folders import BOS, EOS
+    from executorch_mlx.llm.runner import LLMRunner
+
+    row["stage"] = "config"
+    folder = work / family
+    tok = tokenizer()
+    cfg = config(family, tok.get_vocab_size())
+    row["stage"] = "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS).save_pretrained(folder)
+
+    row["stage"] = "export"
+    start = time.perf_counter()
+    pte = export_llm(folder, folder / "p.pte", max_context=64, progress=None)
+    row["export_s"] = round(time.perf_counter() - start, 1)
+
+    row["stage"] = "count"
+    program = deserialize_pte_binary(pte.read_bytes())
+    program = getattr(program, "program", program)
+    row["delegates"] = sum(len(plan.delegates) for plan in program.execution_plan)
+    row["ops_outside"] = non_delegated_ops(program)
+
+    row["stage"] = "generate"
+    runner = LLMRunner(pte, folder)
+    got = runner.generate(PROMPT, max_new_tokens=NEW_TOKENS).token_ids
+    ids = runner.tokenizer.encode(PROMPT).ids
+    row["stage"] = "transformers"
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
+    row["greedy_equal"] = got == want
+    if got != want:
+        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        row["note"] = f"first differs at token {at} ({len(got)} vs {len(want)} tokens)"
+    del row["stage"]
+
+
+def run_one(family: str, work: Path) -> dict:
+    row = {"family": family}
+    try:
+        probe(family, work, row)
+    except Exception as e:  # every failure is a result
+        first = (str(e).strip().splitlines() or [""])[0].replace(f"{work}/", "")  # the folder name is enough
+        if isinstance(e, LookupError) and first == "unknown model_type":
+            row["note"] = first
+        elif isinstance(e, NotImplementedError) and row.get("stage") == "export":
+            row["note"] = f"refused: {first}"
+        else:
+            row["note"] = f"failed in {row.get('stage')} ({type(e).__name__}): {first}"
+    return row
+
+
+def run_child(family: str, work: Path, timeout: float) -> dict:
+    """`--one family` in a subprocess: its last stdout line is the row."""
+    cmd = [sys.executable, __file__, "--one", family, "--work", str(work)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"family": family, "note": f"hung: no result in {timeout:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (done.stderr.strip().splitlines() or [""])[-1]
+        return {"family": family, "note": f"crashed (exit {done.returncode}): {last}"}
+
+
+def table(rows: list[dict]) -> str:
+    def cell(row, key):
+        value = row.get(key)
+        if value is None:
+            return ""
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, list):
+            return f"{len(value)}" + (f" ({', '.join(sorted(set(value)))})" if value else "")
+        return str(value).replace("|", "\\|")
+
+    keys = ("family", "export_s", "delegates", "ops_outside", "greedy_equal", "note")
+    out = ["| family | export s | delegates | ops outside | greedy equal to transformers | note |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    out += ["| " + " | ".join(cell(row, k) for k in keys) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("families", nargs="*", default=FAMILIES)
+    ap.add_argument("--jobs", type=int, default=1, choices=[1], help="families run one after another")
+    ap.add_argument("--timeout", type=float, default=180, help="seconds per family")
+    ap.add_argument("--one", metavar="FAMILY", help=argparse.SUPPRESS)
+    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.work)), flush=True)
+        return 0
+    start = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="probe-families-") as work:
+        for family in args.families:
+            rows.append(run_child(family, Path(work), args.timeout))
+            print(f"{family}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    print(table(rows))
+    print(f"\n{len(rows)} families in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
