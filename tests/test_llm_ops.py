@@ -87,6 +87,12 @@ def test_empty_then_filled():
     check(fn, rand((2, 3, 4)), rand((2, 3, 3)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_reciprocal(dtype):
+    """(Phi-MoE's rotary embedding computes 1 / base^(i/d) in its forward.)"""
+    check(lambda a: torch.reciprocal(a), rand((3, 5), dtype, 1, 9), nodes=["DivideNode"])
+
+
 def test_copy_into_buffer_shape():
     # functional copy: src cast and broadcast to self's shape and dtype
     check(lambda a, b: torch.ops.aten.copy.default(a, b), rand((2, 3)), rand((3,), torch.int32))

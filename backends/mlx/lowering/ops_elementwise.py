@@ -254,6 +254,13 @@ for _cls, _op in [
     _unary_handler(_cls, _op)
 
 
+@handles(aten.reciprocal.default)
+def reciprocal(b: GraphBuilder, node: torch.fx.Node) -> None:
+    out = meta_val(node)  # floating (torch promotes integers)
+    x = b.operand(node.args[0], out.dtype)
+    b.bind(node, b.emit(ir.DivideNode, out.dtype, out.shape, a=b.literal(1, out.dtype).tid, b=x.tid))
+
+
 @handles(aten.relu.default)
 def relu(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
