@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Probes which transformers decoder families `export_llm` handles, and prints a markdown table.
 
-    .venv/bin/python scripts/probe_families.py [FAMILY ...] [--jobs 1] [--timeout 180]
+    .venv/bin/python scripts/probe_families.py [FAMILY ...] [--timeout 180] [--write docs/families.md]
 
 For each family (a transformers `model_type`; default: FAMILIES below) it writes a tiny random-weight model
 folder (2 layers, hidden size 64, the trained tokenizer of executorch_mlx.llm.model_folders), exports it with
@@ -10,6 +10,7 @@ LLMRunner with transformers' own greedy generation. Each family runs in a subpro
 (`--one FAMILY`, printing one JSON line), so that a crash or a hang (over --timeout seconds) ends only its row.
 A NotImplementedError from export is a deliberate refusal naming what is missing: "refused: <message>".
 Progress (one JSON row per family) goes to stderr; the table and the total time to stdout.
+`--write FILE` also writes the table, with how it was made, as a markdown page (docs/families.md).
 """
 
 from __future__ import annotations
@@ -191,13 +192,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def page(rows: list[dict]) -> str:
+    import transformers
+
+    whole = sum(1 for row in rows
+                if row.get("greedy_equal") and row.get("delegates") == 1 and not row.get("ops_outside"))
+    return (f"# Decoder families\n\nWritten by `scripts/probe_families.py --write docs/families.md` (do not edit by "
+            f"hand; run it again after a change) with transformers {transformers.__version__}: each family as a "
+            f"tiny random-weight model (2 layers, hidden size 64), exported at max context 64, then "
+            f"{NEW_TOKENS} greedy tokens against transformers' own. {whole} of {len(rows)} export whole (one "
+            f"delegate, no op outside it) and match; the others are refused with what is missing.\n\n"
+            f"{table(rows)}\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("families", nargs="*", default=FAMILIES)
-    ap.add_argument("--jobs", type=int, default=1, choices=[1], help="families run one after another")
     ap.add_argument("--timeout", type=float, default=180, help="seconds per family")
     ap.add_argument("--one", metavar="FAMILY", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--write", type=Path, metavar="FILE", help="also write the table as a markdown page")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.work)), flush=True)
@@ -210,6 +224,8 @@ def main() -> int:
             print(f"{family}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     print(table(rows))
     print(f"\n{len(rows)} families in {time.perf_counter() - start:.0f} s")
+    if args.write:
+        args.write.write_text(page(rows))
     return 0
 
 
