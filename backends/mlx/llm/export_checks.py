@@ -136,6 +136,8 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
         raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
                          "(AutoModelForCausalLM)")
     others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS)
+    if others == ["chunked_attention"]:  # Llama 4's: attention within fixed chunks of positions
+        raise NotImplementedError(f"{path}: {arch} has chunked_attention layers, which export does not build yet")
     if others or "num_attention_heads" not in with_standard_names(config):
         kinds = ", ".join(others) or "non-attention"
         raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which need a state cache other than keys "

@@ -63,161 +63,37 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
 }
 
 #if defined(__x86_64__)
-// Eight float32 or bfloat16 values as float32.
-template <bool BF16>
-__attribute__((target("avx2,fma"))) inline __m256 load8(const void* p, size_t i) {
-  if constexpr (BF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  }
-}
-
-// The sums over one group of CHUNKS * 32 values (weights from w, x from q;
-// row i of x at q + i * K) of q * xq for XR rows of x as 8 int32 lanes each:
-// 16 weights widen to int16 lanes in one instruction, once for all the rows,
-// and vpmaddwd multiplies and pairs them with x.
-template <int BITS, int XR, int CHUNKS>
-__attribute__((target("avx2,fma"), always_inline)) inline void group_sums_avx2(const uint8_t* w, const int16_t* q,
-                                                                               size_t K, __m256i (&s)[XR]) {
-#pragma GCC unroll 2
-  for (int i = 0; i < XR; ++i) s[i] = _mm256_setzero_si256();
-  if constexpr (BITS == 4) {
-    const __m256i low4 = _mm256_set1_epi16(15);
-#pragma GCC unroll 4
-    for (int c = 0; c < CHUNKS; ++c) {
-      const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
-      const __m256i even = _mm256_and_si256(v, low4), odd = _mm256_srli_epi16(v, 4);
-#pragma GCC unroll 2
-      for (int i = 0; i < XR; ++i) {
-        const __m256i* xi = reinterpret_cast<const __m256i*>(q + i * K + 32 * c);
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(even, _mm256_loadu_si256(xi)));
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(odd, _mm256_loadu_si256(xi + 1)));
-      }
-    }
-  } else {
-#pragma GCC unroll 8
-    for (int c = 0; c < 2 * CHUNKS; ++c) {
-      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c)));
-#pragma GCC unroll 2
-      for (int i = 0; i < XR; ++i) {
-        const __m256i xi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * K + 16 * c));
-        s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(codes, xi));
-      }
-    }
-  }
-}
-
-// How far ahead of the weights being read to prefetch (bytes).
-constexpr size_t kAhead = 1024;
-
-// Rows of x per pass over the weights: 64 rows of int16 at K = 1024 are
-// 128 KiB, which stay in a core's L2 cache while a block of weights is read.
-// (Which rows share a pass does not change any row's arithmetic.)
-constexpr size_t kXBlock = 64;
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 a) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
-// out[m * ldo + n] for XR rows of x from row m0 on, one weight row n, groups
-// of CHUNKS * 32 values: each row's arithmetic is the same whatever XR (and
-// M) is, so a row of a multi-row call is bit for bit the row of a one-row call.
-template <int BITS, bool BF16, int XR, int CHUNKS>
-__attribute__((target("avx2,fma"), always_inline)) inline void rows_dot_avx2(const IntRows& x, size_t m0,
-                                                                             const uint8_t* row, size_t n,
-                                                                             const void* scales, const void* biases,
-                                                                             float* factors, float* out, size_t ldo) {
-  constexpr size_t group = 32 * CHUNKS;
-  const size_t K = x.K, groups = K / group;
-  __m256 bias_term[XR];
-  float bias_tail[XR];
-#pragma GCC unroll 2
-  for (int i = 0; i < XR; ++i) {
-    // Per-group factors (factors + i * groups) and the biases' term, eight groups at a time.
-    const float *xa = x.scale.data() + (m0 + i) * groups, *xs = x.sum.data() + (m0 + i) * groups;
-    float* f = factors + i * groups;
-    bias_term[i] = _mm256_setzero_ps();
-    bias_tail[i] = 0;
-    size_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      _mm256_storeu_ps(f + g, _mm256_mul_ps(load8<BF16>(scales, n * groups + g), _mm256_loadu_ps(xa + g)));
-      bias_term[i] = _mm256_fmadd_ps(load8<BF16>(biases, n * groups + g), _mm256_loadu_ps(xs + g), bias_term[i]);
-    }
-    for (; g < groups; ++g) {
-      f[g] = float_at(scales, n * groups + g, BF16) * xa[g];
-      bias_tail[i] += float_at(biases, n * groups + g, BF16) * xs[g];
-    }
-  }
-  // Two float accumulators per row: one would wait on its own FMA latency.
-  __m256 acc0[XR], acc1[XR];
-#pragma GCC unroll 2
-  for (int i = 0; i < XR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-  // Weights and x by pointers bumped a group at a time (indices would cost
-  // address arithmetic per chunk); the weights of the rows ahead are
-  // prefetched, a cache line per line read.
-  constexpr size_t group_bytes = group * BITS / 8;
-  const int16_t* q = x.q.data() + m0 * K;
-  const uint8_t* w = row;
-  size_t g = 0;
-  for (; g + 2 <= groups; g += 2, w += 2 * group_bytes, q += 2 * group) {
-#pragma GCC unroll 4
-    for (size_t b = 0; b < 2 * group_bytes; b += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead + b), _MM_HINT_T0);
-    }
-    __m256i s0[XR], s1[XR];
-    group_sums_avx2<BITS, XR, CHUNKS>(w, q, K, s0);
-    group_sums_avx2<BITS, XR, CHUNKS>(w + group_bytes, q + group, K, s1);
-#pragma GCC unroll 2
-    for (int i = 0; i < XR; ++i) {
-      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
-      acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[i]), _mm256_broadcast_ss(&factors[i * groups + g + 1]),
-                                acc1[i]);
-    }
-  }
-  if (g < groups) {
-    __m256i s0[XR];
-    group_sums_avx2<BITS, XR, CHUNKS>(w, q, K, s0);
-#pragma GCC unroll 2
-    for (int i = 0; i < XR; ++i) {
-      acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[i]), _mm256_broadcast_ss(&factors[i * groups + g]), acc0[i]);
-    }
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < XR; ++i) {
-    out[(m0 + i) * ldo + n] = hsum(_mm256_add_ps(acc0[i], acc1[i])) + hsum(bias_term[i]) + bias_tail[i];
-  }
-}
-
-template <int BITS, bool BF16, int CHUNKS>
-__attribute__((target("avx2,fma"))) void dots_avx2(const IntRows& x, const uint8_t* w, const void* scales,
-                                                   const void* biases, size_t n0, size_t n1, float* out, size_t ldo) {
-  const size_t groups = x.K / x.group, row_bytes = x.K * BITS / 8;
-  thread_local std::vector<float> per_group;  // per row and group: the weight scale times x's
-  per_group.resize(2 * groups);
-  float* factors = per_group.data();  // (each thread_local access is a call in a shared library)
-  // A long prompt's x a block of rows at a time, each block against all of
-  // [n0, n1): x's rows would not stay in cache from one weight row to the next.
-  for (size_t m0 = 0; m0 < x.M; m0 += kXBlock) {
-    const size_t m1 = std::min(x.M, m0 + kXBlock);
-    for (size_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      size_t m = m0;
-      for (; m + 2 <= m1; m += 2) rows_dot_avx2<BITS, BF16, 2, CHUNKS>(x, m, row, n, scales, biases, factors, out, ldo);
-      if (m < m1) rows_dot_avx2<BITS, BF16, 1, CHUNKS>(x, m, row, n, scales, biases, factors, out, ldo);
-    }
-  }
-}
-
-using Dots = void (*)(const IntRows&, const uint8_t*, const void*, const void*, size_t, size_t, float*, size_t);
-
-template <int BITS, bool BF16>
-Dots dots_avx2_for(int group) {
-  return group == 32 ? dots_avx2<BITS, BF16, 1> : group == 64 ? dots_avx2<BITS, BF16, 2> : dots_avx2<BITS, BF16, 4>;
-}
+// The x86 kernels, built twice: for AVX2+FMA, and for CPUs with AVX-VNNI too
+// (one instruction for a multiply-add pair and its accumulation).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+#define EMLX_DOT_ADD(s, a, b) _mm256_add_epi32(s, _mm256_madd_epi16(a, b))
+#include "quantized_dot_x86.inc"
+#undef EMLX_DOT_ADD
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,avxvnni"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+#endif
+namespace vnni {
+#define EMLX_DOT_ADD(s, a, b) _mm256_dpwssd_avx_epi32(s, a, b)
+#include "quantized_dot_x86.inc"
+#undef EMLX_DOT_ADD
+}  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #endif
 
 // One group of x: false if it holds a NaN or an infinity, else its scale
@@ -253,7 +129,7 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  sum = hsum(total);
+  sum = avx2::hsum(total);
   scale = top / kLevels;
   const __m256 to_int = _mm256_set1_ps(top > 0 ? kLevels / top : 0.0f);
   // Within each 128-bit lane: the even int16 values first, then the odd ones.
@@ -309,11 +185,8 @@ bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntR
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
                     size_t n0, size_t n1, float* out, size_t ldo) {
 #if defined(__x86_64__)
-  if (has_avx2()) {
-    const Dots dots = x.bits == 4 ? (params_bf16 ? dots_avx2_for<4, true> : dots_avx2_for<4, false>)(x.group)
-                                  : (params_bf16 ? dots_avx2_for<8, true> : dots_avx2_for<8, false>)(x.group);
-    return dots(x, w, scales, biases, n0, n1, out, ldo);
-  }
+  if (has_avx_vnni()) return vnni::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
+  if (has_avx2()) return avx2::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
 #endif
   (x.bits == 4 ? dots_generic<4> : dots_generic<8>)(x, w, scales, biases, params_bf16, n0, n1, out, ldo);
 }

@@ -125,4 +125,13 @@ bool has_avx2() {
 #endif
 }
 
+bool has_avx_vnni() {
+#if defined(__x86_64__)
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avxvnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 }  // namespace emlx

@@ -32,5 +32,8 @@ void parallel_rows(int64_t rows, int64_t chunk, F&& fn) {
 
 // Whether this x86-64 CPU has AVX2 and FMA (false on other machines).
 bool has_avx2();
+// AVX2 and AVX-VNNI (vpdpwssd on 256-bit registers): Intel since Alder Lake
+// and Sapphire Rapids, AMD since Zen 5.
+bool has_avx_vnni();
 
 }  // namespace emlx
