@@ -1,7 +1,9 @@
-"""Sliding-window layers on ring buffers (llm/ring_cache.py), on the Gemma 3
-family program (window 8, one sliding and one full layer, max context 128):
-the ring's size, logits equal to transformers' far past the window, rewinds
-within the limit and beyond it, and drafted generation equal to plain."""
+"""Sliding-window layers on ring buffers (llm/ring_cache.py), on the family
+programs of Gemma 3 (sdpa attention; window 8, one sliding and one full layer)
+and gpt-oss (its own eager attention with sinks; one sliding layer), max
+context 128: the ring's size, logits equal to transformers' far past the
+window, rewinds within the limit and beyond it, and drafted generation equal
+to plain."""
 
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ WINDOW, CHUNK = 8, 16  # the family's sliding window; calls of a ring program ta
 SLOTS = WINDOW - 1 + CHUNK
 
 
-@pytest.fixture(scope="module")
-def logits_program(shared):
-    folder, pte = family_program(shared, "gemma3", sampling=False)
-    return folder, pte, AutoModelForCausalLM.from_pretrained(folder).eval()
+# the family's layers: sliding (on a ring) or full
+LAYERS = {"gemma3": ["ring", "full"], "gpt_oss": ["ring"]}
+
+
+@pytest.fixture(scope="module", params=list(LAYERS))
+def logits_program(shared, request):
+    folder, pte = family_program(shared, request.param, sampling=False)
+    return folder, pte, AutoModelForCausalLM.from_pretrained(folder).eval(), LAYERS[request.param]
 
 
 def _method(pte):
@@ -41,11 +47,12 @@ def _cache_shapes(pte) -> list[list[int]]:
 
 
 def test_sliding_layers_cache_the_window_and_full_layers_the_context(logits_program):
-    _, pte, _ = logits_program
+    _, pte, _, layers = logits_program
     runner = LLMRunner(pte)
     assert (runner.max_chunk, runner.cache_wraps, runner.cache_rewind) == (CHUNK, True, CHUNK)
-    # keys and values: [1, kv heads, slots, head dim] for the sliding layer, then the full one
-    assert _cache_shapes(pte) == [[1, 2, SLOTS, 16]] * 2 + [[1, 2, MAX_CONTEXT, 16]] * 2
+    # keys and values: [1, kv heads, slots, head dim], sliding layers first
+    slots = sorted(SLOTS if kind == "ring" else MAX_CONTEXT for kind in layers)
+    assert _cache_shapes(pte) == [[1, 2, n, 16] for n in slots for _ in "kv"]
 
 
 def _check_steps(method, model, ids: torch.Tensor, calls: list[tuple[int, int]]):
@@ -62,7 +69,7 @@ def _check_steps(method, model, ids: torch.Tensor, calls: list[tuple[int, int]])
 def test_logits_equal_transformers_far_past_the_window(logits_program):
     """A prefill in two calls, then 50 single steps: the ring wraps twice
     over; transformers attends over the full sequence with its window mask."""
-    _, pte, model = logits_program
+    _, pte, model, _ = logits_program
     _program, method = _method(pte)
     ids = torch.tensor([[(13 * i + 5) % 200 for i in range(70)]])
     _check_steps(method, model, ids, [(0, 16), (16, 4)] + [(p, 1) for p in range(20, 70)])
@@ -71,7 +78,7 @@ def test_logits_equal_transformers_far_past_the_window(logits_program):
 def test_a_rewind_within_the_limit_keeps_the_window(logits_program):
     """Positions 0..59 written, then the sequence changes from position 44
     on (a rewind of 16, the limit): its window is still in the ring."""
-    _, pte, model = logits_program
+    _, pte, model, _ = logits_program
     _program, method = _method(pte)
     first = torch.tensor([[(13 * i + 5) % 200 for i in range(60)]])
     _check_steps(method, model, first, [(0, 16), (16, 16), (32, 16), (48, 12)])

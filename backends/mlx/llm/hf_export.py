@@ -264,7 +264,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                 embedding=quantize_embedding)
         stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
     # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
-    chunk = ring_chunk(model.config.get_text_config(), max_context, MAX_DRAFT_TOKENS + 1)
+    chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
     max_chunk = chunk or max_context - 1
     lm = CachedLM(model, max_context, chunk)
     if chunk:

@@ -21,19 +21,23 @@ Why R = W - 1 + max_chunk is enough:
   it may go (llm/runner.py).
 
 The layers use transformers' attention through an attention function of
-ours (`RING_ATTENTION`, registered with transformers) that sends ring layers
-to `mlx::written_attention` with the ring's mask, and every other layer to
-transformers' sdpa attention, unchanged; families whose attention is not
-sdpa (eager, attention sinks, soft-capping) keep full-length caches.
+ours (registered with transformers, one per kind the family uses): with
+sdpa, ring layers go to `mlx::written_attention` with the ring's mask; with
+the family's own eager attention (attention sinks as in gpt-oss, soft-capping
+as in Gemma 2), ring layers go to that function with the ring's mask as an
+additive one. Every other layer runs as before.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from ..custom_kernel_ops import attention as _attention_op  # noqa: F401  (defines mlx::written_attention)
 
-RING_ATTENTION = "executorch_mlx_ring"
+# Our attention function's name with transformers, per the family's attention.
+RING_ATTENTION = {"sdpa": "executorch_mlx_ring", "eager": "executorch_mlx_ring_eager"}
 
 
 def sliding_window(config) -> int | None:
@@ -44,13 +48,26 @@ def sliding_window(config) -> int | None:
     return None
 
 
-def ring_chunk(config, max_context: int, min_chunk: int) -> int | None:
+def _eager_attention(module: torch.nn.Module):
+    """The family's own eager attention function (in its modeling module), or None."""
+    return getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def ring_chunk(model, max_context: int, min_chunk: int) -> int | None:
     """The most tokens one call takes when the sliding-window layers are on
     rings: a window (prefill stays a matrix product) and at least `min_chunk`
     (a verify call); None when a ring would not be shorter than the context,
-    or the attention is not sdpa."""
+    or the attention is neither sdpa nor the family's own eager function."""
+    config = model.config.get_text_config()
     window = sliding_window(config)
-    if window is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    kind = getattr(config, "_attn_implementation", None)
+    if window is None or kind not in RING_ATTENTION:
+        return None
+    if kind == "eager" and not all(_eager_attention(m) for m in _attention_modules(model)):
         return None
     chunk = min(max_context - 1, max(window, min_chunk))
     return chunk if window - 1 + chunk < max_context else None
@@ -90,25 +107,36 @@ def _make_ring_layer():
     return RingLayer
 
 
-def _ring_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def _ring_attention(kind: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ring = getattr(module, "_mlx_ring", None)
-    if ring is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-    # only the slots up to the call's last position: the ring before it wraps costs what the position costs
-    out = torch.ops.mlx.written_attention(query, key, value, ring.visible(), ring.query_positions, scale)
-    return out.transpose(1, 2).contiguous(), None
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+        ring = getattr(module, "_mlx_ring", None)
+        if kind == "eager":
+            if ring is not None:  # additive, as transformers' eager masks
+                attention_mask = torch.where(ring.visible(), 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+            return _eager_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                            dropout=dropout, **kwargs)
+        if ring is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        # only the slots up to the call's last position: the ring before it wraps costs what the position costs
+        out = torch.ops.mlx.written_attention(query, key, value, ring.visible(), ring.query_positions, scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
 
 
-def _register_attention() -> None:
+def _register_attention(kind: str) -> str:
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-    AttentionInterface.register(RING_ATTENTION, _ring_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(RING_ATTENTION, sdpa_mask)  # the other layers' masks, as for sdpa
+    name = RING_ATTENTION[kind]
+    AttentionInterface.register(name, _ring_attention(kind))
+    # the other layers' masks, as for the family's own attention
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask if kind == "sdpa" else eager_mask)
+    return name
 
 
 def use_rings(model, wrapper: torch.nn.Module, cache, chunk: int) -> dict[int, object]:
@@ -130,9 +158,8 @@ def use_rings(model, wrapper: torch.nn.Module, cache, chunk: int) -> dict[int, o
         wrapper.register_buffer(f"value_cache_{i}", ring.values, persistent=False)
         wrapper.register_buffer(f"ring_positions_{i}", torch.zeros(slots, dtype=torch.int64), persistent=False)
         cache.layers[i] = ring
-    for module in model.modules():
-        if type(module).__name__.endswith("Attention") and getattr(module, "layer_idx", None) in rings:
+    for module in _attention_modules(model):
+        if module.layer_idx in rings:
             module._mlx_ring = rings[module.layer_idx]
-    _register_attention()
-    model.config._attn_implementation = RING_ATTENTION
+    model.config._attn_implementation = _register_attention(config._attn_implementation)
     return rings
