@@ -161,5 +161,6 @@ def use_rings(model, wrapper: torch.nn.Module, cache, chunk: int) -> dict[int, o
     for module in _attention_modules(model):
         if module.layer_idx in rings:
             module._mlx_ring = rings[module.layer_idx]
-    model.config._attn_implementation = _register_attention(config._attn_implementation)
+    # (the text config: the one the attention modules and the text model's masks read)
+    config._attn_implementation = _register_attention(config._attn_implementation)
     return rings
