@@ -62,19 +62,11 @@ def export(folder: Path, out: Path, max_context: int, rings: bool) -> Path:
 
 
 def cache_bytes(pte: Path) -> int:
-    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch_mlx.inspector import delegate_graphs
 
-    from executorch_mlx.serialization import ir
-
-    program = deserialize_pte_binary(pte.read_bytes())
-    program = getattr(program, "program", program)
-    total = 0
-    for delegate in program.execution_plan[0].delegates:
-        graph = ir.deserialize(program.backend_delegate_data[delegate.processed.index].data)
-        for b in graph.mutable_buffers:
-            if len(b.shape) == 4:  # keys and values [1, heads, slots, head dim], float32
-                total += 4 * int(torch.tensor(b.shape).prod())
-    return total
+    # keys and values: the 4-d mutable buffers [1, heads, slots, head dim], float32
+    return sum(4 * int(torch.tensor(b.shape).prod()) for graph in delegate_graphs(pte.read_bytes())
+               for b in graph.mutable_buffers if len(b.shape) == 4)
 
 
 def rss() -> int:
@@ -129,8 +121,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for (ctx, rings), r in rows.items():
         full = rows[(ctx, False)]
-        ratios = (f"{r['cache'] / full['cache']:.2f} | {r['rss'] / full['rss']:.2f} | {r['decode'] / full['decode']:.2f}"
-                  if rings else "- | - | -")
+        ratios = " | ".join(f"{r[k] / full[k]:.2f}" for k in ("cache", "rss", "decode")) if rings else "- | - | -"
         print(f"| {ctx} | {'ring' if rings else 'full'} | {r['cache'] / mib:.1f} | {r['rss'] / mib:.1f} | "
               f"{r['decode']:.1f} | {ratios} |")
     print(f"\nload average at end: {load_average()}")

@@ -12,8 +12,8 @@ import torch
 from llm_programs import MAX_CONTEXT, family_program
 from transformers import AutoModelForCausalLM
 
+from executorch_mlx.inspector import delegate_graphs
 from executorch_mlx.llm.runner import LLMRunner
-from executorch_mlx.serialization import ir
 
 WINDOW, CHUNK = 8, 16  # the family's sliding window; calls of a ring program take at most max(window, 16)
 SLOTS = WINDOW - 1 + CHUNK
@@ -37,13 +37,8 @@ def _method(pte):
 
 
 def _cache_shapes(pte) -> list[list[int]]:
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    program = deserialize_pte_binary(pte.read_bytes())
-    program = getattr(program, "program", program)
-    (delegate,) = program.execution_plan[0].delegates
-    blob = program.backend_delegate_data[delegate.processed.index].data
-    return sorted(b.shape for b in ir.deserialize(blob).mutable_buffers if len(b.shape) == 4)
+    (graph,) = delegate_graphs(pte.read_bytes())  # one delegate
+    return sorted(b.shape for b in graph.mutable_buffers if len(b.shape) == 4)
 
 
 def test_sliding_layers_cache_the_window_and_full_layers_the_context(logits_program):

@@ -216,10 +216,10 @@ def logical_not(b: GraphBuilder, node: torch.fx.Node) -> None:
 def bitwise_not(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Logical not of bools, ~x = x ^ -1 of integers."""
     out = meta_val(node)
-    x = b.get(node.args[0])
     if out.dtype == torch.bool:
-        b.bind(node, b.emit(ir.LogicalNotNode, torch.bool, x.shape, a=x.tid))
+        logical_not(b, node)
         return
+    x = b.get(node.args[0])
     b.bind(node, b.emit(ir.BitwiseXorNode, out.dtype, out.shape, a=x.tid, b=b.literal(-1, out.dtype).tid))
 
 
