@@ -79,6 +79,15 @@ def test_one_verify_call(programs):
     assert torch.isinf(out[1][3:]).all() and torch.isfinite(out[1][:3]).all()
 
 
+def test_a_draft_model_prefills_the_prompt_with_the_target(programs):
+    """Its first round then runs one token, not the whole prompt (the
+    prompt's cost belongs to the prefill, as with mlx-lm)."""
+    target, draft_model, _ = programs
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8]
+    target.generate(prompt, max_new_tokens=1, draft=draft_model)  # no round: one token
+    assert draft_model._cached == prompt
+
+
 def test_drafts_never_overflow_the_context(programs):
     target, _, copy = programs
     prompt = (PROMPT * 10)[:MAX_CONTEXT - 20]

@@ -10,9 +10,9 @@ proposes, the output is the output of plain decoding.
   with its own KV cache, sampling with the target's settings at the same
   positions (the same seed draws the same noise, so a draft model that
   agrees with the target on the distribution proposes the target's token).
-  Its cache is rolled back by position: the next round prefills from the
-  first token it holds that differs from the context, overwriting the
-  entries of rejected drafts.
+  It prefills the prompt with the target. Its cache is rolled back by
+  position: the next round feeds it from the first token it holds that
+  differs from the context, overwriting the entries of rejected drafts.
 * `DraftLength`: how many tokens to draft next; adaptive by default, so
   that speculation with poor acceptance costs little more than plain
   decoding.
@@ -42,6 +42,9 @@ class PromptLookup:
 
     def check(self, target) -> None:
         """Nothing to check: it drafts from the target's own context."""
+
+    def prefill(self, prompt: list[int], sampler_for: SamplerFor) -> None:
+        """Nothing to prefill: it keeps no state."""
 
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
@@ -83,20 +86,33 @@ class DraftModel:
                 raise ValueError(f"the draft model's {what} ({_one(theirs)}) is not the target's ({_one(ours)}): "
                                  f"a draft model must share the target's tokenizer")
 
+    def prefill(self, prompt: list[int], sampler_for: SamplerFor) -> None:
+        """Fills the draft's cache with the prompt while the target prefills
+        it (as mlx-lm does), so the first round drafts at once; a prompt
+        beyond the draft's context is left to the rounds, which then draft
+        nothing."""
+        draft = self.runner
+        if len(prompt) < draft.max_context:
+            self._feed(prompt, draft._reusable(prompt), sampler_for(draft, 0, prompt))
+
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
         draft = self.runner
         k = min(k, draft.max_context - len(context))  # the last draft's entry must fit its cache
         drafts: list[int] = []
         cached = draft._reusable(context)
-        fed = context[cached:]
         for i in range(k):
-            for start in range(0, len(fed), draft.max_chunk):  # a long first round prefills in chunks
-                emitted, _ = draft._step(fed[start:start + draft.max_chunk], cached + start,
-                                         sampler_for(draft, step + i, context + drafts))
-            cached += len(fed)
-            drafts.append(emitted[0])
-            fed = drafts[-1:]
+            seen = context + drafts
+            drafts.append(self._feed(seen, cached, sampler_for(draft, step + i, seen)))
+            cached = len(seen)
         return drafts
+
+    def _feed(self, context: list[int], cached: int, sampling: list) -> int:
+        """Runs context[cached:] (at its positions, in chunks) through the
+        draft; the token it samples after `context`."""
+        draft, fed = self.runner, context[cached:]
+        for start in range(0, len(fed), draft.max_chunk):
+            emitted, _ = draft._step(fed[start:start + draft.max_chunk], cached + start, sampling)
+        return emitted[0]
 
 
 def _one(values):

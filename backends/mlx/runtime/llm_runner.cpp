@@ -481,6 +481,8 @@ struct Drafter {
   virtual ~Drafter() = default;
   // `position`: the decode step of the token after `context`.
   virtual std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t position) = 0;
+  // Called with the prompt while the target prefills it.
+  virtual void prefill(const std::vector<int64_t>&) {}
 };
 
 // The tokens that followed the latest earlier occurrence of the context's
@@ -503,37 +505,54 @@ struct PromptLookup : Drafter {
 };
 
 // A smaller program of the same tokenizer decodes the drafts with the
-// target's sampler settings, its KV cache rolled back by position: each
-// round starts where what it holds first differs from the context.
+// target's sampler settings. It prefills the prompt with the target; its KV
+// cache is rolled back by position: each round starts where what it holds
+// first differs from the context.
 struct DraftModel : Drafter {
   DraftModel(LoadedMethod& forward, const Metadata& md, const Options& o) : md_(md), gen_(forward, md, o) {}
 
+  void prefill(const std::vector<int64_t>& prompt) override {
+    // (a prompt beyond the draft's context is left to the rounds, which then draft nothing)
+    if (static_cast<int64_t>(prompt.size()) < md_.max_context) feed(prompt, reusable(prompt), 0);
+  }
+
   std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t position) override {
-    const auto len = static_cast<int64_t>(context.size());
-    k = std::min(k, md_.max_context - len);  // the last draft's entry must fit its cache
-    int64_t cached = 0;
-    while (cached < static_cast<int64_t>(cached_.size()) && cached < len - 1 && cached_[cached] == context[cached]) {
-      ++cached;
-    }
-    std::vector<int64_t> fed(context.begin() + cached, context.end()), drafts, seen = context;
+    k = std::min(k, md_.max_context - static_cast<int64_t>(context.size()));  // the last draft's entry must fit
+    int64_t cached = reusable(context);
+    std::vector<int64_t> drafts, seen = context;
     for (int64_t i = 0; i < k; ++i) {
-      int64_t token = 0;
-      for (size_t start = 0; start < fed.size(); start += md_.max_chunk) {  // a long first round: in chunks
-        const size_t end = std::min(fed.size(), start + md_.max_chunk);
-        cached_.resize(cached + start);
-        token = gen_.step(std::vector<int64_t>(fed.begin() + start, fed.begin() + end), cached + start,
-                          position + i, seen)[0];
-        cached_.insert(cached_.end(), fed.begin() + start, fed.begin() + end);
-      }
-      cached += static_cast<int64_t>(fed.size());
+      const int64_t token = feed(seen, cached, position + i);
+      cached = static_cast<int64_t>(seen.size());
       drafts.push_back(token);
       seen.push_back(token);
-      fed = {token};
     }
     return drafts;
   }
 
  private:
+  // How many leading ids of `context` its cache holds (at least one is run).
+  int64_t reusable(const std::vector<int64_t>& context) const {
+    const auto len = static_cast<int64_t>(context.size());
+    int64_t cached = 0;
+    while (cached < static_cast<int64_t>(cached_.size()) && cached < len - 1 && cached_[cached] == context[cached]) {
+      ++cached;
+    }
+    return cached;
+  }
+
+  // Runs context[cached:] (in chunks) through the draft; the token it samples after `context`.
+  int64_t feed(const std::vector<int64_t>& context, int64_t cached, int64_t position) {
+    int64_t token = 0;
+    for (auto start = static_cast<size_t>(cached); start < context.size(); start += md_.max_chunk) {
+      const size_t end = std::min(context.size(), start + md_.max_chunk);
+      cached_.resize(start);
+      token = gen_.step(std::vector<int64_t>(context.begin() + start, context.begin() + end),
+                        static_cast<int64_t>(start), position, context)[0];
+      cached_.insert(cached_.end(), context.begin() + start, context.begin() + end);
+    }
+    return token;
+  }
+
   const Metadata& md_;
   Generator gen_;
   std::vector<int64_t> cached_;  // the ids its cache holds, from position 0
@@ -671,6 +690,7 @@ int run(const Options& o) {
     const int64_t end = std::min(prompt_len, start + md.max_chunk);
     token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0, o.prompt)[0];
   }
+  if (drafter) drafter->prefill(o.prompt);
   const double prefill_s = seconds_since(t0);
   std::vector<int64_t> out = {token}, context = o.prompt;
   double decode_s = 0;
