@@ -63,8 +63,9 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
 }
 
 #if defined(__x86_64__)
-// The x86 kernels, built twice: for AVX2+FMA, and for CPUs with AVX-VNNI too
-// (one instruction for a multiply-add pair and its accumulation).
+// The x86 kernels, built three times: for AVX2+FMA; for CPUs with AVX-VNNI
+// too (one instruction for a multiply-add pair and its accumulation); and
+// for AVX-512 VNNI (the same on 512-bit registers, 32 of them).
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
@@ -89,6 +90,20 @@ namespace vnni {
 #include "quantized_dot_x86.inc"
 #undef EMLX_DOT_ADD
 }  // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+namespace avx512 {
+#define EMLX_DOT_ZMM
+#include "quantized_dot_x86.inc"
+#undef EMLX_DOT_ZMM
+}  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -185,6 +200,7 @@ bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntR
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
                     size_t n0, size_t n1, float* out, size_t ldo) {
 #if defined(__x86_64__)
+  if (has_avx512_vnni()) return avx512::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
   if (has_avx_vnni()) return vnni::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
   if (has_avx2()) return avx2::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
 #endif

@@ -35,5 +35,8 @@ bool has_avx2();
 // AVX2 and AVX-VNNI (vpdpwssd on 256-bit registers): Intel since Alder Lake
 // and Sapphire Rapids, AMD since Zen 5.
 bool has_avx_vnni();
+// AVX2, FMA and AVX-512 with VNNI (F, BW, VL): Intel since Ice Lake and
+// Sapphire Rapids, AMD since Zen 4.
+bool has_avx512_vnni();
 
 }  // namespace emlx
