@@ -150,6 +150,39 @@ def test_each_row_of_a_long_call_is_the_one_row_calls(bits):
     assert all(torch.equal(whole[i:i + 1], method.execute([x[i:i + 1]])[0]) for i in range(len(x)))
 
 
+def test_every_x86_build_computes_each_row_alone(tmp_path):
+    """The integer kernel is built for AVX2, AVX-VNNI and AVX-512 VNNI
+    (EMLX_X86_KERNELS caps the build a process uses, so each runs here up to
+    what this CPU has). In each, a row of a many-row call is the one-row
+    call's bit for bit, with every number of rows a pass can take and an odd
+    number of groups; the two 256-bit builds give the same bits."""
+    torch.manual_seed(1)
+    cases = []
+    for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 256, 32)):
+        model = QLinear(torch.randn(37, k), torch.randn(37), group, bits).eval()
+        x = rand((13, k), torch.float32)
+        pte = tmp_path / f"q{bits}_{group}.pte"
+        pte.write_bytes(lower(model, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=16)},))
+                        .to_executorch().buffer)
+        cases.append((str(pte), x))
+    torch.save(cases, tmp_path / "cases.pt")
+    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
+              "for pte, x in torch.load(sys.argv[1]):\n"
+              "    p = Runtime.get().load_program(open(pte, 'rb').read()); m = p.load_method('forward')\n"
+              "    out.append((m.execute([x])[0].clone(), [m.execute([x[i:i + 1]])[0] for i in range(len(x))]))\n"
+              "torch.save(out, sys.argv[2])")
+    builds = {}
+    for build in ("avx2", "avx-vnni", "best"):
+        out = tmp_path / f"{build}.pt"
+        subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
+                       env={**os.environ, "EMLX_X86_KERNELS": build})
+        builds[build] = torch.load(out)
+        for (whole, rows), (pte, _) in zip(builds[build], cases):
+            assert all(torch.equal(whole[i], row[0]) for i, row in enumerate(rows)), (build, pte)
+    for (a, _), (b, _) in zip(builds["avx2"], builds["avx-vnni"]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_one_row_kernel_rounds_x_to_integers_and_nothing_else(bits, group_size):

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -116,6 +117,22 @@ void parallel_for(int n, const std::function<void(int)>& fn) {
 
 int pool_size() { return pool().size(); }
 
+#if defined(__x86_64__)
+namespace {
+// EMLX_X86_KERNELS=avx2 | avx-vnni caps the x86 kernel builds used below
+// what the CPU has (to test every build on one machine).
+int x86_cap() {
+  static const int cap = [] {
+    const char* env = std::getenv("EMLX_X86_KERNELS");
+    if (env == nullptr) return 3;
+    const std::string v = env;
+    return v == "avx2" ? 1 : v == "avx-vnni" ? 2 : 3;
+  }();
+  return cap;
+}
+}  // namespace
+#endif
+
 bool has_avx2() {
 #if defined(__x86_64__)
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -127,7 +144,7 @@ bool has_avx2() {
 
 bool has_avx_vnni() {
 #if defined(__x86_64__)
-  static const bool yes = has_avx2() && __builtin_cpu_supports("avxvnni");
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avxvnni") && x86_cap() >= 2;
   return yes;
 #else
   return false;
@@ -138,7 +155,8 @@ bool has_avx512_vnni() {
 #if defined(__x86_64__)
   // (GCC's and Clang's checks include the OS saving the 512-bit registers)
   static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                          x86_cap() >= 3;
   return yes;
 #else
   return false;
