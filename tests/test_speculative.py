@@ -149,12 +149,12 @@ def test_prompt_lookup_drafts_the_latest_continuation():
 
 def test_adaptive_draft_length_backs_off_when_drafts_fail():
     length = DraftLength(8)
-    assert length.next() == 2
-    length.update(2, 2)
-    assert length.next() == 4
-    length.update(4, 4)
-    length.update(6, 6)
-    length.update(8, 8)
+    assert length.next() == 1
+    length.update(1, 1)
+    assert length.next() == 3
+    length.update(3, 3)
+    length.update(5, 5)
+    length.update(7, 7)
     assert length.next() == 8  # at most `most`
     length.update(8, 2)
     assert length.next() == 3
@@ -165,9 +165,9 @@ def test_adaptive_draft_length_backs_off_when_drafts_fail():
         k = length.next()
         lengths.append(k)
         length.update(k, 0)
-    assert [i for i, k in enumerate(lengths) if k] == [0, 3, 8, 17, 34]  # pauses of 2, 4, 8, 16
+    assert [i for i, k in enumerate(lengths) if k] == [0, 5, 22]  # pauses of 4 and 16, then 64
     length.update(1, 1)
-    assert length.backoff == 2
+    assert length.backoff == 4
     fixed = DraftLength(4, adaptive=False)
     assert fixed.next() == 4
     fixed.update(4, 0)

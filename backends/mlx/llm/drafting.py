@@ -120,15 +120,17 @@ def _one(values):
 
 
 class DraftLength:
-    """The number of tokens to draft next, at most `most`. Adaptive: 2 at
+    """The number of tokens to draft next, at most `most`. Adaptive: 1 at
     first, two more after a round whose drafts were all accepted, one more
     than were accepted otherwise; after a round that drafted one token and
-    lost it, plain decoding for 2, 4 ... 64 steps before drafting again
-    (reset by an accepted draft), so that poor acceptance costs little.
+    lost it, plain decoding for 4, 16, 64 or 256 steps before drafting again
+    (reset by an accepted draft), so that poor acceptance costs little: each
+    try of a draft model also feeds it the tokens of the pause before it, so
+    the tries must grow rare fast.
     Fixed: always `most`."""
 
-    START = 2
-    BACKOFF_MIN, BACKOFF_MAX = 2, 64
+    START = 1  # a failed first round costs one draft step
+    BACKOFF_MIN, BACKOFF_GROWTH, BACKOFF_MAX = 4, 4, 256
 
     def __init__(self, most: int, adaptive: bool = True):
         self.most, self.adaptive = most, adaptive
@@ -151,4 +153,4 @@ class DraftLength:
         if accepted:
             self.backoff = self.BACKOFF_MIN
         elif drafted == 1:
-            self.pause, self.backoff = self.backoff, min(self.BACKOFF_MAX, 2 * self.backoff)
+            self.pause, self.backoff = self.backoff, min(self.BACKOFF_MAX, self.BACKOFF_GROWTH * self.backoff)

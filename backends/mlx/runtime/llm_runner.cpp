@@ -560,9 +560,9 @@ struct DraftModel : Drafter {
 
 // How many tokens to draft next (llm/drafting.py's DraftLength).
 struct DraftLength {
-  int64_t most, k, pause = 0, backoff = 2;
+  int64_t most, k, pause = 0, backoff = 4;
   bool adaptive;
-  DraftLength(int64_t most, bool adaptive) : most(most), k(adaptive ? std::min<int64_t>(most, 2) : most),
+  DraftLength(int64_t most, bool adaptive) : most(most), k(adaptive ? 1 : most),
                                              adaptive(adaptive) {}
   int64_t next() {
     if (pause) return --pause, 0;
@@ -572,9 +572,9 @@ struct DraftLength {
     if (!adaptive || !drafted) return;
     k = accepted == drafted ? std::min(most, k + 2) : std::max<int64_t>(1, accepted + 1);
     if (accepted) {
-      backoff = 2;
+      backoff = 4;
     } else if (drafted == 1) {
-      pause = backoff, backoff = std::min<int64_t>(64, 2 * backoff);
+      pause = backoff, backoff = std::min<int64_t>(256, 4 * backoff);
     }
   }
 };
