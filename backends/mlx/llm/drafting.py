@@ -20,6 +20,7 @@ proposes, the output is the output of plain decoding.
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable
 
 from . import program_contract
@@ -47,20 +48,34 @@ class PromptLookup:
         """Nothing to prefill: it keeps no state."""
 
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
+        # The search runs over the context's bytes (8 a token) with
+        # bytes.rfind, in C: a Python loop over a long context took a good
+        # part of a decode step (0.45 ms at 2000 tokens).
+        data = array("q", context).tobytes()
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
-            tail, best = context[-n:], []
-            for start in range(len(context) - n - 1, -1, -1):  # the latest occurrence first
-                if context[start:start + n] == tail:
-                    # the latest with k tokens after it (in a loop, the
-                    # latest is cut short by the end of the context)
-                    follows = context[start + n:start + n + k]
-                    if len(follows) > len(best):
-                        best = follows
-                    if len(best) == k:
-                        break
+            best: list[int] = []
+            for start in _occurrences(data, n):  # the latest first
+                # the latest with k tokens after it (in a loop, the latest is
+                # cut short by the end of the context)
+                follows = context[start + n:start + n + k]
+                if len(follows) > len(best):
+                    best = follows
+                if len(best) == k:
+                    break
             if best:
                 return best
         return []
+
+
+def _occurrences(data: bytes, n: int):
+    """The token offsets of the earlier occurrences of the last n tokens of
+    `data` (int64 tokens as bytes), the latest first."""
+    needle = data[-8 * n:]
+    end = len(data) - 8  # an occurrence ends before the last token
+    while (at := data.rfind(needle, 0, end)) >= 0:
+        if at % 8 == 0:  # (a match across token boundaries is no match)
+            yield at // 8
+        end = at + len(needle) - 1
 
 
 class DraftModel:
