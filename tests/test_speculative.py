@@ -139,6 +139,8 @@ def test_export_checks_the_draft_count(shared, tmp_path):
 
 def test_prompt_lookup_drafts_the_latest_continuation():
     lookup = PromptLookup(max_ngram=2)
+    # (it searches bytes: 256, 0 holds the bytes of a 1 across the two tokens, which is no 1)
+    assert lookup.propose([256, 0, 7, 1], 2, 0, None) == []
     context = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]
     assert lookup.propose(context, 3, 0, None) == [5, 6, 2]  # after the latest earlier "2 3"
     assert lookup.propose(context + [7], 3, 0, None) == []  # 7 never occurred before
