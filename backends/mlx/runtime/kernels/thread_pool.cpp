@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -126,7 +127,9 @@ int x86_cap() {
     const char* env = std::getenv("EMLX_X86_KERNELS");
     if (env == nullptr) return 3;
     const std::string v = env;
-    return v == "avx2" ? 1 : v == "avx-vnni" ? 2 : 3;
+    if (v == "avx2" || v == "avx-vnni") return v == "avx2" ? 1 : 2;
+    std::fprintf(stderr, "emlx: EMLX_X86_KERNELS=%s ignored (avx2 or avx-vnni)\n", env);
+    return 3;
   }();
   return cap;
 }

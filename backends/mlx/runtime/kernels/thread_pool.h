@@ -38,6 +38,6 @@ bool has_avx_vnni();
 // AVX2, FMA and AVX-512 with VNNI (F, BW, VL): Intel since Ice Lake and
 // Sapphire Rapids, AMD since Zen 4.
 bool has_avx512_vnni();
-// (EMLX_X86_KERNELS=avx2 or avx-vnni makes the last two false.)
+// (EMLX_X86_KERNELS=avx2 makes the last two false, =avx-vnni the last.)
 
 }  // namespace emlx
