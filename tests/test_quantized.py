@@ -155,10 +155,10 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
     (EMLX_X86_KERNELS caps the build a process uses, so each runs here up to
     what this CPU has). In each, a row of a many-row call is the one-row
     call's bit for bit, with every number of rows a pass can take and an odd
-    number of groups; the two 256-bit builds give the same bits."""
+    number of groups; and every build gives the same bits."""
     torch.manual_seed(1)
     cases = []
-    for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 256, 32)):
+    for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 256, 32), (8, 96, 32)):
         model = QLinear(torch.randn(37, k), torch.randn(37), group, bits).eval()
         x = rand((13, k), torch.float32)
         pte = tmp_path / f"q{bits}_{group}.pte"
@@ -179,8 +179,8 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
         builds[build] = torch.load(out)
         for (whole, rows), (pte, _) in zip(builds[build], cases):
             assert all(torch.equal(whole[i], row[0]) for i, row in enumerate(rows)), (build, pte)
-    for (a, _), (b, _) in zip(builds["avx2"], builds["avx-vnni"]):
-        assert torch.equal(a, b)
+    for (a, _), (b, _), (c, _) in zip(builds["avx2"], builds["avx-vnni"], builds["best"]):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

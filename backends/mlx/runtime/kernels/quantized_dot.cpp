@@ -65,7 +65,7 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
 #if defined(__x86_64__)
 // The x86 kernels, built three times: for AVX2+FMA; for CPUs with AVX-VNNI
 // too (one instruction for a multiply-add pair and its accumulation); and
-// for AVX-512 VNNI (the same on 512-bit registers, 32 of them).
+// for AVX-512 VNNI (two groups at once in 512-bit registers, 32 of them).
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
@@ -100,9 +100,11 @@ namespace vnni {
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace avx512 {
+#define EMLX_DOT_ADD(s, a, b) _mm256_dpwssd_epi32(s, a, b)
 #define EMLX_DOT_ZMM
 #include "quantized_dot_x86.inc"
 #undef EMLX_DOT_ZMM
+#undef EMLX_DOT_ADD
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -172,6 +174,25 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 }
 #endif
 
+// Reorders each row's pairs of groups (g, g + 1) for the AVX-512 kernel: per
+// 16 values, group g's then group g + 1's (4-bit: a chunk's 16 even values
+// of each, then their 16 odd ones), so one register holds both groups'.
+// An odd group count's last group keeps the plain layout.
+void pair_layout(IntRows& rows) {
+  const size_t group = rows.group, pairs = rows.K / group / 2;
+  std::vector<int16_t> pair(2 * group);
+  for (size_t m = 0; m < rows.M; ++m) {
+    for (size_t p = 0; p < pairs; ++p) {
+      int16_t* at = rows.q.data() + m * rows.K + 2 * p * group;
+      for (size_t i = 0; i < 2 * group; i += 32) {  // 16 values of each group
+        std::copy(at + i / 2, at + i / 2 + 16, pair.begin() + i);
+        std::copy(at + group + i / 2, at + group + i / 2 + 16, pair.begin() + i + 16);
+      }
+      std::copy(pair.begin(), pair.end(), at);
+    }
+  }
+}
+
 }  // namespace
 
 bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
@@ -194,6 +215,9 @@ bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntR
       }
     }
   }
+#if defined(__x86_64__)
+  if (has_avx512_vnni()) pair_layout(rows);  // the kernel quantized_dots picks reads it so
+#endif
   return true;
 }
 
