@@ -367,7 +367,7 @@ class LLMRunner(ProgramRunner):
         for start in range(cached, len(ids), self.max_chunk):
             emitted, logprobs = self._step(ids[start:start + self.max_chunk], start, sampler_for(self, 0, ids),
                                            constraint is not None)
-        if drafter is not None:
+        if drafter is not None and max_new_tokens > 1:  # (one token: no round drafts)
             drafter.prefill(ids, sampler_for)
         prefill_s = time.perf_counter() - t0
 

@@ -690,7 +690,7 @@ int run(const Options& o) {
     const int64_t end = std::min(prompt_len, start + md.max_chunk);
     token = gen.step(std::vector<int64_t>(o.prompt.begin() + start, o.prompt.begin() + end), start, 0, o.prompt)[0];
   }
-  if (drafter) drafter->prefill(o.prompt);
+  if (drafter && o.max_new_tokens > 1) drafter->prefill(o.prompt);  // (one token: no round drafts)
   const double prefill_s = seconds_since(t0);
   std::vector<int64_t> out = {token}, context = o.prompt;
   double decode_s = 0;
