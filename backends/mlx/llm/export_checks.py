@@ -119,8 +119,11 @@ def with_standard_names(config: dict) -> dict:
     return {**{name: config[alias] for name, alias in aliases.items() if alias in config}, **config}
 
 
-# A layer kind other than attention needs a cache of its own (state, not keys and values).
+# Layer kinds with a key/value cache, and those that keep a state instead
+# (llm/state_cache.py) or nothing (a layer of MLP or experts only).
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+STATE_LAYERS = {"linear_attention", "conv"}
+CACHELESS_LAYERS = {"mlp", "moe"}
 
 
 def check_architecture(config: dict, model_dir: str | Path) -> None:
@@ -135,13 +138,12 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
                          "(AutoModelForCausalLM)")
-    others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS)
+    others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS - STATE_LAYERS - CACHELESS_LAYERS)
     if others == ["chunked_attention"]:  # Llama 4's: attention within fixed chunks of positions
         raise NotImplementedError(f"{path}: {arch} has chunked_attention layers, which export does not build yet")
     if others or "num_attention_heads" not in with_standard_names(config):
         kinds = ", ".join(others) or "non-attention"
-        raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which need a state cache other than keys "
-                                  "and values (not built yet)")
+        raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which export does not build yet")
 
 
 def _positive_int(config: dict, key: str, path: Path, required: bool = True) -> int | None:
@@ -190,7 +192,7 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
     layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     window = config.get("sliding_window")
     positions = sum(min(window, max_context) if t == "sliding_attention" and window else max_context
-                    for t in layer_types)
+                    for t in layer_types if t in ATTENTION_LAYERS)
     cache = 2 * positions * kv_heads * head_dim * dtype_bytes  # keys and values, in the export dtype
     budget = memory_budget()
     if cache > budget:

@@ -23,6 +23,7 @@ with ExecuTorch's LLM-runner names plus ours.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import time
@@ -43,6 +44,7 @@ from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import sampler_examples
 from .speculative import verify
+from .state_cache import StateCachedModel, has_state_kernels, probe_states
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
@@ -121,15 +123,22 @@ class CachedLM(torch.nn.Module):
     # where the Hugging Face model sits in this module (a prefix of its modules' paths)
     MODEL_PATH = "wrapper.model."
 
-    def __init__(self, model, max_context: int, ring_chunk: int | None = None):
+    def __init__(self, model, max_context: int, ring_chunk: int | None = None, snapshots: int = 1):
         """`ring_chunk`: put the sliding-window layers on ring buffers for
-        calls of at most that many tokens (llm/ring_cache.py)."""
+        calls of at most that many tokens (llm/ring_cache.py). `snapshots`:
+        the states each state layer keeps (llm/state_cache.py)."""
         super().__init__()
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
         model.generation_config.cache_implementation = "static"
         _set_cached_kv_heads(model.config)
-        self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
+        states = probe_states(model) if has_state_kernels(model) else {}
+        if states:
+            self.wrapper = StateCachedModel(model, max_context, states, snapshots)
+            ring_chunk = None
+        else:
+            self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
+        self.states = self.wrapper.states if states else None
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
         _fit_latent_cache(model.config.get_text_config(), self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
@@ -137,7 +146,12 @@ class CachedLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,
                 rows: int | torch.SymInt = 1) -> torch.Tensor:
         """The logits of the last `rows` positions, [1, rows, V]."""
+        seq = input_ids.shape[1]
+        if self.states is not None:
+            self.states.begin(cache_position, seq)
         for i, layer in enumerate(self.cache.layers):
+            if self.states is not None and i in self.states.states:
+                continue
             # Reached through the module, the cache tensors are the buffers
             # export traces (non-strict export swaps module attributes only;
             # through the cache object they would be lifted again as constants).
@@ -148,12 +162,12 @@ class CachedLM(torch.nn.Module):
             if i in self.rings:
                 layer.positions = getattr(self.wrapper, f"ring_positions_{i}")
                 layer.query_positions = cache_position
-        seq = input_ids.shape[1]
         # no [S, V] logits on prefill: the last `rows` positions only (by index,
         # which transformers takes for a count that is a size of an input)
         keep = 1 if isinstance(rows, int) and rows == 1 else torch.arange(seq - rows, seq)
-        out = self.wrapper.model(input_ids=input_ids, attention_mask=None, past_key_values=self.cache,
-                                 use_cache=True, logits_to_keep=keep)
+        with self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext():
+            out = self.wrapper.model(input_ids=input_ids, attention_mask=None, past_key_values=self.cache,
+                                     use_cache=True, logits_to_keep=keep)
         return out.logits
 
 
@@ -266,7 +280,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
     chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
     max_chunk = chunk or max_context - 1
-    lm = CachedLM(model, max_context, chunk)
+    lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
+    rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
+    if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/state_cache.py)
+        chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
+        stage(f"{len(lm.states.states)} state layers, states kept after each of the last {max_draft_tokens + 1} "
+              "positions")
     if chunk:
         slots = next(iter(lm.rings.values())).max_cache_len
         stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {slots} slots, calls of up to {chunk} tokens")
@@ -308,7 +327,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                            constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                      quantization, logprobs and sampling, token_mask,
-                                                                     max_draft_tokens, chunk))
+                                                                     max_draft_tokens, rewind))
         del ep, module, lm, model  # the delegate's weights are in those files now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())

@@ -215,12 +215,17 @@ def slice_scatter(b: GraphBuilder, node: torch.fx.Node) -> None:
     rank = len(x.shape)
     dim = node_arg(node, 2, "dim", 0) % rank
     start, end, step = node_arg(node, 3, "start"), node_arg(node, 4, "end"), node_arg(node, 5, "step", 1)
-    if not all(_is_static(v) for v in (start, end, step, *x.shape)) or any(isinstance(v, torch.fx.Node)
-                                                                            for v in (start, end)):
+    if not all(_is_static(v) for v in (start, end, step, x.shape[dim])) or any(isinstance(v, torch.fx.Node)
+                                                                                for v in (start, end)):
         raise Unsupported("slice_scatter with dynamic bounds")
     size = int(x.shape[dim])
     start = 0 if start is None else max(0, min(start + size if start < 0 else start, size))
     end = size if end is None else max(start, min(end + size if end < 0 else end, size))
+    if not all(_is_static(v) for v in x.shape):  # other axes dynamic: a scatter at the slice's (static) indices
+        idx = b.emit(ir.ArangeNode, torch.int64, (len(range(start, end, step)),), start=float(start),
+                     stop=float(end), step=float(step), dtype=ir.DType.int64)
+        _scatter(b, node, x, dim, idx, src)
+        return
     starts, stops, strides = [0] * rank, [int(d) for d in x.shape], [1] * rank
     starts[dim], stops[dim], strides[dim] = start, end, step
     src = b.cast(src, x.dtype)

@@ -69,4 +69,5 @@ def _load_handlers() -> None:
         ops_reduction,
         ops_sampling,
         ops_shape,
+        ops_state,
     )

@@ -14,6 +14,7 @@
 #include "kernels/norm.h"
 #include "kernels/rope.h"
 #include "kernels/sampler.h"
+#include "kernels/state_scan.h"
 
 namespace emlx {
 
@@ -347,5 +348,15 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
 }
 
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }
+
+void exec_GatedDeltaNode(Interpreter& st, const ir::GatedDeltaNode* n) {
+  st.set(n->out(), gated_delta(st.get(n->q()), st.get(n->k()), st.get(n->v()), st.get(n->g()), st.get(n->beta()),
+                               st.get(n->state()), n->snapshots()));
+}
+
+void exec_SsdScanNode(Interpreter& st, const ir::SsdScanNode* n) {
+  st.set(n->out(), ssd_scan(st.get(n->x()), st.get(n->dt()), st.get(n->a()), st.get(n->b()), st.get(n->c()),
+                            st.get(n->state()), n->snapshots()));
+}
 
 }  // namespace emlx

@@ -266,6 +266,18 @@ class FullNode:
 
 
 @dataclass
+class GatedDeltaNode:
+    q: Tid | None = None
+    k: Tid | None = None
+    v: Tid | None = None
+    g: Tid | None = None
+    beta: Tid | None = None
+    state: Tid | None = None
+    snapshots: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class GatherLinearNode:
     x: Tid | None = None
     weight: Tid | None = None
@@ -713,6 +725,18 @@ class SqueezeNode:
 
 
 @dataclass
+class SsdScanNode:
+    x: Tid | None = None
+    dt: Tid | None = None
+    a: Tid | None = None
+    b: Tid | None = None
+    c: Tid | None = None
+    state: Tid | None = None
+    snapshots: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class SubtractNode:
     a: Tid | None = None
     b: Tid | None = None
@@ -787,8 +811,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -822,6 +846,7 @@ FIELD_TYPES = {
     'ExpandDimsNode': {'a': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
     'Expm1Node': {'a': 'Tid required', 'out': 'Tid required'},
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
+    'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
     'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
     'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
@@ -874,6 +899,7 @@ FIELD_TYPES = {
     'SoftmaxNode': {'a': 'Tid required', 'axes': '[Int] required', 'precise': 'Bool', 'out': 'Tid required'},
     'SqrtNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SqueezeNode': {'a': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
+    'SsdScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
     'SubtractNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'SumNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'SymIntNode': {'code': '[Long] required', 'out': 'Tid required'},
@@ -1345,6 +1371,30 @@ def _pack_FullNode(b, v):
 
 def _unpack_FullNode(r):
     return FullNode(shape=[_unpack_IntOrSlot(r.Shape(i)) for i in range(r.ShapeLength())], value=_opt(_unpack_Tid, r.Value()), dtype=DType(r.Dtype()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_GatedDeltaNode(b, v):
+    fb.GatedDeltaNodeStart(b)
+    if v.q is not None:
+        fb.GatedDeltaNodeAddQ(b, _pack_Tid(b, v.q))
+    if v.k is not None:
+        fb.GatedDeltaNodeAddK(b, _pack_Tid(b, v.k))
+    if v.v is not None:
+        fb.GatedDeltaNodeAddV(b, _pack_Tid(b, v.v))
+    if v.g is not None:
+        fb.GatedDeltaNodeAddG(b, _pack_Tid(b, v.g))
+    if v.beta is not None:
+        fb.GatedDeltaNodeAddBeta(b, _pack_Tid(b, v.beta))
+    if v.state is not None:
+        fb.GatedDeltaNodeAddState(b, _pack_Tid(b, v.state))
+    fb.GatedDeltaNodeAddSnapshots(b, v.snapshots)
+    if v.out is not None:
+        fb.GatedDeltaNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.GatedDeltaNodeEnd(b)
+
+
+def _unpack_GatedDeltaNode(r):
+    return GatedDeltaNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), g=_opt(_unpack_Tid, r.G()), beta=_opt(_unpack_Tid, r.Beta()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_GatherLinearNode(b, v):
@@ -2353,6 +2403,30 @@ def _pack_SqueezeNode(b, v):
 
 def _unpack_SqueezeNode(r):
     return SqueezeNode(a=_opt(_unpack_Tid, r.A()), axes=[r.Axes(i) for i in range(r.AxesLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SsdScanNode(b, v):
+    fb.SsdScanNodeStart(b)
+    if v.x is not None:
+        fb.SsdScanNodeAddX(b, _pack_Tid(b, v.x))
+    if v.dt is not None:
+        fb.SsdScanNodeAddDt(b, _pack_Tid(b, v.dt))
+    if v.a is not None:
+        fb.SsdScanNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.SsdScanNodeAddB(b, _pack_Tid(b, v.b))
+    if v.c is not None:
+        fb.SsdScanNodeAddC(b, _pack_Tid(b, v.c))
+    if v.state is not None:
+        fb.SsdScanNodeAddState(b, _pack_Tid(b, v.state))
+    fb.SsdScanNodeAddSnapshots(b, v.snapshots)
+    if v.out is not None:
+        fb.SsdScanNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SsdScanNodeEnd(b)
+
+
+def _unpack_SsdScanNode(r):
+    return SsdScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_SubtractNode(b, v):

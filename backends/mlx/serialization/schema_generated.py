@@ -124,6 +124,8 @@ class Op(object):
     GatherLinearNode = 77
     GatherQuantizedLinearNode = 78
     RemainderNode = 79
+    GatedDeltaNode = 80
+    SsdScanNode = 81
 
 
 # Reference to a value slot of the graph.
@@ -7239,6 +7241,276 @@ def SampleNodeAddTokenBitmask(builder, tokenBitmask):
     builder.PrependStructSlot(15, flatbuffers.number_types.UOffsetTFlags.py_type(tokenBitmask), 0)
 
 def SampleNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# The gated delta rule of linear-attention layers (custom_kernel_ops/state.py):
+# q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay) and
+# beta [B, H, L], state [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
+# the outputs, then the states after the last `snapshots` positions.
+class GatedDeltaNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = GatedDeltaNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsGatedDeltaNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def GatedDeltaNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # GatedDeltaNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # GatedDeltaNode
+    def Q(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def K(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def V(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def G(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def Beta(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def State(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # GatedDeltaNode
+    def Snapshots(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # GatedDeltaNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def GatedDeltaNodeStart(builder):
+    builder.StartObject(8)
+
+def GatedDeltaNodeAddQ(builder, q):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(q), 0)
+
+def GatedDeltaNodeAddK(builder, k):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(k), 0)
+
+def GatedDeltaNodeAddV(builder, v):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(v), 0)
+
+def GatedDeltaNodeAddG(builder, g):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(g), 0)
+
+def GatedDeltaNodeAddBeta(builder, beta):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(beta), 0)
+
+def GatedDeltaNodeAddState(builder, state):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(state), 0)
+
+def GatedDeltaNodeAddSnapshots(builder, snapshots):
+    builder.PrependInt32Slot(6, snapshots, 0)
+
+def GatedDeltaNodeAddOut(builder, out):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def GatedDeltaNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Mamba-2's state-space scan (custom_kernel_ops/state.py): x [B, H, L, P],
+# dt [B, H, L], a [H], b and c [B, H, L, N], state [B, H, P, N] -> float32
+# [B, H, L + snapshots * N, P]: the outputs, then the states (transposed,
+# [N, P]) after the last `snapshots` positions.
+class SsdScanNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = SsdScanNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSsdScanNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SsdScanNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # SsdScanNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # SsdScanNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def Dt(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def B(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def C(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def State(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SsdScanNode
+    def Snapshots(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # SsdScanNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def SsdScanNodeStart(builder):
+    builder.StartObject(8)
+
+def SsdScanNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def SsdScanNodeAddDt(builder, dt):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(dt), 0)
+
+def SsdScanNodeAddA(builder, a):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def SsdScanNodeAddB(builder, b):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(b), 0)
+
+def SsdScanNodeAddC(builder, c):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(c), 0)
+
+def SsdScanNodeAddState(builder, state):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(state), 0)
+
+def SsdScanNodeAddSnapshots(builder, snapshots):
+    builder.PrependInt32Slot(6, snapshots, 0)
+
+def SsdScanNodeAddOut(builder, out):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SsdScanNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -275,6 +275,12 @@ struct QuantizedEmbeddingNodeBuilder;
 struct SampleNode;
 struct SampleNodeBuilder;
 
+struct GatedDeltaNode;
+struct GatedDeltaNodeBuilder;
+
+struct SsdScanNode;
+struct SsdScanNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -507,11 +513,13 @@ enum class Op : uint8_t {
   GatherLinearNode = 77,
   GatherQuantizedLinearNode = 78,
   RemainderNode = 79,
+  GatedDeltaNode = 80,
+  SsdScanNode = 81,
   MIN = NONE,
-  MAX = RemainderNode
+  MAX = SsdScanNode
 };
 
-inline const Op (&EnumValuesOp())[80] {
+inline const Op (&EnumValuesOp())[82] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -592,13 +600,15 @@ inline const Op (&EnumValuesOp())[80] {
     Op::TakeAlongAxisNode,
     Op::GatherLinearNode,
     Op::GatherQuantizedLinearNode,
-    Op::RemainderNode
+    Op::RemainderNode,
+    Op::GatedDeltaNode,
+    Op::SsdScanNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[81] = {
+  static const char * const names[83] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -679,13 +689,15 @@ inline const char * const *EnumNamesOp() {
     "GatherLinearNode",
     "GatherQuantizedLinearNode",
     "RemainderNode",
+    "GatedDeltaNode",
+    "SsdScanNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::RemainderNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SsdScanNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -1008,6 +1020,14 @@ template<> struct OpTraits<emlx::ir::GatherQuantizedLinearNode> {
 
 template<> struct OpTraits<emlx::ir::RemainderNode> {
   static const Op enum_value = Op::RemainderNode;
+};
+
+template<> struct OpTraits<emlx::ir::GatedDeltaNode> {
+  static const Op enum_value = Op::GatedDeltaNode;
+};
+
+template<> struct OpTraits<emlx::ir::SsdScanNode> {
+  static const Op enum_value = Op::SsdScanNode;
 };
 
 template <bool B = false>
@@ -8122,6 +8142,264 @@ struct SampleNode::Traits {
   static auto constexpr Create = CreateSampleNode;
 };
 
+/// The gated delta rule of linear-attention layers (custom_kernel_ops/state.py):
+/// q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay) and
+/// beta [B, H, L], state [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
+/// the outputs, then the states after the last `snapshots` positions.
+struct GatedDeltaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef GatedDeltaNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_Q = 4,
+    VT_K = 6,
+    VT_V = 8,
+    VT_G = 10,
+    VT_BETA = 12,
+    VT_STATE = 14,
+    VT_SNAPSHOTS = 16,
+    VT_OUT = 18
+  };
+  const emlx::ir::Tid *q() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_Q);
+  }
+  const emlx::ir::Tid *k() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_K);
+  }
+  const emlx::ir::Tid *v() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_V);
+  }
+  const emlx::ir::Tid *g() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_G);
+  }
+  const emlx::ir::Tid *beta() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_BETA);
+  }
+  const emlx::ir::Tid *state() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_STATE);
+  }
+  int32_t snapshots() const {
+    return GetField<int32_t>(VT_SNAPSHOTS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_Q, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_K, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_V, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_G, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BETA, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
+           VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct GatedDeltaNodeBuilder {
+  typedef GatedDeltaNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_q(const emlx::ir::Tid *q) {
+    fbb_.AddStruct(GatedDeltaNode::VT_Q, q);
+  }
+  void add_k(const emlx::ir::Tid *k) {
+    fbb_.AddStruct(GatedDeltaNode::VT_K, k);
+  }
+  void add_v(const emlx::ir::Tid *v) {
+    fbb_.AddStruct(GatedDeltaNode::VT_V, v);
+  }
+  void add_g(const emlx::ir::Tid *g) {
+    fbb_.AddStruct(GatedDeltaNode::VT_G, g);
+  }
+  void add_beta(const emlx::ir::Tid *beta) {
+    fbb_.AddStruct(GatedDeltaNode::VT_BETA, beta);
+  }
+  void add_state(const emlx::ir::Tid *state) {
+    fbb_.AddStruct(GatedDeltaNode::VT_STATE, state);
+  }
+  void add_snapshots(int32_t snapshots) {
+    fbb_.AddElement<int32_t>(GatedDeltaNode::VT_SNAPSHOTS, snapshots, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(GatedDeltaNode::VT_OUT, out);
+  }
+  explicit GatedDeltaNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<GatedDeltaNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<GatedDeltaNode>(end);
+    fbb_.Required(o, GatedDeltaNode::VT_Q);
+    fbb_.Required(o, GatedDeltaNode::VT_K);
+    fbb_.Required(o, GatedDeltaNode::VT_V);
+    fbb_.Required(o, GatedDeltaNode::VT_G);
+    fbb_.Required(o, GatedDeltaNode::VT_BETA);
+    fbb_.Required(o, GatedDeltaNode::VT_STATE);
+    fbb_.Required(o, GatedDeltaNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<GatedDeltaNode> CreateGatedDeltaNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *q = nullptr,
+    const emlx::ir::Tid *k = nullptr,
+    const emlx::ir::Tid *v = nullptr,
+    const emlx::ir::Tid *g = nullptr,
+    const emlx::ir::Tid *beta = nullptr,
+    const emlx::ir::Tid *state = nullptr,
+    int32_t snapshots = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  GatedDeltaNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_snapshots(snapshots);
+  builder_.add_state(state);
+  builder_.add_beta(beta);
+  builder_.add_g(g);
+  builder_.add_v(v);
+  builder_.add_k(k);
+  builder_.add_q(q);
+  return builder_.Finish();
+}
+
+struct GatedDeltaNode::Traits {
+  using type = GatedDeltaNode;
+  static auto constexpr Create = CreateGatedDeltaNode;
+};
+
+/// Mamba-2's state-space scan (custom_kernel_ops/state.py): x [B, H, L, P],
+/// dt [B, H, L], a [H], b and c [B, H, L, N], state [B, H, P, N] -> float32
+/// [B, H, L + snapshots * N, P]: the outputs, then the states (transposed,
+/// [N, P]) after the last `snapshots` positions.
+struct SsdScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SsdScanNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_DT = 6,
+    VT_A = 8,
+    VT_B = 10,
+    VT_C = 12,
+    VT_STATE = 14,
+    VT_SNAPSHOTS = 16,
+    VT_OUT = 18
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *dt() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_DT);
+  }
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *c() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_C);
+  }
+  const emlx::ir::Tid *state() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_STATE);
+  }
+  int32_t snapshots() const {
+    return GetField<int32_t>(VT_SNAPSHOTS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_DT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_C, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
+           VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SsdScanNodeBuilder {
+  typedef SsdScanNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(SsdScanNode::VT_X, x);
+  }
+  void add_dt(const emlx::ir::Tid *dt) {
+    fbb_.AddStruct(SsdScanNode::VT_DT, dt);
+  }
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(SsdScanNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(SsdScanNode::VT_B, b);
+  }
+  void add_c(const emlx::ir::Tid *c) {
+    fbb_.AddStruct(SsdScanNode::VT_C, c);
+  }
+  void add_state(const emlx::ir::Tid *state) {
+    fbb_.AddStruct(SsdScanNode::VT_STATE, state);
+  }
+  void add_snapshots(int32_t snapshots) {
+    fbb_.AddElement<int32_t>(SsdScanNode::VT_SNAPSHOTS, snapshots, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SsdScanNode::VT_OUT, out);
+  }
+  explicit SsdScanNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SsdScanNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SsdScanNode>(end);
+    fbb_.Required(o, SsdScanNode::VT_X);
+    fbb_.Required(o, SsdScanNode::VT_DT);
+    fbb_.Required(o, SsdScanNode::VT_A);
+    fbb_.Required(o, SsdScanNode::VT_B);
+    fbb_.Required(o, SsdScanNode::VT_C);
+    fbb_.Required(o, SsdScanNode::VT_STATE);
+    fbb_.Required(o, SsdScanNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SsdScanNode> CreateSsdScanNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *dt = nullptr,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *c = nullptr,
+    const emlx::ir::Tid *state = nullptr,
+    int32_t snapshots = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  SsdScanNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_snapshots(snapshots);
+  builder_.add_state(state);
+  builder_.add_c(c);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  builder_.add_dt(dt);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct SsdScanNode::Traits {
+  using type = SsdScanNode;
+  static auto constexpr Create = CreateSsdScanNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -8372,6 +8650,12 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::RemainderNode *op_as_RemainderNode() const {
     return op_type() == emlx::ir::Op::RemainderNode ? static_cast<const emlx::ir::RemainderNode *>(op()) : nullptr;
+  }
+  const emlx::ir::GatedDeltaNode *op_as_GatedDeltaNode() const {
+    return op_type() == emlx::ir::Op::GatedDeltaNode ? static_cast<const emlx::ir::GatedDeltaNode *>(op()) : nullptr;
+  }
+  const emlx::ir::SsdScanNode *op_as_SsdScanNode() const {
+    return op_type() == emlx::ir::Op::SsdScanNode ? static_cast<const emlx::ir::SsdScanNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -8697,6 +8981,14 @@ template<> inline const emlx::ir::GatherQuantizedLinearNode *Node::op_as<emlx::i
 
 template<> inline const emlx::ir::RemainderNode *Node::op_as<emlx::ir::RemainderNode>() const {
   return op_as_RemainderNode();
+}
+
+template<> inline const emlx::ir::GatedDeltaNode *Node::op_as<emlx::ir::GatedDeltaNode>() const {
+  return op_as_GatedDeltaNode();
+}
+
+template<> inline const emlx::ir::SsdScanNode *Node::op_as<emlx::ir::SsdScanNode>() const {
+  return op_as_SsdScanNode();
 }
 
 struct NodeBuilder {
@@ -9229,6 +9521,14 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::RemainderNode: {
       auto ptr = reinterpret_cast<const emlx::ir::RemainderNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::GatedDeltaNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::GatedDeltaNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SsdScanNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SsdScanNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

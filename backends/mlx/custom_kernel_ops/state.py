@@ -1,0 +1,89 @@
+"""State-layer recurrences: the gated delta rule and Mamba-2's state-space scan.
+
+    torch.ops.mlx.gated_delta(q[B, H, L, Dk], k[B, H, L, Dk], v[B, H, L, Dv],
+                              g[B, H, L], beta[B, H, L], state[B, H, Dk, Dv],
+                              snapshots) -> float32 [B, H, L + snapshots * Dk, Dv]
+
+runs, for t = 0 .. L-1 and each head (q and k already normalized and
+scaled, g the log of the decay):
+
+    S = S * exp(g_t)
+    S = S + k_t (beta_t (v_t - k_t^T S))^T
+    o_t = S^T q_t
+
+from S = state. The result packs the outputs and the states a runner may come
+back to along axis 2: rows 0 .. L-1 are o_0 .. o_{L-1}; then `snapshots`
+blocks of Dk rows, block i the state after position L - snapshots + i (the
+initial state where that is before the call). Packing keeps it one node with
+one output (the IR's nodes have one); llm/state_cache.py unpacks it.
+
+    torch.ops.mlx.ssd_scan(x[B, H, L, P], dt[B, H, L], a[H], b[B, H, L, N],
+                           c[B, H, L, N], state[B, H, P, N],
+                           snapshots) -> float32 [B, H, L + snapshots * N, P]
+
+is Mamba-2's scan (dt already through softplus and its limits, `a` the
+negative decay rate per head; D's skip term and the gate stay outside):
+
+    S = S * exp(dt_t a) + dt_t x_t b_t^T
+    y_t = S c_t
+
+packed the same way, with the states stored transposed ([N, P] blocks).
+
+The references below step once per position in float64, as exact as a
+reference gets; the runtime (runtime/kernels/state_scan.cpp) steps for
+short calls and uses the chunked matrix form for long ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+torch.library.define("mlx::gated_delta",
+                     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, int snapshots) -> Tensor")
+torch.library.define("mlx::ssd_scan",
+                     "(Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c, Tensor state, int snapshots) -> Tensor")
+
+
+def _pack(outputs: list, states: list, initial: torch.Tensor, snapshots: int) -> torch.Tensor:
+    """outputs [B, H, R] and states [B, H, S, R] after each position -> the packed result."""
+    kept = ([initial] * snapshots + states)[len(states):]  # the last `snapshots`, the initial state before the call
+    return torch.cat([torch.stack(outputs, 2)] + kept, 2).to(torch.float32)
+
+
+@torch.library.impl("mlx::gated_delta", "CompositeExplicitAutograd")
+def gated_delta_reference(q, k, v, g, beta, state, snapshots):
+    q, k, v, g, beta, s = (t.to(torch.float64) for t in (q, k, v, g, beta, state))
+    initial = s
+    outputs, states = [], []
+    for t in range(q.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        memory = (s * k[:, :, t, :, None]).sum(-2)
+        delta = (v[:, :, t] - memory) * beta[:, :, t, None]
+        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append((s * q[:, :, t, :, None]).sum(-2))
+        states.append(s)
+    return _pack(outputs, states, initial, snapshots)
+
+
+@torch.library.register_fake("mlx::gated_delta")
+def _gated_delta_fake(q, k, v, g, beta, state, snapshots):
+    return v.new_empty((v.shape[0], v.shape[1], v.shape[2] + snapshots * k.shape[3], v.shape[3]), dtype=torch.float32)
+
+
+@torch.library.impl("mlx::ssd_scan", "CompositeExplicitAutograd")
+def ssd_scan_reference(x, dt, a, b, c, state, snapshots):
+    x, dt, a, b, c, s = (t.to(torch.float64) for t in (x, dt, a, b, c, state))
+    s = s.transpose(-1, -2)  # [B, H, N, P]: states are packed transposed
+    initial = s
+    outputs, states = [], []
+    for t in range(x.shape[2]):
+        decay = (dt[:, :, t] * a).exp()[..., None, None]
+        s = s * decay + dt[:, :, t, None, None] * b[:, :, t, :, None] * x[:, :, t, None, :]
+        outputs.append((s * c[:, :, t, :, None]).sum(-2))
+        states.append(s)
+    return _pack(outputs, states, initial, snapshots)
+
+
+@torch.library.register_fake("mlx::ssd_scan")
+def _ssd_scan_fake(x, dt, a, b, c, state, snapshots):
+    return x.new_empty((x.shape[0], x.shape[1], x.shape[2] + snapshots * b.shape[3], x.shape[3]), dtype=torch.float32)

@@ -1,0 +1,280 @@
+"""State layers (linear attention / gated delta, Mamba-2, short convolutions) in an exported program.
+
+A state layer keeps a fixed-size state instead of keys and values: the last
+K - 1 inputs of its causal convolution and/or a recurrent matrix per head.
+Export finds them from the model itself: one token through transformers'
+own cache gives every layer that holds such states, with their shapes and
+dtypes (no family list).
+
+Snapshots, not one state: a runner may start a call before the end of what
+it wrote (rejected draft tokens, a prompt that shares a prefix), and a state
+cannot be rewound. Each state layer keeps the states after the last N
+positions it ran, in a ring of N slots (position p in slot p % N), as
+buffers of the program:
+
+- a call starting at position p reads the state after p - 1 (slot
+  (p - 1) % N), or zeros at p = 0;
+- a call of L tokens ending at `last` writes the states after its last
+  min(L, N) positions (slot s gets the newest position q <= last with
+  q % N = s, when q is in the call) and keeps the others.
+
+So a call may start anywhere from `last` - N + 2 to `last` + 1: the program
+contract says N - 1 (`CACHE_REWIND`), and N = the drafts a call verifies + 1,
+so that every verify call can keep any accepted prefix.
+
+The model's own layer code runs unchanged, with transformers' cache methods
+answered here and its kernels (the causal convolution, the gated delta rule,
+Mamba-2's chunked scan) swapped for ours while the program is traced: the
+convolution is K shifted products, the recurrences are the `mlx::gated_delta`
+and `mlx::ssd_scan` ops (custom_kernel_ops/state.py), which also return the
+states after the last N positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from ..custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the ops)
+
+# The kernels of transformers' modeling modules that read or write state, by their global name there.
+KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
+
+
+def probe_states(model) -> dict[int, dict]:
+    """{layer index: the layer's states} from one token through the model
+    with transformers' own cache: "conv" ([B, C, width] and the kernel size)
+    and "recurrent" (shape, dtype), each present only if the layer has it."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    with torch.no_grad():
+        out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    states = {}
+    for i, layer in enumerate(getattr(out.past_key_values, "layers", ())):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        if layer.number_of_states != 1:
+            raise NotImplementedError(f"layer {i} keeps {layer.number_of_states} sets of states (one is built)")
+        found = {}
+        conv = layer.conv_states[0]
+        if conv is not None:
+            found["conv"] = (tuple(conv.shape[:-1]), conv.dtype, int(layer.conv_kernel_size[0]))
+        recurrent = layer.recurrent_states[0]
+        if recurrent is not None:
+            found["recurrent"] = (tuple(recurrent.shape), recurrent.dtype)
+        states[i] = found
+    return states
+
+
+def read_ring(ring: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The state after position start - 1 (zeros at start 0)."""
+    state = ring[torch.remainder(start - 1, ring.shape[0]).reshape(1)][0]
+    return torch.where(start > 0, state, torch.zeros_like(state))
+
+
+def write_ring(ring: torch.Tensor, snapshots: torch.Tensor, start: torch.Tensor, length) -> torch.Tensor:
+    """`ring` with the states of a call of `length` positions from `start`:
+    `snapshots` [N, ...] holds the states after its last N positions (oldest
+    first; those before the call are never taken)."""
+    n = ring.shape[0]
+    back = torch.remainder(start + length - 1 - torch.arange(n), n)  # slot s: its newest position, this far back
+    newer = (back < length).reshape(n, *([1] * (ring.dim() - 1)))
+    return torch.where(newer, snapshots[n - 1 - back].to(ring.dtype), ring)
+
+
+class StateLayers:
+    """The state layers of one model, their rings registered as buffers of
+    `owner` (`conv_state_{i}`, `recurrent_state_{i}`); what transformers'
+    cache methods and the swapped kernels need while a call runs."""
+
+    def __init__(self, owner: torch.nn.Module, states: dict[int, dict], snapshots: int):
+        self.owner, self.states, self.snapshots = owner, states, snapshots
+        self.active: int | None = None  # the state layer whose code is running
+        self.start = self.length = None
+        for i, found in states.items():
+            if "conv" in found:
+                shape, dtype, kernel = found["conv"]
+                owner.register_buffer(f"conv_state_{i}", torch.zeros(snapshots, *shape, kernel - 1, dtype=dtype),
+                                      persistent=False)
+            if "recurrent" in found:
+                shape, dtype = found["recurrent"]
+                owner.register_buffer(f"recurrent_state_{i}", torch.zeros(snapshots, *shape, dtype=dtype),
+                                      persistent=False)
+
+    def ring(self, kind: str, i: int) -> torch.Tensor:
+        # through the module: the buffers export traces (as CachedLM's KV tensors)
+        return getattr(self.owner, f"{kind}_state_{i}")
+
+    def begin(self, cache_position: torch.Tensor, length) -> None:
+        self.start, self.length = cache_position[0], length
+
+    # --- transformers' cache methods for state layers ---
+    def conv_inputs(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """x [B, C, L] after the K - 1 inputs before it; writes the ring."""
+        ring = self.ring("conv", i)
+        width = ring.shape[-1]
+        joined = torch.cat([read_ring(ring, self.start).to(x.dtype), x], dim=-1)  # [B, C, K - 1 + L]
+        # the state after the call's position L - N + j is joined[..., L - N + j + 1:][:K - 1] (zeros before it)
+        padded = torch.cat([joined.new_zeros(*joined.shape[:-1], self.snapshots), joined], dim=-1)
+        index = self.length + 1 + torch.arange(self.snapshots)[:, None] + torch.arange(width)[None, :]
+        snaps = padded[..., index].permute(2, 0, 1, 3)  # [N, B, C, K - 1]
+        ring.copy_(write_ring(ring, snaps, self.start, self.length))
+        return joined
+
+    def initial(self, i: int) -> torch.Tensor:
+        return read_ring(self.ring("recurrent", i), self.start)
+
+    def write_recurrent(self, snaps: torch.Tensor, i: int) -> None:
+        ring = self.ring("recurrent", i)
+        ring.copy_(write_ring(ring, snaps, self.start, self.length))
+
+    # --- the kernels swapped in while tracing ---
+    def causal_conv1d_fn(self, x, weight, bias=None, activation=None, **kwargs):
+        """The depthwise causal convolution's outputs for the last
+        L = len - (K - 1) inputs of x [B, C, len] (what the layer keeps)."""
+        from transformers.activations import ACT2FN
+
+        kernel = weight.shape[-1]
+        length = x.shape[-1] - (kernel - 1)
+        x = x.to(weight.dtype)
+        out = sum(x[..., k:k + length] * weight[:, k, None] for k in range(kernel))
+        if bias is not None:
+            out = out + bias[:, None]
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out
+
+    def torch_chunk_gated_delta_rule(self, query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        """transformers' gated delta rule ([B, L, H, D] in, the output and the
+        layer's snapshots out), on `mlx::gated_delta`."""
+        i = self.active
+        dtype = query.dtype
+        heads = value.shape[2]
+        if key.shape[2] != heads:
+            query = query.repeat_interleave(heads // key.shape[2], dim=2)
+            key = key.repeat_interleave(heads // key.shape[2], dim=2)
+        q, k, v, b, decay = (t.transpose(1, 2).to(torch.float32) for t in (query, key, value, beta, g))
+        if use_qk_l2norm_in_kernel:
+            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q * q.shape[-1] ** -0.5
+        packed = torch.ops.mlx.gated_delta(q, k, v, decay, b, self.initial(i), self.snapshots)
+        length = q.shape[2]
+        out = packed[:, :, :length].transpose(1, 2).to(dtype)
+        batch, _, _, dk = k.shape
+        snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, dk, v.shape[-1]).permute(2, 0, 1, 3, 4)
+        return out, snaps
+
+    def mamba2_chunk_scan(self, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        """transformers' Mamba-2 scan ([B, L, H, P] in, the output and the
+        layer's snapshots out), on `mlx::ssd_scan`."""
+        i = self.active
+        batch, length, heads, head_dim = hidden_states.shape
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = F.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        x = hidden_states.float()
+        groups = B.shape[2]
+        b, c = (t.float().repeat_interleave(heads // groups, dim=2) for t in (B, C))
+        packed = torch.ops.mlx.ssd_scan(x.transpose(1, 2), dt.float().transpose(1, 2), A.float(), b.transpose(1, 2),
+                                        c.transpose(1, 2), self.initial(i), self.snapshots)
+        y = packed[:, :, :length].transpose(1, 2)  # [B, L, H, P]
+        if D is not None:
+            y = y + x * D[:, None].float()
+        n = b.shape[-1]
+        snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, n, head_dim)
+        snaps = snaps.permute(2, 0, 1, 4, 3)  # [N, B, H, P, state]
+        return (y, snaps) if return_final_states else y
+
+    @contextlib.contextmanager
+    def kernels(self, model: torch.nn.Module):
+        """Within the block, the model's modeling modules call our kernels."""
+        modules = {inspect.getmodule(type(m)) for m in model.modules()}
+        saved = []
+        for module in modules:
+            for name in KERNELS:
+                if module is not None and hasattr(module, name):
+                    saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, getattr(self, name))
+        try:
+            yield
+        finally:
+            for module, name, kernel in saved:
+                setattr(module, name, kernel)
+
+
+def make_cache(model, max_context: int, layers: StateLayers):
+    """A transformers cache of static attention layers and our state layers."""
+    from transformers.cache_utils import Cache, LinearAttentionLayer, StaticLayer
+    from transformers.integrations.executorch import get_head_shapes
+
+    class StateLayer(LinearAttentionLayer):
+        def __init__(self, index: int):
+            super().__init__()
+            self.index = index
+
+        def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+            return layers.conv_inputs(conv_states, self.index)
+
+        def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+            layers.write_recurrent(recurrent_states, self.index)
+            return recurrent_states
+
+    class StateCache(Cache):
+        """get_conv_state / get_recurrent_state answer None (the layer code then
+        takes its prefill path for every call, with no branch on the length)
+        and note which layer runs, for the swapped kernels."""
+
+        def get_conv_state(self, layer_idx, state_idx=0):
+            layers.active = layer_idx
+            return None
+
+        def get_recurrent_state(self, layer_idx, state_idx=0):
+            layers.active = layer_idx
+            return None
+
+    config = model.config.get_text_config()
+    heads, head_dim = get_head_shapes(config)
+    heads = heads if isinstance(heads, list) else [heads] * config.num_hidden_layers
+    head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * config.num_hidden_layers
+    cache_layers = []
+    for i in range(config.num_hidden_layers):
+        if i in layers.states:
+            cache_layers.append(StateLayer(i))
+            continue
+        layer = StaticLayer(max_context)
+        fake = torch.zeros((1, heads[i], 0, head_dim[i]), dtype=model.dtype)
+        layer.lazy_initialization(fake, fake)
+        cache_layers.append(layer)
+    return StateCache(layers=cache_layers)
+
+
+def has_state_kernels(model) -> bool:
+    """Whether the model's modeling code has a state kernel (so probe_states may find state layers)."""
+    return any(hasattr(inspect.getmodule(type(m)), name) for m in model.modules() for name in KERNELS)
+
+
+class StateCachedModel(torch.nn.Module):
+    """What transformers' exportable static-cache module is to attention
+    models, for models with state layers: `model`, `cache` (static attention
+    layers and our state layers), the attention layers' buffers under its
+    names (key_cache_{i}, value_cache_{i}, cumulative_length_{i}) and the
+    state rings (`states`)."""
+
+    def __init__(self, model, max_context: int, states: dict[int, dict], snapshots: int):
+        super().__init__()
+        self.model = model
+        self.states = StateLayers(self, states, snapshots)
+        self.cache = make_cache(model, max_context, self.states)
+        for i, layer in enumerate(self.cache.layers):
+            if i not in states:
+                self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+                self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+                self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)

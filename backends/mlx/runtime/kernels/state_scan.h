@@ -1,0 +1,27 @@
+// The recurrences of state layers (custom_kernel_ops/state.py has their
+// exact definitions and the packed result): the gated delta rule (Qwen3.5,
+// Qwen3-Next) and Mamba-2's state-space scan (Granite 4, Nemotron-H,
+// Falcon-H1, Bamba, Mamba-2). Composed from MLX ops, so they run on any
+// device: one recurrent step per position for the positions whose states
+// are kept (a decode or verify call is only those), the chunked matrix form
+// for the positions before them (a prefill), whose cost is a few matrix
+// products per 64 positions instead of a step each.
+#pragma once
+
+#include <mlx/mlx.h>
+
+namespace emlx {
+
+// q, k [B, H, L, Dk], v [B, H, L, Dv], g, beta [B, H, L], state [B, H, Dk, Dv]
+// -> float32 [B, H, L + snapshots * Dk, Dv].
+mlx::core::array gated_delta(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                             const mlx::core::array& g, const mlx::core::array& beta, const mlx::core::array& state,
+                             int snapshots);
+
+// x [B, H, L, P], dt [B, H, L], a [H], b, c [B, H, L, N], state [B, H, P, N]
+// -> float32 [B, H, L + snapshots * N, P].
+mlx::core::array ssd_scan(const mlx::core::array& x, const mlx::core::array& dt, const mlx::core::array& a,
+                          const mlx::core::array& b, const mlx::core::array& c, const mlx::core::array& state,
+                          int snapshots);
+
+}  // namespace emlx
