@@ -58,6 +58,13 @@ OVERRIDES = {
     # per-layer-input embeddings as wide as the vocabulary; no KV sharing (2 layers have no earlier one to share)
     "gemma3n_text": dict(hidden_size_per_layer_input=16, num_kv_shared_layers=0, laurel_rank=8),
     "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),  # its default: attention only
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # its default: None
+    # state layers and attention in one tiny model (their defaults: 1 attention layer in 6 or none in 2)
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "bamba": dict(attn_layer_indices=[1]),
+    "nemotron_h": dict(layers_block_type=["linear_attention", "full_attention", "moe"]),
+    # Mamba-2's heads times head_dim must be expand (2) times hidden_size (64)
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),
     # rope: original_max_position_embeddings below max_position_embeddings (2048), keeping the scaling factor
     "apertus": dict(rope_parameters=dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0,
                                          original_max_position_embeddings=256, low_freq_factor=1.0,

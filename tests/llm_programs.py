@@ -16,7 +16,7 @@ MAX_CONTEXT = 128
 # of one layer kept apart from the next's and the residual stream across
 # them, is Llama's (the program most tests use), and Gemma 3 alternates
 # sliding-window and full layers.
-FAMILY_LAYERS = {"llama": 2, "gemma3": 2}
+FAMILY_LAYERS = {"llama": 2, "gemma3": 2, "qwen3_5_text": 2, "lfm2": 2}  # (the hybrids: a state and an attention layer)
 
 
 def family_program(shared, family: str, sampling: bool = True) -> tuple[Path, Path]:

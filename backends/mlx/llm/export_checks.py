@@ -138,12 +138,21 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     if arch not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{path}: model_type {arch!r} is not a causal language model transformers knows "
                          "(AutoModelForCausalLM)")
-    others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYERS - STATE_LAYERS - CACHELESS_LAYERS)
+    kinds = layer_kinds(config)
+    others = sorted(set(kinds) - ATTENTION_LAYERS - STATE_LAYERS - CACHELESS_LAYERS)
     if others == ["chunked_attention"]:  # Llama 4's: attention within fixed chunks of positions
         raise NotImplementedError(f"{path}: {arch} has chunked_attention layers, which export does not build yet")
-    if others or "num_attention_heads" not in with_standard_names(config):
+    attends = bool(set(kinds) & ATTENTION_LAYERS) if kinds else True
+    if others or (attends and "num_attention_heads" not in with_standard_names(config)):
         kinds = ", ".join(others) or "non-attention"
         raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which export does not build yet")
+
+
+def layer_kinds(config: dict) -> list[str]:
+    """Each layer's kind, from config.json (`layer_types`, or Nemotron-H's
+    `layers_block_type`); [] when the config does not list them."""
+    kinds = config.get("layer_types") or config.get("layers_block_type") or []
+    return list(kinds) if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds) else []
 
 
 def _positive_int(config: dict, key: str, path: Path, required: bool = True) -> int | None:
@@ -161,9 +170,12 @@ def check_config(config: dict, model_dir: str | Path) -> None:
     path = Path(model_dir) / "config.json"
     vocab = _positive_int(config, "vocab_size", path)
     hidden = _positive_int(config, "hidden_size", path)
+    kinds = layer_kinds(config)
+    if kinds and not set(kinds) & ATTENTION_LAYERS:
+        return  # state layers only (Mamba-2): no attention sizes to check
     heads = _positive_int(config, "num_attention_heads", path)
     kv_heads = _positive_int(config, "num_key_value_heads", path, required=False) or heads
-    _positive_int(config, "num_hidden_layers", path)
+    _positive_int(config, "num_hidden_layers", path, required=not kinds)
     if config.get("head_dim") is None and hidden % heads:
         raise ValueError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     _positive_int(config, "head_dim", path, required=False)
@@ -186,10 +198,12 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
                          f"allow_longer_context=True (--allow-longer-context) to export anyway")
     from .. import memory_budget
 
+    layer_types = layer_kinds(config) or ["full_attention"] * config["num_hidden_layers"]
+    if not set(layer_types) & ATTENTION_LAYERS:
+        return  # no KV cache
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
     window = config.get("sliding_window")
     positions = sum(min(window, max_context) if t == "sliding_attention" and window else max_context
                     for t in layer_types if t in ATTENTION_LAYERS)

@@ -57,7 +57,8 @@ def probe_states(model) -> dict[int, dict]:
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
         if layer.number_of_states != 1:
-            raise NotImplementedError(f"layer {i} keeps {layer.number_of_states} sets of states (one is built)")
+            raise NotImplementedError(f"layer {i} keeps {layer.number_of_states} sets of states (export builds one "
+                                      "convolution and one recurrent state a layer)")
         found = {}
         conv = layer.conv_states[0]
         if conv is not None:
@@ -240,6 +241,11 @@ def make_cache(model, max_context: int, layers: StateLayers):
             layers.active = layer_idx
             return None
 
+        def get_seq_length(self, layer_idx=0):
+            if all(i in layers.states for i in range(len(self.layers))):  # no attention layer holds a length
+                return layers.start
+            return super().get_seq_length(layer_idx)
+
     config = model.config.get_text_config()
     heads, head_dim = get_head_shapes(config)
     heads = heads if isinstance(heads, list) else [heads] * config.num_hidden_layers
@@ -256,6 +262,25 @@ def make_cache(model, max_context: int, layers: StateLayers):
     return StateCache(layers=cache_layers)
 
 
+# The kernels that carry each kind of state in and out of a layer.
+KIND_KERNELS = {"conv": ("causal_conv1d_fn",), "recurrent": ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")}
+
+
+def check_state_kernels(model, states: dict[int, dict]) -> None:
+    """Every state layer's modeling code runs through kernels we swap
+    (KERNELS); a layer of another recurrence is refused by its name."""
+    for m in model.modules():
+        i = getattr(m, "layer_idx", None)
+        module = inspect.getmodule(type(m))
+        if i not in states or not any(hasattr(module, name) for name in KERNELS):
+            continue
+        for kind in states[i]:
+            if not any(hasattr(module, name) for name in KIND_KERNELS[kind]):
+                raise NotImplementedError(f"{type(m).__name__} keeps a {kind} state through its own kernel (not "
+                                          "the gated delta rule, Mamba-2's scan or a causal convolution), which "
+                                          "export does not build yet")
+
+
 def has_state_kernels(model) -> bool:
     """Whether the model's modeling code has a state kernel (so probe_states may find state layers)."""
     return any(hasattr(inspect.getmodule(type(m)), name) for m in model.modules() for name in KERNELS)
@@ -270,6 +295,7 @@ class StateCachedModel(torch.nn.Module):
 
     def __init__(self, model, max_context: int, states: dict[int, dict], snapshots: int):
         super().__init__()
+        check_state_kernels(model, states)
         self.model = model
         self.states = StateLayers(self, states, snapshots)
         self.cache = make_cache(model, max_context, self.states)
