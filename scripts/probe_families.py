@@ -27,7 +27,8 @@ FAMILIES = ("llama qwen2 qwen3 gemma gemma3_text phi3 mistral olmo2 stablelm sta
             "smollm3 gemma2 cohere cohere2 glm ernie4_5 hunyuan_v1_dense bitnet exaone4 helium arcee seed_oss "
             "nemotron persimmon granite phi gpt_neox gpt2 apertus qwen3_moe qwen2_moe mixtral granitemoe gpt_oss "
             "olmoe phimoe ernie4_5_moe hunyuan_v1_moe dots1 glm4_moe deepseek_v3 qwen3_next minimax llama4_text "
-            "gemma3n_text lfm2").split()
+            "gemma3n_text lfm2 qwen3_5_text qwen3_5_moe_text lfm2_moe granitemoehybrid nemotron_h bamba mamba2 "
+            "falcon_h1 zamba2 kimi_linear").split()
 PROMPT = "Once upon a time"
 NEW_TOKENS = 16
 

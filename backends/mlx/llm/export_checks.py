@@ -142,7 +142,8 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     others = sorted(set(kinds) - ATTENTION_LAYERS - STATE_LAYERS - CACHELESS_LAYERS)
     if others == ["chunked_attention"]:  # Llama 4's: attention within fixed chunks of positions
         raise NotImplementedError(f"{path}: {arch} has chunked_attention layers, which export does not build yet")
-    attends = bool(set(kinds) & ATTENTION_LAYERS) if kinds else True
+    # a config without layer kinds or attention heads may still be all state layers (Mamba-2's): the model says
+    attends = bool(set(kinds) & ATTENTION_LAYERS) if kinds else "num_heads" not in config
     if others or (attends and "num_attention_heads" not in with_standard_names(config)):
         kinds = ", ".join(others) or "non-attention"
         raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which export does not build yet")
@@ -171,7 +172,8 @@ def check_config(config: dict, model_dir: str | Path) -> None:
     vocab = _positive_int(config, "vocab_size", path)
     hidden = _positive_int(config, "hidden_size", path)
     kinds = layer_kinds(config)
-    if kinds and not set(kinds) & ATTENTION_LAYERS:
+    state_only = "num_attention_heads" not in config and "num_heads" in config  # Mamba-2's heads are its scan's
+    if (kinds and not set(kinds) & ATTENTION_LAYERS) or state_only:
         return  # state layers only (Mamba-2): no attention sizes to check
     heads = _positive_int(config, "num_attention_heads", path)
     kv_heads = _positive_int(config, "num_key_value_heads", path, required=False) or heads
@@ -199,8 +201,8 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
     from .. import memory_budget
 
     layer_types = layer_kinds(config) or ["full_attention"] * config["num_hidden_layers"]
-    if not set(layer_types) & ATTENTION_LAYERS:
-        return  # no KV cache
+    if not set(layer_types) & ATTENTION_LAYERS or ("num_attention_heads" not in config and "num_heads" in config):
+        return  # no KV cache (Mamba-2's heads are its scan's)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads

@@ -48,7 +48,7 @@ def probe_states(model) -> dict[int, dict]:
     """{layer index: the layer's states} from one token through the model
     with transformers' own cache: "conv" ([B, C, width] and the kernel size)
     and "recurrent" (shape, dtype), each present only if the layer has it."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
@@ -56,6 +56,9 @@ def probe_states(model) -> dict[int, dict]:
     for i, layer in enumerate(getattr(out.past_key_values, "layers", ())):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
+        if isinstance(layer, CacheLayerMixin):
+            raise NotImplementedError(f"layer {i} attends and keeps a state in one layer (a hybrid layer, as "
+                                      "Falcon-H1's and Zamba2's), which export does not build yet")
         if layer.number_of_states != 1:
             raise NotImplementedError(f"layer {i} keeps {layer.number_of_states} sets of states (export builds one "
                                       "convolution and one recurrent state a layer)")
@@ -213,7 +216,7 @@ class StateLayers:
 
 def make_cache(model, max_context: int, layers: StateLayers):
     """A transformers cache of static attention layers and our state layers."""
-    from transformers.cache_utils import Cache, LinearAttentionLayer, StaticLayer
+    from transformers.cache_utils import Cache, LinearAttentionLayer, StaticLayer, get_layer_types_and_kwargs
     from transformers.integrations.executorch import get_head_shapes
 
     class StateLayer(LinearAttentionLayer):
@@ -242,20 +245,19 @@ def make_cache(model, max_context: int, layers: StateLayers):
             return None
 
         def get_seq_length(self, layer_idx=0):
-            if all(i in layers.states for i in range(len(self.layers))):  # no attention layer holds a length
-                return layers.start
-            return super().get_seq_length(layer_idx)
+            return layers.start  # what the attention layers hold too (CachedLM sets it each call)
 
     config = model.config.get_text_config()
     heads, head_dim = get_head_shapes(config)
     heads = heads if isinstance(heads, list) else [heads] * config.num_hidden_layers
     head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * config.num_hidden_layers
+    kinds = get_layer_types_and_kwargs(config)[0]
     cache_layers = []
-    for i in range(config.num_hidden_layers):
+    for i, kind in enumerate(kinds):
         if i in layers.states:
             cache_layers.append(StateLayer(i))
             continue
-        layer = StaticLayer(max_context)
+        layer = StaticLayer(0 if kind == "dummy" else max_context)  # "dummy": a layer of MLP or experts only
         fake = torch.zeros((1, heads[i], 0, head_dim[i]), dtype=model.dtype)
         layer.lazy_initialization(fake, fake)
         cache_layers.append(layer)
