@@ -53,7 +53,8 @@ def probe_states(model) -> dict[int, dict]:
     with torch.no_grad():
         out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
     states = {}
-    for i, layer in enumerate(getattr(out.past_key_values, "layers", ())):
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba-2's name)
+    for i, layer in enumerate(getattr(cache, "layers", ())):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
         if isinstance(layer, CacheLayerMixin):
