@@ -282,6 +282,20 @@ def gather_quantized_linear():
     return s.finish(s.op(ir.GatherQuantizedLinearNode, x=s.full([2, 64], 1.0), indices=s.i, **q), 3)
 
 
+def gated_delta():
+    s = Sketch()  # q, k, v [1, 2, 3, 4], 2 snapshots -> [1, 2, 3 + 2 * 4, 4]
+    qkv = {n: s.full([1, 2, 3, 4], 0.5) for n in ("q", "k", "v")}
+    return s.finish(s.op(ir.GatedDeltaNode, **qkv, g=s.full([1, 2, 3], -0.1), beta=s.full([1, 2, 3], 0.5),
+                         state=s.full([1, 2, 4, 4], 0.25), snapshots=2), 4)
+
+
+def ssd_scan():
+    s = Sketch()  # x [1, 2, 3, 4], state size 5, 2 snapshots -> [1, 2, 3 + 2 * 5, 4]
+    return s.finish(s.op(ir.SsdScanNode, x=s.full([1, 2, 3, 4], 0.5), dt=s.full([1, 2, 3], 0.1),
+                         a=s.full([2], -1.0), b=s.full([1, 2, 3, 5], 0.5), c=s.full([1, 2, 3, 5], 0.5),
+                         state=s.full([1, 2, 4, 5], 0.25), snapshots=2), 4)
+
+
 def quantized_embedding():
     s = Sketch()
     return s.finish(s.op(ir.QuantizedEmbeddingNode, indices=s.i, **_quantized(s)), 3)
@@ -350,7 +364,7 @@ GRAPHS = {
     "SliceUpdateNode": slice_update,
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     "ArgTopKNode": arg_top_k, "TakeAlongAxisNode": take_along_axis, "GatherLinearNode": gather_linear,
-    "GatherQuantizedLinearNode": gather_quantized_linear,
+    "GatherQuantizedLinearNode": gather_quantized_linear, "GatedDeltaNode": gated_delta, "SsdScanNode": ssd_scan,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,
 }

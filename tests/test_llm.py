@@ -149,7 +149,8 @@ def test_no_sampling_export_runs_in_executorchs_text_runner(exported):
 # ---------------------------------------------------------------- errors --
 @pytest.mark.parametrize("edit,error,match", [
     ({"model_type": "t5"}, ValueError, r"model_type 't5' is not a causal language model transformers knows"),
-    ({"layer_types": ["conv", "full_attention"]}, NotImplementedError, "has conv layers, which need a state cache"),
+    ({"layer_types": ["hybrid", "full_attention"]}, NotImplementedError,
+     "has hybrid layers, which export does not build yet"),
     ({"layer_types": ["chunked_attention", "full_attention"]}, NotImplementedError,
      "has chunked_attention layers, which export does not build yet"),
 ])
