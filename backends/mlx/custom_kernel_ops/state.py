@@ -44,6 +44,12 @@ torch.library.define("mlx::ssd_scan",
                      "(Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c, Tensor state, int snapshots) -> Tensor")
 
 
+def _packed_like(values: torch.Tensor, state_rows: int, snapshots: int) -> torch.Tensor:
+    """The fakes: `values` [B, H, L, R] -> float32 [B, H, L + snapshots * state_rows, R]."""
+    batch, heads, length, width = values.shape
+    return values.new_empty((batch, heads, length + snapshots * state_rows, width), dtype=torch.float32)
+
+
 def _pack(outputs: list, states: list, initial: torch.Tensor, snapshots: int) -> torch.Tensor:
     """outputs [B, H, R] and states [B, H, S, R] after each position -> the packed result."""
     kept = ([initial] * snapshots + states)[len(states):]  # the last `snapshots`, the initial state before the call
@@ -67,7 +73,7 @@ def gated_delta_reference(q, k, v, g, beta, state, snapshots):
 
 @torch.library.register_fake("mlx::gated_delta")
 def _gated_delta_fake(q, k, v, g, beta, state, snapshots):
-    return v.new_empty((v.shape[0], v.shape[1], v.shape[2] + snapshots * k.shape[3], v.shape[3]), dtype=torch.float32)
+    return _packed_like(v, k.shape[3], snapshots)
 
 
 @torch.library.impl("mlx::ssd_scan", "CompositeExplicitAutograd")
@@ -86,4 +92,4 @@ def ssd_scan_reference(x, dt, a, b, c, state, snapshots):
 
 @torch.library.register_fake("mlx::ssd_scan")
 def _ssd_scan_fake(x, dt, a, b, c, state, snapshots):
-    return x.new_empty((x.shape[0], x.shape[1], x.shape[2] + snapshots * b.shape[3], x.shape[3]), dtype=torch.float32)
+    return _packed_like(x, b.shape[3], snapshots)

@@ -140,11 +140,7 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
                          "(AutoModelForCausalLM)")
     kinds = layer_kinds(config)
     others = sorted(set(kinds) - ATTENTION_LAYERS - STATE_LAYERS - CACHELESS_LAYERS)
-    if others == ["chunked_attention"]:  # Llama 4's: attention within fixed chunks of positions
-        raise NotImplementedError(f"{path}: {arch} has chunked_attention layers, which export does not build yet")
-    # a config without layer kinds or attention heads may still be all state layers (Mamba-2's): the model says
-    attends = bool(set(kinds) & ATTENTION_LAYERS) if kinds else "num_heads" not in config
-    if others or (attends and "num_attention_heads" not in with_standard_names(config)):
+    if others or (attends(config) and "num_attention_heads" not in with_standard_names(config)):
         kinds = ", ".join(others) or "non-attention"
         raise NotImplementedError(f"{path}: {arch} has {kinds} layers, which export does not build yet")
 
@@ -154,6 +150,16 @@ def layer_kinds(config: dict) -> list[str]:
     `layers_block_type`); [] when the config does not list them."""
     kinds = config.get("layer_types") or config.get("layers_block_type") or []
     return list(kinds) if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds) else []
+
+
+def attends(config: dict) -> bool:
+    """Whether some layer attends (keeps keys and values): the layer kinds
+    say, else a config with `num_heads` and no attention heads is all state
+    layers (Mamba-2's: its heads are its scan's)."""
+    kinds = layer_kinds(config)
+    if kinds:
+        return bool(set(kinds) & ATTENTION_LAYERS)
+    return "num_attention_heads" in config or "num_heads" not in config
 
 
 def _positive_int(config: dict, key: str, path: Path, required: bool = True) -> int | None:
@@ -171,10 +177,9 @@ def check_config(config: dict, model_dir: str | Path) -> None:
     path = Path(model_dir) / "config.json"
     vocab = _positive_int(config, "vocab_size", path)
     hidden = _positive_int(config, "hidden_size", path)
+    if not attends(config):
+        return  # state layers only: no attention sizes to check
     kinds = layer_kinds(config)
-    state_only = "num_attention_heads" not in config and "num_heads" in config  # Mamba-2's heads are its scan's
-    if (kinds and not set(kinds) & ATTENTION_LAYERS) or state_only:
-        return  # state layers only (Mamba-2): no attention sizes to check
     heads = _positive_int(config, "num_attention_heads", path)
     kv_heads = _positive_int(config, "num_key_value_heads", path, required=False) or heads
     _positive_int(config, "num_hidden_layers", path, required=not kinds)
@@ -200,9 +205,9 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
                          f"allow_longer_context=True (--allow-longer-context) to export anyway")
     from .. import memory_budget
 
+    if not attends(config):
+        return  # no KV cache
     layer_types = layer_kinds(config) or ["full_attention"] * config["num_hidden_layers"]
-    if not set(layer_types) & ATTENTION_LAYERS or ("num_attention_heads" not in config and "num_heads" in config):
-        return  # no KV cache (Mamba-2's heads are its scan's)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads

@@ -12,24 +12,22 @@ from .builder import GraphBuilder, meta_val
 from .registry import Unsupported, handles
 
 
-def _static(node: torch.fx.Node, *dims) -> None:
-    if any(isinstance(d, torch.SymInt) for d in dims):
+def _lower_scan(b: GraphBuilder, node: torch.fx.Node, node_cls, fields: tuple[str, ...]) -> None:
+    """Both ops: six tensors (the fields, in the op's argument order), then the snapshot count."""
+    out = meta_val(node)
+    values = dict(zip(fields, (b.get(a) for a in node.args[:6])))
+    first, state = values[fields[0]], values["state"]
+    if any(isinstance(d, torch.SymInt) for d in (first.shape[3], *state.shape[1:])):
         raise Unsupported(f"{node.target} with dynamic heads or state sizes")
+    b.bind(node, b.emit(node_cls, out.dtype, out.shape, snapshots=int(node.args[6]),
+                        **{name: v.tid for name, v in values.items()}))
 
 
 @handles(torch.ops.mlx.gated_delta.default)
 def lower_gated_delta(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    q, k, v, g, beta, s = (b.get(a) for a in node.args[:6])
-    _static(node, q.shape[1], q.shape[3], v.shape[3])
-    b.bind(node, b.emit(ir.GatedDeltaNode, out.dtype, out.shape, q=q.tid, k=k.tid, v=v.tid, g=g.tid, beta=beta.tid,
-                        state=s.tid, snapshots=int(node.args[6])))
+    _lower_scan(b, node, ir.GatedDeltaNode, ("q", "k", "v", "g", "beta", "state"))
 
 
 @handles(torch.ops.mlx.ssd_scan.default)
 def lower_ssd_scan(b: GraphBuilder, node: torch.fx.Node) -> None:
-    out = meta_val(node)
-    x, dt, a, bb, c, s = (b.get(arg) for arg in node.args[:6])
-    _static(node, x.shape[1], x.shape[3], bb.shape[3])
-    b.bind(node, b.emit(ir.SsdScanNode, out.dtype, out.shape, x=x.tid, dt=dt.tid, a=a.tid, b=bb.tid, c=c.tid,
-                        state=s.tid, snapshots=int(node.args[6])))
+    _lower_scan(b, node, ir.SsdScanNode, ("x", "dt", "a", "b", "c", "state"))

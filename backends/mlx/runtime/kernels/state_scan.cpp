@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace emlx {
@@ -124,6 +125,26 @@ void check_rank(const mx::array& a, int rank, const char* what) {
   if (static_cast<int>(a.ndim()) != rank) throw std::invalid_argument(what);
 }
 
+mx::array f32(const mx::array& a) { return mx::astype(a, mx::float32); }
+
+// What both scans share: the chunked form (`chunks(n, s)`: the outputs of
+// positions 0 .. n-1, updating s) before the last `snapshots` positions, one
+// step each for those (`step(t, s)`: the output of position t, updating s)
+// so that their states can be kept, then the packed result.
+template <class Chunks, class Step>
+mx::array scan(const char* node, int L, int snapshots, mx::array s, Chunks chunks, Step step) {
+  if (snapshots < 0 || snapshots > 1024) throw std::invalid_argument(std::string(node) + ": snapshots out of range");
+  const auto initial = s;
+  const int stepped = std::min(L, std::max(snapshots, 1));
+  std::vector<mx::array> outputs, states;
+  if (L > stepped) outputs.push_back(chunks(L - stepped, s));
+  for (int t = L - stepped; t < L; ++t) {
+    outputs.push_back(step(t, s));
+    states.push_back(s);
+  }
+  return pack(outputs, states, initial, snapshots);
+}
+
 }  // namespace
 
 mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, const mx::array& g_in,
@@ -135,26 +156,19 @@ mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::ar
       beta_in.shape() != g_in.shape() || state.shape() != mx::Shape{B, H, Dk, Dv}) {
     throw std::invalid_argument("GatedDeltaNode: inputs of inconsistent shapes");
   }
-  if (snapshots < 0 || snapshots > 1024) throw std::invalid_argument("GatedDeltaNode: snapshots out of range");
-  auto f32 = [](const mx::array& a) { return mx::astype(a, mx::float32); };
   auto q = f32(q_in), k = f32(k_in), v = f32(v_in), g = f32(g_in), beta = f32(beta_in);
-  auto s = f32(state);
-  const auto initial = s;
-  const int stepped = std::min(L, std::max(snapshots, 1));  // the last positions, one step each
-  std::vector<mx::array> outputs, states;
-  if (L > stepped) outputs.push_back(gated_delta_chunks(rows(q, 0, L - stepped), rows(k, 0, L - stepped),
-                                                        rows(v, 0, L - stepped), rows(g, 0, L - stepped),
-                                                        rows(beta, 0, L - stepped), s));
-  for (int t = L - stepped; t < L; ++t) {
+  auto chunks = [&](int n, mx::array& s) {
+    return gated_delta_chunks(rows(q, 0, n), rows(k, 0, n), rows(v, 0, n), rows(g, 0, n), rows(beta, 0, n), s);
+  };
+  auto step = [&](int t, mx::array& s) {
     auto kt = rows(k, t, t + 1);  // [B, H, 1, Dk]
     s = mx::multiply(s, mx::expand_dims(mx::exp(rows(g, t, t + 1)), -1));
     auto memory = mx::matmul(kt, s);  // [B, H, 1, Dv]
     auto delta = mx::multiply(mx::subtract(rows(v, t, t + 1), memory), mx::expand_dims(rows(beta, t, t + 1), -1));
     s = mx::add(s, mx::matmul(mx::swapaxes(kt, -1, -2), delta));
-    outputs.push_back(mx::matmul(rows(q, t, t + 1), s));
-    states.push_back(s);
-  }
-  return pack(outputs, states, initial, snapshots);
+    return mx::matmul(rows(q, t, t + 1), s);
+  };
+  return scan("GatedDeltaNode", L, snapshots, f32(state), chunks, step);
 }
 
 mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::array& a_in, const mx::array& b_in,
@@ -166,24 +180,18 @@ mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::arra
       c_in.shape() != b_in.shape() || state.shape() != mx::Shape{B, H, P, N}) {
     throw std::invalid_argument("SsdScanNode: inputs of inconsistent shapes");
   }
-  if (snapshots < 0 || snapshots > 1024) throw std::invalid_argument("SsdScanNode: snapshots out of range");
-  auto f32 = [](const mx::array& a) { return mx::astype(a, mx::float32); };
   auto x = f32(x_in), dt = f32(dt_in), a = f32(a_in), b = f32(b_in), c = f32(c_in);
-  auto s = mx::swapaxes(f32(state), -1, -2);  // [B, H, N, P]
-  const auto initial = s;
-  const int stepped = std::min(L, std::max(snapshots, 1));
-  std::vector<mx::array> outputs, states;
-  if (L > stepped) outputs.push_back(ssd_chunks(rows(x, 0, L - stepped), rows(dt, 0, L - stepped), a,
-                                                rows(b, 0, L - stepped), rows(c, 0, L - stepped), s));
+  auto chunks = [&](int n, mx::array& s) {
+    return ssd_chunks(rows(x, 0, n), rows(dt, 0, n), a, rows(b, 0, n), rows(c, 0, n), s);
+  };
   auto rate = mx::reshape(a, {1, -1, 1, 1});
-  for (int t = L - stepped; t < L; ++t) {
+  auto step = [&](int t, mx::array& s) {
     auto dtt = mx::expand_dims(rows(dt, t, t + 1), -1);  // [B, H, 1, 1]
     auto write = mx::matmul(mx::swapaxes(rows(b, t, t + 1), -1, -2), mx::multiply(rows(x, t, t + 1), dtt));
     s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
-    outputs.push_back(mx::matmul(rows(c, t, t + 1), s));
-    states.push_back(s);
-  }
-  return pack(outputs, states, initial, snapshots);
+    return mx::matmul(rows(c, t, t + 1), s);
+  };
+  return scan("SsdScanNode", L, snapshots, mx::swapaxes(f32(state), -1, -2), chunks, step);  // s: [B, H, N, P]
 }
 
 }  // namespace emlx
