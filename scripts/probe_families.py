@@ -63,8 +63,8 @@ OVERRIDES = {
     # state layers and attention in one tiny model (their defaults: 1 attention layer in 6 or none in 2)
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "bamba": dict(attn_layer_indices=[1]),
-    # attention first: transformers reads the cache length from layer 0 when a one-token call starts
-    "nemotron_h": dict(layers_block_type=["full_attention", "linear_attention", "moe"]),
+    # its first two kinds are a Mamba-2 and an experts layer: one attention layer more
+    "nemotron_h": dict(layer_types=["linear_attention", "full_attention", "moe"], num_hidden_layers=3),
     # Mamba-2's heads times head_dim must be expand (2) times hidden_size (64)
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),
     # rope: original_max_position_embeddings below max_position_embeddings (2048), keeping the scaling factor

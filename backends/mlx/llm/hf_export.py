@@ -166,8 +166,9 @@ class CachedLM(torch.nn.Module):
         # which transformers takes for a count that is a size of an input)
         keep = 1 if isinstance(rows, int) and rows == 1 else torch.arange(seq - rows, seq)
         with self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext():
-            out = self.wrapper.model(input_ids=input_ids, attention_mask=None, past_key_values=self.cache,
-                                     use_cache=True, logits_to_keep=keep)
+            # positions given, as generate() gives them: some families (Bamba) count from 0 when left out
+            out = self.wrapper.model(input_ids=input_ids, attention_mask=None, position_ids=cache_position[None],
+                                     past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         return out.logits
 
 

@@ -249,10 +249,12 @@ def make_cache(model, max_context: int, layers: StateLayers):
             return layers.start  # what the attention layers hold too (CachedLM sets it each call)
 
     config = model.config.get_text_config()
-    heads, head_dim = get_head_shapes(config)
-    heads = heads if isinstance(heads, list) else [heads] * config.num_hidden_layers
-    head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * config.num_hidden_layers
     kinds = get_layer_types_and_kwargs(config)[0]
+    if all(i in layers.states for i in range(len(kinds))):
+        return StateCache(layers=[StateLayer(i) for i in range(len(kinds))])  # no attention (Mamba-2)
+    heads, head_dim = get_head_shapes(config)
+    heads = heads if isinstance(heads, list) else [heads] * len(kinds)
+    head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * len(kinds)
     cache_layers = []
     for i, kind in enumerate(kinds):
         if i in layers.states:

@@ -96,6 +96,20 @@ def expand(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, b.emit(ir.BroadcastToNode, x.dtype, out.shape, a=x.tid, shape=b.dims(out.shape)))
 
 
+@handles(aten.repeat.default)
+def repeat(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x tiled `repeats` times along each axis (repeats may add leading axes):
+    each axis of size d becomes [1, d], broadcast to [r, d], then merged."""
+    x, repeats = b.get(node.args[0]), list(node.args[1])
+    if not all(isinstance(r, int) for r in repeats):
+        raise Unsupported("repeat by a dynamic count")
+    dims = [1] * (len(repeats) - len(x.shape)) + list(x.shape)
+    x = b.reshape(x, tuple(d for dim in dims for d in (1, dim)))
+    wide = tuple(d for r, dim in zip(repeats, dims) for d in (r, dim))
+    x = b.emit(ir.BroadcastToNode, x.dtype, wide, a=x.tid, shape=b.dims(wide))
+    b.bind(node, b.reshape(x, tuple(meta_val(node).shape)))
+
+
 @handles(aten.slice_copy.Tensor, aten.slice.Tensor)
 def slice_(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.get(node.args[0])

@@ -1,0 +1,136 @@
+"""State-layer models: decode far into the context against decode near its
+start, and a long prompt's prefill rate against a short one's, in one run.
+
+    .venv/bin/python benchmarks/bench_state_layers.py                    # fp32 and int4, both shapes
+    .venv/bin/python benchmarks/bench_state_layers.py --shapes qwen3_5 --variants int4 --reps 5
+
+Two random-weight folders of ~100M parameters (32000-token vocabulary,
+hidden 640, 12 layers): Qwen3.5-shaped (three gated delta layers to one full
+attention layer) and LFM2-shaped (two short-convolution layers to one
+attention layer). Each is exported per variant at max context `--far` +
+`--decode` + 1; every repetition then, for every program in turn, prefills
+64 tokens and decodes `--decode` greedy steps, prefills `--long` tokens, and
+prefills `--far` tokens and decodes `--decode` steps from there. Printed:
+medians, and the two ratios the state layers must hold (issue #36): decode
+at position `--far` against position 64 (>= 0.9), and the `--long`-token
+prefill's per-token rate against the 64-token one's (>= 0.8: the chunked
+form, not a step per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_context import greedy_caller  # noqa: E402
+from bench_llm import GROUP_SIZE, load_average, machine  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS = 32000, 640, 12
+
+
+def write_folder(path: Path, shape: str) -> Path:
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=10,
+                  num_key_value_heads=2, max_position_embeddings=32768, bos_token_id=0, eos_token_id=1,
+                  tie_word_embeddings=True)
+    if shape == "qwen3_5":
+        cfg = tf.Qwen3_5TextConfig(**common, intermediate_size=1792, head_dim=64, linear_num_key_heads=4,
+                                   linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (LAYERS // 4))
+    else:
+        cfg = tf.Lfm2Config(**common, intermediate_size=2560,
+                            layer_types=["conv", "conv", "full_attention"] * (LAYERS // 3))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
+    model.save_pretrained(path)
+    return path
+
+
+def export(folder: Path, out: Path, variant: str, max_context: int) -> Path:
+    from executorch_mlx.llm.hf_export import export_llm
+
+    options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
+    t0 = time.perf_counter()
+    pte = export_llm(folder, out, max_context=max_context, progress=None, **options)
+    print(f"exported {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return pte
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["qwen3_5", "lfm2"], choices=["qwen3_5", "lfm2"])
+    ap.add_argument("--variants", nargs="+", default=["fp32", "int4"], choices=["fp32", "int8", "int4"])
+    ap.add_argument("--far", type=int, default=2000)
+    ap.add_argument("--long", type=int, default=1000)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("command: " + " ".join(sys.argv))
+    print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
+    import executorch_mlx  # noqa: F401
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        programs = {}
+        for shape in args.shapes:
+            folder = write_folder(tmp / shape, shape)
+            for variant in args.variants:
+                pte = export(folder, tmp / f"{shape}-{variant}.pte", variant, args.far + args.decode + 1)
+                programs[f"{shape} {variant}"] = greedy_caller(pte)
+        prompt = lambda n, a: [(a * i + 7) % VOCAB for i in range(n)]  # noqa: E731
+        short, long, far = prompt(64, 31), prompt(args.long, 17), prompt(args.far, 13)
+        keys = ("prefill 64", f"prefill {args.long}", "decode at 64", f"decode at {args.far}")
+        results = {label: {k: [] for k in keys} for label in programs}
+
+        def decode(call, token: int, start: int) -> float:
+            t0 = time.perf_counter()
+            for i in range(args.decode):
+                token = call([token], start + i)
+            return args.decode / (time.perf_counter() - t0)
+
+        for call in programs.values():  # warm-up
+            call(short[:4], 0)
+        for rep in range(args.reps):
+            for label, call in programs.items():
+                r = results[label]
+                t0 = time.perf_counter()
+                token = call(short, 0)
+                r["prefill 64"].append(len(short) / (time.perf_counter() - t0))
+                r["decode at 64"].append(decode(call, token, len(short)))
+                t0 = time.perf_counter()
+                call(long, 0)
+                r[f"prefill {args.long}"].append(len(long) / (time.perf_counter() - t0))
+                r[f"decode at {args.far}"].append(decode(call, call(far, 0), len(far)))
+            print(f"repetition {rep + 1}/{args.reps} done", flush=True)
+
+    print(f"\nmedians of {args.reps}, tok/s; musts: decode at {args.far} >= 0.9x decode at 64, prefill of "
+          f"{args.long} >= 0.8x prefill of 64 per token\n")
+    print("| program | " + " | ".join(keys) + f" | decode {args.far} / 64 | prefill {args.long} / 64 |")
+    print("|---|" + "---|" * (len(keys) + 2))
+    failed = []
+    for label, r in results.items():
+        m = {k: statistics.median(v) for k, v in r.items()}
+        far_ratio = m[f"decode at {args.far}"] / m["decode at 64"]
+        long_ratio = m[f"prefill {args.long}"] / m["prefill 64"]
+        if far_ratio < 0.9:
+            failed.append(f"{label} decode")
+        if long_ratio < 0.8:
+            failed.append(f"{label} prefill")
+        print(f"| {label} | " + " | ".join(f"{m[k]:.1f}" for k in keys) + f" | {far_ratio:.2f} | {long_ratio:.2f} |")
+    print(f"\nmusts: {'all PASS' if not failed else 'FAIL: ' + ', '.join(failed)}")
+    print(f"load average at end: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
