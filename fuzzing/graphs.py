@@ -13,9 +13,9 @@ from executorch_mlx.serialization.sampler_params import BY_NAME, ROW_PARAMS, TAB
 from .sketch import BOOL, F16, F32, I64, U32, Sketch, sizes
 
 BINARY = ["Add", "Subtract", "Multiply", "Divide", "Power", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
-          "LessEqual", "Greater", "GreaterEqual", "Remainder"]
+          "LessEqual", "Greater", "GreaterEqual", "Remainder", "FloorDivide"]
 UNARY = ["Negative", "Exp", "Log", "Sqrt", "Rsqrt", "Abs", "Sigmoid", "Tanh", "Erf", "IsNan", "IsPosInf", "Sin",
-         "Cos", "Expm1", "Log1p"]
+         "Cos", "Expm1", "Log1p", "Floor"]
 REDUCE = ["Sum", "Mean", "Max", "Min", "LogSumExp"]
 
 

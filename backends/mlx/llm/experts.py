@@ -58,10 +58,42 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+def _llama4_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return up * self.act_fn(gate)
+
+
+def _llama4_moe_forward(self, hidden_states: torch.Tensor):
+    """Llama 4's layer: each row scaled by the sigmoid of its top-k router
+    logits goes through those k experts (its own code runs every expert on
+    every row, the others scaled by 0), plus the shared expert."""
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(x, self.router.weight)
+    top, indices = torch.topk(logits, self.router.top_k, dim=1)
+    rows = x[:, None, :] * torch.sigmoid(top.float()).to(x.dtype)[..., None]  # [T, k, H]
+    h = self.experts._apply_gate(_project(self.experts, "gate_up_proj", rows, indices))
+    routed = _project(self.experts, "down_proj", h, indices).sum(dim=1)
+    return self.shared_expert(x) + routed, logits
+
+
+def _adopt_dense_experts(model: torch.nn.Module) -> None:
+    """Llama 4's experts (weights [E, K, N], every expert run on every row)
+    made an experts module of the common kind, its layer routed by
+    `_llama4_moe_forward`."""
+    for module in model.modules():
+        if type(module).__name__ == "Llama4TextMoe" and not is_experts_module(module.experts):
+            experts = module.experts
+            experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
+            experts.is_transposed = True
+            experts._apply_gate = types.MethodType(_llama4_gate, experts)
+            module.forward = types.MethodType(_llama4_moe_forward, module)
+
+
 def route_experts(model: torch.nn.Module) -> list[str]:
     """Gives every experts module of `model` our forward, in place, with its
     weights in one layout, [E, N, K] (gpt-oss stores [E, K, N]); returns the
     modules' names. Routing twice changes nothing."""
+    _adopt_dense_experts(model)
     names = []
     for name, module in model.named_modules():
         if not is_experts_module(module):

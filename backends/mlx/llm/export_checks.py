@@ -121,7 +121,7 @@ def with_standard_names(config: dict) -> dict:
 
 # Layer kinds with a key/value cache, and those that keep a state instead
 # (llm/state_cache.py) or nothing (a layer of MLP or experts only).
-ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}  # (chunks: Llama 4's)
 STATE_LAYERS = {"linear_attention", "conv"}
 CACHELESS_LAYERS = {"mlp", "moe"}
 

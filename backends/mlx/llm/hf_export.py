@@ -36,6 +36,7 @@ from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
+from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
@@ -140,6 +141,9 @@ class CachedLM(torch.nn.Module):
             self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.states = self.wrapper.states if states else None
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
+        # the model's name for its cache (Mamba-2's is cache_params)
+        params = inspect.signature(model.forward).parameters
+        self.cache_argument = "past_key_values" if "past_key_values" in params else "cache_params"
         _fit_latent_cache(model.config.get_text_config(), self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
 
@@ -165,10 +169,11 @@ class CachedLM(torch.nn.Module):
         # no [S, V] logits on prefill: the last `rows` positions only (by index,
         # which transformers takes for a count that is a size of an input)
         keep = 1 if isinstance(rows, int) and rows == 1 else torch.arange(seq - rows, seq)
-        with self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext():
+        with (self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext(),
+              real_rotary(self.wrapper.model)):
             # positions given, as generate() gives them: some families (Bamba) count from 0 when left out
             out = self.wrapper.model(input_ids=input_ids, attention_mask=None, position_ids=cache_position[None],
-                                     past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                                     use_cache=True, logits_to_keep=keep, **{self.cache_argument: self.cache})
         return out.logits
 
 

@@ -32,13 +32,13 @@ states after the last N positions.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 import torch.nn.functional as F
 
 from ..custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the ops)
+from .module_globals import swapped
 
 # The kernels of transformers' modeling modules that read or write state, by their global name there.
 KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
@@ -198,21 +198,9 @@ class StateLayers:
         snaps = snaps.permute(2, 0, 1, 4, 3)  # [N, B, H, P, state]
         return (y, snaps) if return_final_states else y
 
-    @contextlib.contextmanager
     def kernels(self, model: torch.nn.Module):
-        """Within the block, the model's modeling modules call our kernels."""
-        modules = {inspect.getmodule(type(m)) for m in model.modules()}
-        saved = []
-        for module in modules:
-            for name in KERNELS:
-                if module is not None and hasattr(module, name):
-                    saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, getattr(self, name))
-        try:
-            yield
-        finally:
-            for module, name, kernel in saved:
-                setattr(module, name, kernel)
+        """A context within which the model's modeling modules call our kernels."""
+        return swapped(model, {name: getattr(self, name) for name in KERNELS})
 
 
 def make_cache(model, max_context: int, layers: StateLayers):

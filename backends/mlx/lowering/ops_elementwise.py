@@ -194,9 +194,9 @@ _add_sub_handler(ir.SubtractNode, aten.sub.Tensor, aten.sub.Scalar)
 @handles(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)
 def div(b: GraphBuilder, node: torch.fx.Node) -> None:
     mode = node.kwargs.get("rounding_mode")
-    if mode is not None:
+    if mode not in (None, "floor"):
         raise Unsupported(f"div with rounding_mode={mode!r}")
-    bind_binary(b, node, ir.DivideNode, node.args[0], node.args[1])
+    bind_binary(b, node, ir.FloorDivideNode if mode == "floor" else ir.DivideNode, node.args[0], node.args[1])
 
 
 @handles(aten.logical_and.default, aten.logical_or.default)
@@ -250,6 +250,7 @@ for _cls, _op in [
     (ir.TanhNode, aten.tanh.default),
     (ir.SinNode, aten.sin.default),
     (ir.CosNode, aten.cos.default),
+    (ir.FloorNode, aten.floor.default),
 ]:
     _unary_handler(_cls, _op)
 

@@ -281,6 +281,12 @@ struct GatedDeltaNodeBuilder;
 struct SsdScanNode;
 struct SsdScanNodeBuilder;
 
+struct FloorDivideNode;
+struct FloorDivideNodeBuilder;
+
+struct FloorNode;
+struct FloorNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -515,11 +521,13 @@ enum class Op : uint8_t {
   RemainderNode = 79,
   GatedDeltaNode = 80,
   SsdScanNode = 81,
+  FloorDivideNode = 82,
+  FloorNode = 83,
   MIN = NONE,
-  MAX = SsdScanNode
+  MAX = FloorNode
 };
 
-inline const Op (&EnumValuesOp())[82] {
+inline const Op (&EnumValuesOp())[84] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -602,13 +610,15 @@ inline const Op (&EnumValuesOp())[82] {
     Op::GatherQuantizedLinearNode,
     Op::RemainderNode,
     Op::GatedDeltaNode,
-    Op::SsdScanNode
+    Op::SsdScanNode,
+    Op::FloorDivideNode,
+    Op::FloorNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[83] = {
+  static const char * const names[85] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -691,13 +701,15 @@ inline const char * const *EnumNamesOp() {
     "RemainderNode",
     "GatedDeltaNode",
     "SsdScanNode",
+    "FloorDivideNode",
+    "FloorNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SsdScanNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::FloorNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -1028,6 +1040,14 @@ template<> struct OpTraits<emlx::ir::GatedDeltaNode> {
 
 template<> struct OpTraits<emlx::ir::SsdScanNode> {
   static const Op enum_value = Op::SsdScanNode;
+};
+
+template<> struct OpTraits<emlx::ir::FloorDivideNode> {
+  static const Op enum_value = Op::FloorDivideNode;
+};
+
+template<> struct OpTraits<emlx::ir::FloorNode> {
+  static const Op enum_value = Op::FloorNode;
 };
 
 template <bool B = false>
@@ -8400,6 +8420,138 @@ struct SsdScanNode::Traits {
   static auto constexpr Create = CreateSsdScanNode;
 };
 
+/// floor(a / b), for integers exact (MLX's integer division by 0 gives 0).
+struct FloorDivideNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef FloorDivideNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_B = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct FloorDivideNodeBuilder {
+  typedef FloorDivideNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(FloorDivideNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(FloorDivideNode::VT_B, b);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(FloorDivideNode::VT_OUT, out);
+  }
+  explicit FloorDivideNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<FloorDivideNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<FloorDivideNode>(end);
+    fbb_.Required(o, FloorDivideNode::VT_A);
+    fbb_.Required(o, FloorDivideNode::VT_B);
+    fbb_.Required(o, FloorDivideNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<FloorDivideNode> CreateFloorDivideNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  FloorDivideNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct FloorDivideNode::Traits {
+  using type = FloorDivideNode;
+  static auto constexpr Create = CreateFloorDivideNode;
+};
+
+struct FloorNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef FloorNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_A = 4,
+    VT_OUT = 6
+  };
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct FloorNodeBuilder {
+  typedef FloorNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(FloorNode::VT_A, a);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(FloorNode::VT_OUT, out);
+  }
+  explicit FloorNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<FloorNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<FloorNode>(end);
+    fbb_.Required(o, FloorNode::VT_A);
+    fbb_.Required(o, FloorNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<FloorNode> CreateFloorNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  FloorNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_a(a);
+  return builder_.Finish();
+}
+
+struct FloorNode::Traits {
+  using type = FloorNode;
+  static auto constexpr Create = CreateFloorNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -8656,6 +8808,12 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::SsdScanNode *op_as_SsdScanNode() const {
     return op_type() == emlx::ir::Op::SsdScanNode ? static_cast<const emlx::ir::SsdScanNode *>(op()) : nullptr;
+  }
+  const emlx::ir::FloorDivideNode *op_as_FloorDivideNode() const {
+    return op_type() == emlx::ir::Op::FloorDivideNode ? static_cast<const emlx::ir::FloorDivideNode *>(op()) : nullptr;
+  }
+  const emlx::ir::FloorNode *op_as_FloorNode() const {
+    return op_type() == emlx::ir::Op::FloorNode ? static_cast<const emlx::ir::FloorNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -8989,6 +9147,14 @@ template<> inline const emlx::ir::GatedDeltaNode *Node::op_as<emlx::ir::GatedDel
 
 template<> inline const emlx::ir::SsdScanNode *Node::op_as<emlx::ir::SsdScanNode>() const {
   return op_as_SsdScanNode();
+}
+
+template<> inline const emlx::ir::FloorDivideNode *Node::op_as<emlx::ir::FloorDivideNode>() const {
+  return op_as_FloorDivideNode();
+}
+
+template<> inline const emlx::ir::FloorNode *Node::op_as<emlx::ir::FloorNode>() const {
+  return op_as_FloorNode();
 }
 
 struct NodeBuilder {
@@ -9529,6 +9695,14 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::SsdScanNode: {
       auto ptr = reinterpret_cast<const emlx::ir::SsdScanNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::FloorDivideNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::FloorDivideNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::FloorNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::FloorNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
