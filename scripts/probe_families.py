@@ -63,6 +63,7 @@ OVERRIDES = {
     # state layers and attention in one tiny model (their defaults: 1 attention layer in 6 or none in 2)
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "bamba": dict(attn_layer_indices=[1]),
+    "gemma4_text": dict(num_experts=None),  # its experts are off unless enable_moe_block
     # its first two kinds are a Mamba-2 and an experts layer: one attention layer more
     "nemotron_h": dict(layer_types=["linear_attention", "full_attention", "moe"], num_hidden_layers=3),
     # Mamba-2's heads times head_dim must be expand (2) times hidden_size (64)
@@ -82,13 +83,21 @@ def tokenizer():
     return train_tokenizer()
 
 
+def has(config, key: str) -> bool:
+    """hasattr, also for per-layer attributes (Gemma 4's head_dim), which refuse a global read."""
+    try:
+        return hasattr(config, key)
+    except Exception:
+        return key in config.to_dict()
+
+
 def config(family: str, vocab: int):
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if family not in CONFIG_MAPPING:
         raise LookupError("unknown model_type")
     default = AutoConfig.for_model(family)
-    settable = [k for k in {**SIZES, **EXPERTS} if hasattr(default, k)
+    settable = [k for k in {**SIZES, **EXPERTS} if has(default, k)
                 and not isinstance(getattr(type(default), k, None), property)]  # Falcon's head_dim is computed
     overrides = {k: {**SIZES, **EXPERTS}[k] for k in settable}
     if getattr(default, "sliding_window", None):  # small enough that the probe's ~21 tokens pass it

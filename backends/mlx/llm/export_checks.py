@@ -121,7 +121,8 @@ def with_standard_names(config: dict) -> dict:
 
 # Layer kinds with a key/value cache, and those that keep a state instead
 # (llm/state_cache.py) or nothing (a layer of MLP or experts only).
-ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}  # (chunks: Llama 4's)
+# (chunks: Llama 4's; hybrid: attention beside a state in one layer, Falcon-H1's)
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "hybrid"}
 STATE_LAYERS = {"linear_attention", "conv"}
 CACHELESS_LAYERS = {"mlp", "moe"}
 

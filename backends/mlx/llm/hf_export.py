@@ -154,7 +154,7 @@ class CachedLM(torch.nn.Module):
         if self.states is not None:
             self.states.begin(cache_position, seq)
         for i, layer in enumerate(self.cache.layers):
-            if self.states is not None and i in self.states.states:
+            if self.states is not None and not self.states.keeps_keys(i):
                 continue
             # Reached through the module, the cache tensors are the buffers
             # export traces (non-strict export swaps module attributes only;

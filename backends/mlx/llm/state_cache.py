@@ -47,23 +47,26 @@ KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_sca
 def probe_states(model) -> dict[int, dict]:
     """{layer index: the layer's states} from one token through the model
     with transformers' own cache: "conv" ([B, C, width] and the kernel size)
-    and "recurrent" (shape, dtype), each present only if the layer has it."""
+    and "recurrent" (shape, dtype), each present only if the layer has it,
+    and "attends" when the layer also keeps keys and values (a hybrid layer,
+    as Falcon-H1's: attention and Mamba-2 side by side)."""
     from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-    with torch.no_grad():
-        out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    except Exception as e:  # the family's own code on its own config: named, not a raw traceback
+        raise ValueError(f"transformers' own {type(model).__name__} fails on one token with this config "
+                         f"({type(e).__name__}: {e}); export needs it to find the state layers") from e
     states = {}
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba-2's name)
     for i, layer in enumerate(getattr(cache, "layers", ())):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
-        if isinstance(layer, CacheLayerMixin):
-            raise NotImplementedError(f"layer {i} attends and keeps a state in one layer (a hybrid layer, as "
-                                      "Falcon-H1's and Zamba2's), which export does not build yet")
         if layer.number_of_states != 1:
             raise NotImplementedError(f"layer {i} keeps {layer.number_of_states} sets of states (export builds one "
                                       "convolution and one recurrent state a layer)")
-        found = {}
+        found = {"attends": True} if isinstance(layer, CacheLayerMixin) else {}
         conv = layer.conv_states[0]
         if conv is not None:
             found["conv"] = (tuple(conv.shape[:-1]), conv.dtype, int(layer.conv_kernel_size[0]))
@@ -108,6 +111,10 @@ class StateLayers:
                 shape, dtype = found["recurrent"]
                 owner.register_buffer(f"recurrent_state_{i}", torch.zeros(snapshots, *shape, dtype=dtype),
                                       persistent=False)
+
+    def keeps_keys(self, i: int) -> bool:
+        """Whether layer i keeps keys and values (attention, or a hybrid layer)."""
+        return i not in self.states or self.states[i].get("attends", False)
 
     def ring(self, kind: str, i: int) -> torch.Tensor:
         # through the module: the buffers export traces (as CachedLM's KV tensors)
@@ -169,7 +176,7 @@ class StateLayers:
         q = q * q.shape[-1] ** -0.5
         packed = torch.ops.mlx.gated_delta(q, k, v, decay, b, self.initial(i), self.snapshots)
         length = q.shape[2]
-        out = packed[:, :, :length].transpose(1, 2).to(dtype)
+        out = packed[:, :, :length].transpose(1, 2).contiguous().to(dtype)
         batch, _, _, dk = k.shape
         snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, dk, v.shape[-1]).permute(2, 0, 1, 3, 4)
         return out, snaps
@@ -190,7 +197,7 @@ class StateLayers:
         b, c = (t.float().repeat_interleave(heads // groups, dim=2) for t in (B, C))
         packed = torch.ops.mlx.ssd_scan(x.transpose(1, 2), dt.float().transpose(1, 2), A.float(), b.transpose(1, 2),
                                         c.transpose(1, 2), self.initial(i), self.snapshots)
-        y = packed[:, :, :length].transpose(1, 2)  # [B, L, H, P]
+        y = packed[:, :, :length].transpose(1, 2).contiguous()  # [B, L, H, P], as transformers' (callers view it)
         if D is not None:
             y = y + x * D[:, None].float()
         n = b.shape[-1]
@@ -205,7 +212,8 @@ class StateLayers:
 
 def make_cache(model, max_context: int, layers: StateLayers):
     """A transformers cache of static attention layers and our state layers."""
-    from transformers.cache_utils import Cache, LinearAttentionLayer, StaticLayer, get_layer_types_and_kwargs
+    from transformers.cache_utils import (Cache, LinearAttentionAndStaticFullAttentionLayer, LinearAttentionLayer,
+                                          StaticLayer, get_layer_types_and_kwargs)
     from transformers.integrations.executorch import get_head_shapes
 
     class StateLayer(LinearAttentionLayer):
@@ -219,6 +227,13 @@ def make_cache(model, max_context: int, layers: StateLayers):
         def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
             layers.write_recurrent(recurrent_states, self.index)
             return recurrent_states
+
+    class HybridLayer(StateLayer, LinearAttentionAndStaticFullAttentionLayer):
+        """A layer keeping keys and values beside its states."""
+
+        def __init__(self, index: int, max_cache_len: int):
+            LinearAttentionAndStaticFullAttentionLayer.__init__(self, max_cache_len)
+            self.index = index
 
     class StateCache(Cache):
         """get_conv_state / get_recurrent_state answer None (the layer code then
@@ -238,17 +253,20 @@ def make_cache(model, max_context: int, layers: StateLayers):
 
     config = model.config.get_text_config()
     kinds = get_layer_types_and_kwargs(config)[0]
-    if all(i in layers.states for i in range(len(kinds))):
+    if not any(layers.keeps_keys(i) for i in range(len(kinds))):
         return StateCache(layers=[StateLayer(i) for i in range(len(kinds))])  # no attention (Mamba-2)
     heads, head_dim = get_head_shapes(config)
     heads = heads if isinstance(heads, list) else [heads] * len(kinds)
     head_dim = head_dim if isinstance(head_dim, list) else [head_dim] * len(kinds)
     cache_layers = []
     for i, kind in enumerate(kinds):
-        if i in layers.states:
+        if not layers.keeps_keys(i):
             cache_layers.append(StateLayer(i))
             continue
-        layer = StaticLayer(0 if kind == "dummy" else max_context)  # "dummy": a layer of MLP or experts only
+        if i in layers.states:
+            layer = HybridLayer(i, max_context)
+        else:
+            layer = StaticLayer(0 if kind == "dummy" else max_context)  # "dummy": a layer of MLP or experts only
         fake = torch.zeros((1, heads[i], 0, head_dim[i]), dtype=model.dtype)
         layer.lazy_initialization(fake, fake)
         cache_layers.append(layer)
@@ -267,7 +285,7 @@ def check_state_kernels(model, states: dict[int, dict]) -> None:
         module = inspect.getmodule(type(m))
         if i not in states or not any(hasattr(module, name) for name in KERNELS):
             continue
-        for kind in states[i]:
+        for kind in states[i].keys() & KIND_KERNELS.keys():
             if not any(hasattr(module, name) for name in KIND_KERNELS[kind]):
                 raise NotImplementedError(f"{type(m).__name__} keeps a {kind} state through its own kernel (not "
                                           "the gated delta rule, Mamba-2's scan or a causal convolution), which "
@@ -293,7 +311,7 @@ class StateCachedModel(torch.nn.Module):
         self.states = StateLayers(self, states, snapshots)
         self.cache = make_cache(model, max_context, self.states)
         for i, layer in enumerate(self.cache.layers):
-            if i not in states:
+            if self.states.keeps_keys(i):
                 self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
                 self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
                 self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
