@@ -13,7 +13,9 @@ import torch
 
 # The families the tests export and hold to transformers' greedy output.
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2",
-            "falcon", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "lfm2")
+            "falcon", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "lfm2",
+            "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "gemma4_text",
+            "gemma3n_text", "llama4_text")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -112,6 +114,40 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
                                     layer_types=kinds)
     if family == "lfm2":  # short causal convolutions and full attention
         return tf.Lfm2Config(**common, layer_types=[k.replace("linear_attention", "conv") for k in kinds])
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate // 4)
+    if family == "qwen3_5_moe_text":  # Qwen3.5's layers with experts and a shared expert
+        return tf.Qwen3_5MoeTextConfig(**common, **experts, head_dim=head_dim, linear_num_key_heads=2,
+                                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                       shared_expert_intermediate_size=intermediate // 4, layer_types=kinds)
+    if family == "lfm2_moe":  # LFM2 with experts after its first (dense) layer
+        return tf.Lfm2MoeConfig(**common, **experts, num_dense_layers=1,
+                                layer_types=[k.replace("linear_attention", "conv") for k in kinds])
+    if family == "granitemoehybrid":  # Mamba-2 layers (Granite 4 hybrid) and attention
+        return tf.GraniteMoeHybridConfig(**common, layer_types=kinds, mamba_n_heads=8, mamba_d_head=16,
+                                         mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64)
+    if family == "nemotron_h":  # Mamba-2, attention and experts layers, each alone
+        return tf.NemotronHConfig(**{**common, "num_hidden_layers": layers + 1}, layer_types=kinds + ["moe"],
+                                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate // 4,
+                                  mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1)
+    if family == "falcon_h1":  # attention and Mamba-2 side by side in every layer
+        return tf.FalconH1Config(**common, head_dim=head_dim, mamba_n_heads=8, mamba_d_head=16, mamba_d_ssm=128,
+                                 mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64)
+    if family == "mamba2":  # state layers only
+        return tf.Mamba2Config(**{k: v for k, v in common.items() if "heads" not in k and k != "intermediate_size"},
+                               num_heads=2 * hidden // 16, head_dim=16, state_size=16, n_groups=1, chunk_size=64)
+    # Gemma 3n/4: sliding and full layers, per-layer inputs; from 3 layers on, the last reads the keys and values
+    # of the last earlier layer of its kind (KV sharing)
+    gemma = dict(head_dim=head_dim, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab,
+                 num_kv_shared_layers=1 if layers >= 3 else 0,
+                 layer_types=(["sliding_attention", "full_attention"] * layers)[:layers])
+    if family == "gemma4_text":  # full layers of twice the head size
+        return tf.Gemma4TextConfig(**common, **gemma, global_head_dim=2 * head_dim)
+    if family == "gemma3n_text":  # and AltUp and LAuReL
+        return tf.Gemma3nTextConfig(**common, **gemma, laurel_rank=8)
+    if family == "llama4_text":  # chunked attention (chunks of 8), experts, a layer without RoPE
+        return tf.Llama4TextConfig(**common, head_dim=head_dim, attention_chunk_size=8, num_local_experts=4,
+                                   num_experts_per_tok=1, intermediate_size_mlp=intermediate,
+                                   no_rope_layers=[1, 0] * (layers // 2) + [1] * (layers % 2))
     raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
 
 

@@ -67,6 +67,8 @@ def ring_chunk(model, max_context: int, min_chunk: int) -> int | None:
     kind = getattr(config, "_attn_implementation", None)
     if window is None or kind not in RING_ATTENTION:
         return None
+    if "reuse" in (getattr(config, "kv_sharing_modes", None) or ()):
+        return None  # layers reading another layer's keys and values (Gemma 3n/4) would get its ring unmasked
     if kind == "eager" and not all(_eager_attention(m) for m in _attention_modules(model)):
         return None
     chunk = min(max_context - 1, max(window, min_chunk))
