@@ -16,10 +16,10 @@ MAX_CONTEXT = 128
 # of one layer kept apart from the next's and the residual stream across
 # them, is Llama's (the program most tests use), and Gemma 3 alternates
 # sliding-window and full layers.
-# (the hybrids: a state and an attention layer; Llama 4: its two kinds of attention; Gemma 3n/4: a third layer
-# that shares the first one's keys and values)
+# (the hybrids: a state and an attention layer; Llama 4 and Gemma 4: their two kinds of attention; Gemma 3n: a
+# third layer that shares the first one's keys and values)
 FAMILY_LAYERS = {"llama": 2, "gemma3": 2, "qwen3_5_text": 2, "lfm2": 2, "qwen3_5_moe_text": 2, "lfm2_moe": 2,
-                 "granitemoehybrid": 2, "nemotron_h": 2, "llama4_text": 2, "gemma4_text": 3, "gemma3n_text": 3}
+                 "granitemoehybrid": 2, "nemotron_h": 2, "llama4_text": 2, "gemma4_text": 2, "gemma3n_text": 3}
 
 
 def family_program(shared, family: str, sampling: bool = True) -> tuple[Path, Path]:

@@ -129,3 +129,30 @@ def test_a_second_chat_turn_reuses_the_first(shared):
     second = runner.chat(messages, max_new_tokens=6)
     assert second.cached_tokens > 0
     assert second.token_ids == LLMRunner(pte, folder).chat(messages, max_new_tokens=6).token_ids
+
+
+def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, monkeypatch):
+    """int4 weights on a hybrid (Qwen3.5: a convolution and the gated delta
+    rule): the program's logits against transformers' own layer code with
+    every linear quantized as our kernel computes it (tests/test_quantized.py's
+    reference), on a prefill and on the decode step after it."""
+    from executorch.runtime import Runtime
+    from test_quantized import assert_near_integer_reference, integer_linear
+
+    from executorch_mlx.llm.quantize import QuantizedTable, quantize_model
+
+    folder, _ = hybrids["qwen3_5_text"]
+    pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, sampling=False, quantize="int4", group_size=64,
+                     progress=None)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    quantize_model(model, bits=4, group_size=64)
+    monkeypatch.setattr(QuantizedTable, "linear", integer_linear)
+    ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
+    program = Runtime.get().load_program(pte.read_bytes())
+    method = program.load_method("forward")
+    with torch.no_grad():
+        want = model(ids).logits[:, -1:]
+    assert_near_integer_reference(method.execute([ids, torch.arange(ids.shape[1])])[0], want)
+    with torch.no_grad():
+        want = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:]
+    assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
