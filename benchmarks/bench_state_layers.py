@@ -4,7 +4,7 @@ start, and a long prompt's prefill rate against a short one's, in one run.
     .venv/bin/python benchmarks/bench_state_layers.py                    # fp32 and int4, both shapes
     .venv/bin/python benchmarks/bench_state_layers.py --shapes qwen3_5 --variants int4 --reps 5
 
-Two random-weight folders of ~100M parameters (32000-token vocabulary,
+Two random-weight folders of ~80M parameters (32000-token vocabulary,
 hidden 640, 12 layers): Qwen3.5-shaped (three gated delta layers to one full
 attention layer) and LFM2-shaped (two short-convolution layers to one
 attention layer). Each is exported per variant at max context `--far` +
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_context import greedy_caller  # noqa: E402
-from bench_llm import GROUP_SIZE, load_average, machine  # noqa: E402
+from bench_context import export, greedy_caller  # noqa: E402
+from bench_llm import load_average, machine  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS = 32000, 640, 12
 
@@ -55,16 +55,6 @@ def write_folder(path: Path, shape: str) -> Path:
     return path
 
 
-def export(folder: Path, out: Path, variant: str, max_context: int) -> Path:
-    from executorch_mlx.llm.hf_export import export_llm
-
-    options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
-    t0 = time.perf_counter()
-    pte = export_llm(folder, out, max_context=max_context, progress=None, **options)
-    print(f"exported {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
-    return pte
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["qwen3_5", "lfm2"], choices=["qwen3_5", "lfm2"])
@@ -85,7 +75,7 @@ def main() -> int:
         for shape in args.shapes:
             folder = write_folder(tmp / shape, shape)
             for variant in args.variants:
-                pte = export(folder, tmp / f"{shape}-{variant}.pte", variant, args.far + args.decode + 1)
+                pte = export(folder, folder, variant, args.far + args.decode + 1, whole_cache=False)
                 programs[f"{shape} {variant}"] = greedy_caller(pte)
         prompt = lambda n, a: [(a * i + 7) % VOCAB for i in range(n)]  # noqa: E731
         short, long, far = prompt(64, 31), prompt(args.long, 17), prompt(args.far, 13)

@@ -28,7 +28,9 @@ FAMILIES = ("llama qwen2 qwen3 gemma gemma3_text phi3 mistral olmo2 stablelm sta
             "nemotron persimmon granite phi gpt_neox gpt2 apertus qwen3_moe qwen2_moe mixtral granitemoe gpt_oss "
             "olmoe phimoe ernie4_5_moe hunyuan_v1_moe dots1 glm4_moe deepseek_v3 qwen3_next minimax llama4_text "
             "gemma3n_text lfm2 qwen3_5_text qwen3_5_moe_text lfm2_moe granitemoehybrid nemotron_h bamba mamba2 "
-            "falcon_h1 zamba2 kimi_linear").split()
+            "falcon_h1 zamba2 kimi_linear minimax_m2 exaone_moe flex_olmo deepseek_v32 glm4_moe_lite afmoe "
+            "mimo_v2_flash longcat_flash bailing_hybrid inkling_text olmo_hybrid lfm3 mamba falcon_mamba jamba "
+            "dots3_note_text gemma4_unified_text").split()
 PROMPT = "Once upon a time"
 NEW_TOKENS = 16
 

@@ -893,3 +893,32 @@ def test_random_draws_are_never_merged():
 
     graph = ir.Graph(num_values=3, nodes=[draw(0), draw(1), ir.Node(op=ir.AddNode(a=ir.Tid(0), b=ir.Tid(1), out=ir.Tid(2)))])
     assert merge_common_nodes(graph) == 0 and len(graph.nodes) == 3
+
+
+# ------------------------------------------- floor, repeat, scatter by slice --
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=_id)
+def test_floor_division(dtype):
+    # torch's floor mode rounds toward -inf (negative quotients included), as MLX's floor_divide
+    check(lambda a, b: torch.div(a, b, rounding_mode="floor"), rand(dtype=dtype, lo=-20, hi=20),
+          away_from_zero(dtype=dtype, lo=1.0), nodes={"FloorDivideNode"})
+
+
+def test_floor():
+    check(torch.floor, rand(), nodes={"FloorNode"})
+
+
+def test_repeat_tiles_every_axis_and_adds_leading_ones():
+    check(lambda x: x.repeat(2, 1, 1, 3), rand((2, 3, 4)), nodes={"BroadcastToNode"})
+
+
+class EveryOtherColumn(torch.nn.Module):
+    def forward(self, x, src):
+        return torch.slice_scatter(x, src, dim=1, start=1, end=6, step=2)
+
+
+def test_slice_scatter_with_a_dynamic_axis_elsewhere():
+    seq = torch.export.Dim("seq", min=2, max=16)
+    assert_matches_eager(EveryOtherColumn(), (rand((5, 6)), rand((5, 3))), expect_nodes={"ScatterNode"},
+                         dynamic_shapes=({0: seq}, {0: seq}))

@@ -333,6 +333,13 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     # tied weights: the head follows the embedding (quantized with it, else full precision)
     assert isinstance(model.lm_head, torch.nn.Linear) != embedding
     monkeypatch.setattr(QuantizedTable, "linear", integer_linear)
+    assert_program_near_quantized_model(pte, model)
+
+
+def assert_program_near_quantized_model(pte, model):
+    """A logits program's last logits against `model` quantized (its linears
+    computed by integer_linear, patched in by the caller), on a prefill and on
+    the decode step after it."""
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])  # a prefill: 20 rows of x, in pairs
     program = Runtime.get().load_program(pte.read_bytes())  # alive while its method runs
     method = program.load_method("forward")

@@ -17,7 +17,7 @@ from executorch_mlx.llm.runner import LLMRunner
 from harness import lower, node_types, run
 from llm_programs import MAX_CONTEXT, draft_program, family_program
 
-HYBRIDS = ("qwen3_5_text", "lfm2")
+HYBRIDS = ("qwen3_5_text", "lfm2", "granitemoehybrid")  # gated delta, convolution, Mamba-2 (each with attention)
 SNAPSHOTS = 5
 # A prompt that repeats itself: prompt lookup finds drafts in it.
 PROMPT = [5, 9, 3, 7, 11, 5, 9, 3, 7, 11, 5, 9]
@@ -136,8 +136,7 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     rule): the program's logits against transformers' own layer code with
     every linear quantized as our kernel computes it (tests/test_quantized.py's
     reference), on a prefill and on the decode step after it."""
-    from executorch.runtime import Runtime
-    from test_quantized import assert_near_integer_reference, integer_linear
+    from test_quantized import assert_program_near_quantized_model, integer_linear
 
     from executorch_mlx.llm.quantize import QuantizedTable, quantize_model
 
@@ -147,12 +146,4 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     quantize_model(model, bits=4, group_size=64)
     monkeypatch.setattr(QuantizedTable, "linear", integer_linear)
-    ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
-    program = Runtime.get().load_program(pte.read_bytes())
-    method = program.load_method("forward")
-    with torch.no_grad():
-        want = model(ids).logits[:, -1:]
-    assert_near_integer_reference(method.execute([ids, torch.arange(ids.shape[1])])[0], want)
-    with torch.no_grad():
-        want = model(torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:]
-    assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
+    assert_program_near_quantized_model(pte, model)

@@ -45,7 +45,7 @@ from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import sampler_examples
 from .speculative import verify
-from .state_cache import StateCachedModel, has_state_kernels, probe_states
+from .state_cache import StateCachedModel, find_state_layers
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
@@ -133,7 +133,7 @@ class CachedLM(torch.nn.Module):
 
         model.generation_config.cache_implementation = "static"
         _set_cached_kv_heads(model.config)
-        states = probe_states(model) if has_state_kernels(model) else {}
+        states = find_state_layers(model)
         if states:
             self.wrapper = StateCachedModel(model, max_context, states, snapshots)
             ring_chunk = None

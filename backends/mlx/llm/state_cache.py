@@ -280,6 +280,10 @@ KIND_KERNELS = {"conv": ("causal_conv1d_fn",), "recurrent": ("torch_chunk_gated_
 def check_state_kernels(model, states: dict[int, dict]) -> None:
     """Every state layer's modeling code runs through kernels we swap
     (KERNELS); a layer of another recurrence is refused by its name."""
+    if not has_state_kernels(model):
+        raise NotImplementedError(f"{type(model).__name__}'s state layers keep their state through kernels of "
+                                  "their own (not the gated delta rule, Mamba-2's scan or a causal convolution), "
+                                  "which export does not build yet")
     for m in model.modules():
         i = getattr(m, "layer_idx", None)
         module = inspect.getmodule(type(m))
@@ -293,8 +297,24 @@ def check_state_kernels(model, states: dict[int, dict]) -> None:
 
 
 def has_state_kernels(model) -> bool:
-    """Whether the model's modeling code has a state kernel (so probe_states may find state layers)."""
+    """Whether the model's modeling code has a state kernel we swap."""
     return any(hasattr(inspect.getmodule(type(m)), name) for m in model.modules() for name in KERNELS)
+
+
+def find_state_layers(model) -> dict[int, dict]:
+    """probe_states where the modeling code has a state kernel or the config
+    names a state layer kind; {} for a model of attention layers only."""
+    from .export_checks import STATE_LAYERS
+
+    kinds = sorted(set(getattr(model.config.get_text_config(), "layer_types", None) or ()) & STATE_LAYERS)
+    if not (kinds or has_state_kernels(model)):
+        return {}
+    states = probe_states(model)
+    if kinds and not states:
+        raise NotImplementedError(f"{type(model).__name__} has {', '.join(kinds)} layers whose state does not go "
+                                  "through transformers' state cache (a recurrence of its own), which export does "
+                                  "not build yet")
+    return states
 
 
 class StateCachedModel(torch.nn.Module):
