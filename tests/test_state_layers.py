@@ -94,9 +94,9 @@ def test_drafted_generation_equals_plain(hybrids, shared, family, setting):
     for draft in ("prompt-lookup", draft_model):
         drafted = target.generate(PROMPT, max_new_tokens=24, draft=draft, **setting)
         assert drafted.token_ids == plain.token_ids, draft
-        assert drafted.draft_tokens > 0
-    # the draft model's drafts are mostly rejected: the rings gave back earlier states
-    assert drafted.accepted_tokens < drafted.draft_tokens
+    # (prompt lookup drafts only where the output repeats the context, which sampled text may never do;
+    # the draft model always drafts) its drafts are mostly rejected: the rings gave back earlier states
+    assert 0 <= drafted.accepted_tokens < drafted.draft_tokens
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
