@@ -21,6 +21,12 @@ MAX_CONTEXT = 128
 FAMILY_LAYERS = {"llama": 2, "gemma3": 2, "qwen3_5_text": 2, "lfm2": 2, "qwen3_5_moe_text": 2, "lfm2_moe": 2,
                  "granitemoehybrid": 2, "nemotron_h": 2, "llama4_text": 2, "gemma4_text": 2, "gemma3n_text": 3}
 
+# The state-layer tests' families: gated delta, convolution, Mamba-2 (each with attention).
+HYBRIDS = ("qwen3_5_text", "lfm2", "granitemoehybrid")
+# Families whose sampled program some test uses; the family test takes those and the logits program of the rest
+# (the sampler costs ~3 s of each export, and its ops do not depend on the family).
+SAMPLED = {"llama", "qwen2", "qwen3", "gemma3", *HYBRIDS}
+
 
 def family_program(shared, family: str, sampling: bool = True) -> tuple[Path, Path]:
     """(the model folder, the .pte). Llama's sampling program also returns

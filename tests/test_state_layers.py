@@ -15,9 +15,8 @@ from executorch_mlx.llm.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.runner import LLMRunner
 from harness import lower, node_types, run
-from llm_programs import MAX_CONTEXT, draft_program, family_program
+from llm_programs import HYBRIDS, MAX_CONTEXT, draft_program, family_program
 
-HYBRIDS = ("qwen3_5_text", "lfm2", "granitemoehybrid")  # gated delta, convolution, Mamba-2 (each with attention)
 SNAPSHOTS = 5
 # A prompt that repeats itself: prompt lookup finds drafts in it.
 PROMPT = [5, 9, 3, 7, 11, 5, 9, 3, 7, 11, 5, 9]
