@@ -46,6 +46,9 @@ ALWAYS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=
 OVERRIDES = {
     # expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first
     "glm4_moe": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),
+    # latent attention as DeepSeek-V3's below
+    "glm4_moe_lite": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
+                          v_head_dim=16, num_key_value_heads=4),
     "dots1": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),  # its defaults are None
     # latent attention sizes for hidden 64; its head_dim is the rotary part's width (qk_rope_head_dim), and
     # every query head has its own key and value once the latent is expanded (key/value heads = heads)
@@ -135,7 +138,12 @@ def probe(family: str, work: Path, row: dict) -> None:
     cfg = config(family, tok.get_vocab_size())
     row["stage"] = "model"
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # a matrix initialised to zeros (AFMoE's router: every expert ties) gets random values
+        for weight in model.parameters():
+            if weight.dim() >= 2 and not weight.any():
+                weight.normal_(0, cfg.initializer_range)
+    model.save_pretrained(folder)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS).save_pretrained(folder)
 
     row["stage"] = "export"

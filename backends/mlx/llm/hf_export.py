@@ -100,18 +100,35 @@ def _set_cached_kv_heads(config) -> None:
                                       else 1 if config.multi_query else config.num_kv_heads)
 
 
-def _fit_latent_cache(config, wrapper: torch.nn.Module, cache) -> None:
-    """Multi-head latent attention (DeepSeek-V2/V3 and their kind) caches, per
-    position, one compressed key/value latent (kv_lora_rank wide) and one
-    rotary key shared by the heads (qk_rope_head_dim wide), as transformers'
-    attention passes them to the cache, not per-head keys and values: the
-    static cache sized from the head count and head_dim would not fit them."""
-    rank = getattr(config, "kv_lora_rank", None)
-    if not rank:
-        return
+def _written_shapes(model) -> dict[int, tuple[torch.Size, torch.Size]]:
+    """{layer: (key, value) shapes} that one token through the model writes
+    to transformers' own cache; {} where the family's code fails on it."""
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    except Exception:
+        return {}
+    layers = getattr(getattr(out, "past_key_values", None), "layers", ())
+    return {i: (layer.keys.shape, layer.values.shape) for i, layer in enumerate(layers)
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4}
+
+
+def _fit_cache_widths(model, wrapper: torch.nn.Module, cache) -> None:
+    """Sizes each layer's static cache (transformers sizes every layer from
+    the head count and head_dim) to what its attention writes: multi-head
+    latent attention (DeepSeek-V2/V3 and their kind) caches one compressed
+    key/value latent and one rotary key shared by the heads per position,
+    MiMo-V2-Flash's values are narrower than its keys and its sliding layers
+    have twice the key/value heads of its full ones."""
+    written = _written_shapes(model)
     for i, layer in enumerate(cache.layers):
-        layer.lazy_initialization(layer.keys.new_empty(1, 1, 0, rank),
-                                  layer.values.new_empty(1, 1, 0, config.qk_rope_head_dim))
+        if i not in written or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+            continue
+        key, value = written[i]
+        if (key[1], key[3], value[1], value[3]) == (*layer.keys.shape[1::2], *layer.values.shape[1::2]):
+            continue
+        layer.lazy_initialization(layer.keys.new_empty(1, key[1], 0, key[3]),
+                                  layer.values.new_empty(1, value[1], 0, value[3]))
         wrapper.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
         wrapper.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
 
@@ -144,7 +161,7 @@ class CachedLM(torch.nn.Module):
         # the model's name for its cache (Mamba-2's is cache_params)
         params = inspect.signature(model.forward).parameters
         self.cache_argument = "past_key_values" if "past_key_values" in params else "cache_params"
-        _fit_latent_cache(model.config.get_text_config(), self.wrapper, self.cache)
+        _fit_cache_widths(model, self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,
