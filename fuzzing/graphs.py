@@ -296,6 +296,13 @@ def ssd_scan():
                          state=s.full([1, 2, 4, 5], 0.25), snapshots=2), 4)
 
 
+def selective_scan():
+    s = Sketch()  # x [1, 2, 3], state size 5, 2 snapshots -> [1, 2, 3 + 2 * 5]
+    return s.finish(s.op(ir.SelectiveScanNode, x=s.full([1, 2, 3], 0.5), dt=s.full([1, 2, 3], 0.1),
+                         a=s.full([2, 5], -1.0), b=s.full([1, 3, 5], 0.5), c=s.full([1, 3, 5], 0.5),
+                         state=s.full([1, 2, 5], 0.25), snapshots=2), 3)
+
+
 def quantized_embedding():
     s = Sketch()
     return s.finish(s.op(ir.QuantizedEmbeddingNode, indices=s.i, **_quantized(s)), 3)
@@ -365,6 +372,7 @@ GRAPHS = {
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     "ArgTopKNode": arg_top_k, "TakeAlongAxisNode": take_along_axis, "GatherLinearNode": gather_linear,
     "GatherQuantizedLinearNode": gather_quantized_linear, "GatedDeltaNode": gated_delta, "SsdScanNode": ssd_scan,
+    "SelectiveScanNode": selective_scan,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,
 }

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# Every decoder-only causal-LM type of transformers 5.23: not its encoder-decoder types (BART, Whisper, ...),
+# the encoders it can run as decoders (BERT, RoBERTa, XLNet, ...), nor the multimodal ones (Gemma 3, Llama 4,
+# Qwen3.5, ...) whose text models are here under their own types (gemma3_text, llama4_text, qwen3_5_text).
 FAMILIES = ("llama qwen2 qwen3 gemma gemma3_text phi3 mistral olmo2 stablelm starcoder2 falcon ministral olmo olmo3 "
             "smollm3 gemma2 cohere cohere2 glm ernie4_5 hunyuan_v1_dense bitnet exaone4 helium arcee seed_oss "
             "nemotron persimmon granite phi gpt_neox gpt2 apertus qwen3_moe qwen2_moe mixtral granitemoe gpt_oss "
@@ -30,7 +33,13 @@ FAMILIES = ("llama qwen2 qwen3 gemma gemma3_text phi3 mistral olmo2 stablelm sta
             "gemma3n_text lfm2 qwen3_5_text qwen3_5_moe_text lfm2_moe granitemoehybrid nemotron_h bamba mamba2 "
             "falcon_h1 zamba2 kimi_linear minimax_m2 exaone_moe flex_olmo deepseek_v32 glm4_moe_lite afmoe "
             "mimo_v2_flash longcat_flash bailing_hybrid inkling_text olmo_hybrid lfm3 mamba falcon_mamba jamba "
-            "dots3_note_text gemma4_unified_text").split()
+            "dots3_note_text gemma4_unified_text gemma4_text "
+            "aria_text axk1 axk2 beam biogpt bloom codegen cohere2_moe cohere_compass_text cpmant ctrl cwm dbrx "
+            "deepseek_v2 deepseek_v4 diffllama doge flint glm4 glm_moe_dsa gpt-sw3 gpt_bigcode gpt_neo "
+            "gpt_neox_japanese gptj granite_swa granitemoe_swa granitemoeshared hrm_text hy_v3 hy_v4 hyperclovax "
+            "inkling2_text internlm3 iquestcoder jais2 jetmoe kolibri1 laguna mellum minicpm3 minimax_m3_vl_text "
+            "ministral3 modernbert-decoder mpt nanochat openai-gpt opt qwen4_exp_text recurrent_gemma rwkv "
+            "solar_open vaultgemma xglm xlstm youtu zamba zaya").split()
 PROMPT = "Once upon a time"
 NEW_TOKENS = 16
 
@@ -49,6 +58,10 @@ OVERRIDES = {
     # latent attention as DeepSeek-V3's below
     "glm4_moe_lite": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
                           v_head_dim=16, num_key_value_heads=4),
+    "kimi_linear": dict(kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        num_key_value_heads=4, linear_head_dim=16, linear_num_heads=4),
+    "zamba2": dict(hybrid_layer_ids=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # its default hybrid layers start at layer 6
     "dots1": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),  # its defaults are None
     # latent attention sizes for hidden 64; its head_dim is the rotary part's width (qk_rope_head_dim), and
     # every query head has its own key and value once the latent is expanded (key/value heads = heads)
@@ -108,7 +121,8 @@ def config(family: str, vocab: int):
     if getattr(default, "sliding_window", None):  # small enough that the probe's ~21 tokens pass it
         overrides["sliding_window"] = 8
     kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
-    if len(kinds) > 1:  # one layer of each kind (sliding and full, say), not the first 2 of the default pattern
+    derived = isinstance(getattr(type(default), "layer_types", None), property)  # Jamba's: from its periods
+    if len(kinds) > 1 and not derived:  # one layer of each kind (sliding and full, say), not the first 2 of the default
         overrides["layer_types"] = kinds[:2]
     if hasattr(default, "vocab_size_per_layer_input"):  # Gemma 3n's per-layer embeddings: 262144 rows by default
         overrides["vocab_size_per_layer_input"] = vocab

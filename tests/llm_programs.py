@@ -19,7 +19,7 @@ MAX_CONTEXT = 128
 # (the hybrids: a state and an attention layer; Llama 4 and Gemma 4: their two kinds of attention; Gemma 3n: a
 # third layer that shares the first one's keys and values)
 FAMILY_LAYERS = {"llama": 2, "gemma3": 2, "qwen3_5_text": 2, "lfm2": 2, "qwen3_5_moe_text": 2, "lfm2_moe": 2,
-                 "granitemoehybrid": 2, "nemotron_h": 2, "llama4_text": 2, "gemma4_text": 2, "gemma3n_text": 3}
+                 "granitemoehybrid": 2, "nemotron_h": 2, "jamba": 2, "llama4_text": 2, "gemma4_text": 2, "gemma3n_text": 3}
 
 # The state-layer tests' families: gated delta, convolution, Mamba-2 (each with attention).
 HYBRIDS = ("qwen3_5_text", "lfm2", "granitemoehybrid")

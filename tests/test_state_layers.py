@@ -23,9 +23,10 @@ PROMPT = [5, 9, 3, 7, 11, 5, 9, 3, 7, 11, 5, 9]
 
 
 class Scans(torch.nn.Module):
-    def forward(self, q, k, v, g, beta, s, x, dt, a, b, c, s2):
+    def forward(self, q, k, v, g, beta, s, x, dt, a, b, c, s2, x1, dt1, a1, b1, c1, s1):
         return (torch.ops.mlx.gated_delta(q, k, v, g, beta, s, SNAPSHOTS),
-                torch.ops.mlx.ssd_scan(x, dt, a, b, c, s2, SNAPSHOTS))
+                torch.ops.mlx.ssd_scan(x, dt, a, b, c, s2, SNAPSHOTS),
+                torch.ops.mlx.selective_scan(x1, dt1, a1, b1, c1, s1, SNAPSHOTS))
 
 
 def scan_inputs(length: int) -> tuple:
@@ -34,10 +35,13 @@ def scan_inputs(length: int) -> tuple:
     q, k = (torch.nn.functional.normalize(rand(1, 2, length, 8), dim=-1) for _ in range(2))
     g = -torch.rand(1, 2, length, generator=gen)  # log decays in (-1, 0]
     beta = torch.rand(1, 2, length, generator=gen)
-    dt = torch.rand(1, 3, length, generator=gen) * 0.5
+    dt, dt1 = (torch.rand(1, 3, length, generator=gen) * 0.5 for _ in range(2))
     return (q * 8 ** -0.5, k, rand(1, 2, length, 4), g, beta, rand(1, 2, 8, 4),
             rand(1, 3, length, 4), dt, -torch.rand(3, generator=gen), rand(1, 3, length, 6), rand(1, 3, length, 6),
-            rand(1, 3, 4, 6))
+            rand(1, 3, 4, 6),
+            # Mamba-1: 3 channels, 5 states each, each its own decay rate
+            rand(1, 3, length), dt1, -torch.rand(3, 5, generator=gen) * 2, rand(1, length, 5), rand(1, length, 5),
+            rand(1, 3, 5))
 
 
 def test_state_scans_equal_their_references_at_every_length():
@@ -45,9 +49,9 @@ def test_state_scans_equal_their_references_at_every_length():
     steps of the kept positions and the chunked form before them."""
     seq = torch.export.Dim("seq", min=1, max=256)
     dynamic = [{2: seq}, {2: seq}, {2: seq}, {2: seq}, {2: seq}, None, {2: seq}, {2: seq}, None, {2: seq}, {2: seq},
-               None]
+               None, {2: seq}, {2: seq}, None, {1: seq}, {1: seq}, None]
     edge = lower(Scans(), scan_inputs(3), dynamic_shapes=dynamic)
-    assert {"GatedDeltaNode", "SsdScanNode"} <= node_types(edge)
+    assert {"GatedDeltaNode", "SsdScanNode", "SelectiveScanNode"} <= node_types(edge)
     program = edge.to_executorch().buffer
     for length in (1, 4, SNAPSHOTS, SNAPSHOTS + 1, 64 + SNAPSHOTS, 200):
         args = scan_inputs(length)

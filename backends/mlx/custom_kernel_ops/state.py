@@ -1,4 +1,4 @@
-"""State-layer recurrences: the gated delta rule and Mamba-2's state-space scan.
+"""State-layer recurrences: the gated delta rule, Mamba-2's state-space scan and Mamba-1's selective scan.
 
     torch.ops.mlx.gated_delta(q[B, H, L, Dk], k[B, H, L, Dk], v[B, H, L, Dv],
                               g[B, H, L], beta[B, H, L], state[B, H, Dk, Dv],
@@ -29,6 +29,19 @@ negative decay rate per head; D's skip term and the gate stay outside):
 
 packed the same way, with the states stored transposed ([N, P] blocks).
 
+    torch.ops.mlx.selective_scan(x[B, D, L], dt[B, D, L], a[D, N], b[B, L, N],
+                                 c[B, L, N], state[B, D, N],
+                                 snapshots) -> float32 [B, D, L + snapshots * N]
+
+is Mamba-1's scan (dt already through its bias and softplus, `a` the negative
+decay rates per channel and state; D's skip term and the gate stay outside),
+each channel d with a state of N values, each decaying at its own rate:
+
+    S_d = S_d * exp(dt_t,d a_d) + dt_t,d x_t,d b_t
+    y_t,d = S_d . c_t
+
+packed along the last axis: the L outputs, then `snapshots` states of N.
+
 The references below step once per position in float64, as exact as a
 reference gets; the runtime (runtime/kernels/state_scan.cpp) steps for
 short calls and uses the chunked matrix form for long ones.
@@ -41,6 +54,8 @@ import torch
 torch.library.define("mlx::gated_delta",
                      "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, int snapshots) -> Tensor")
 torch.library.define("mlx::ssd_scan",
+                     "(Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c, Tensor state, int snapshots) -> Tensor")
+torch.library.define("mlx::selective_scan",
                      "(Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c, Tensor state, int snapshots) -> Tensor")
 
 
@@ -93,3 +108,20 @@ def ssd_scan_reference(x, dt, a, b, c, state, snapshots):
 @torch.library.register_fake("mlx::ssd_scan")
 def _ssd_scan_fake(x, dt, a, b, c, state, snapshots):
     return _packed_like(x, b.shape[3], snapshots)
+
+
+@torch.library.impl("mlx::selective_scan", "CompositeExplicitAutograd")
+def selective_scan_reference(x, dt, a, b, c, state, snapshots):
+    x, dt, a, b, c, s = (t.to(torch.float64) for t in (x, dt, a, b, c, state))
+    outputs, states = [], []  # as the other scans' rows: outputs [B, D, 1], states [B, D, N, 1]
+    for t in range(x.shape[2]):
+        s = s * (dt[:, :, t, None] * a).exp() + (dt[:, :, t] * x[:, :, t])[..., None] * b[:, None, t]
+        outputs.append((s * c[:, None, t]).sum(-1, keepdim=True))
+        states.append(s[..., None])
+    return _pack(outputs, states, state.to(torch.float64)[..., None], snapshots).flatten(2)
+
+
+@torch.library.register_fake("mlx::selective_scan")
+def _selective_scan_fake(x, dt, a, b, c, state, snapshots):
+    batch, channels, length = x.shape
+    return x.new_empty((batch, channels, length + snapshots * a.shape[1]), dtype=torch.float32)

@@ -109,14 +109,21 @@ def read_config_json(model_dir: str | Path) -> None:
 
 def with_standard_names(config: dict) -> dict:
     """config.json with transformers' standard names filled in where the
-    family uses its own (GPT-2's n_embd, n_head, n_layer, n_positions)."""
+    family uses its own (GPT-2's n_embd, n_head, n_layer, n_positions) or
+    derives one (LongCat-Flash's num_hidden_layers: two per num_layers)."""
     from transformers import CONFIG_MAPPING
 
     try:
-        aliases = CONFIG_MAPPING[config.get("model_type")].attribute_map or {}
+        family = CONFIG_MAPPING[config.get("model_type")]
     except KeyError:  # not a transformers family: check_architecture says so
-        aliases = {}
-    return {**{name: config[alias] for name, alias in aliases.items() if alias in config}, **config}
+        return config
+    named = {name: config[alias] for name, alias in (family.attribute_map or {}).items() if alias in config}
+    if "num_hidden_layers" not in config and isinstance(getattr(family, "num_hidden_layers", None), property):
+        try:
+            named["num_hidden_layers"] = family.from_dict(config).num_hidden_layers
+        except Exception:  # a config its own class refuses: the checks name what is missing
+            pass
+    return {**named, **config}
 
 
 # Layer kinds with a key/value cache, and those that keep a state instead
@@ -155,12 +162,12 @@ def layer_kinds(config: dict) -> list[str]:
 
 def attends(config: dict) -> bool:
     """Whether some layer attends (keeps keys and values): the layer kinds
-    say, else a config with `num_heads` and no attention heads is all state
-    layers (Mamba-2's: its heads are its scan's)."""
+    say, else a config with a state size and no attention heads is all state
+    layers (Mamba-1's and Mamba-2's; Mamba-2's `num_heads` are its scan's)."""
     kinds = layer_kinds(config)
     if kinds:
         return bool(set(kinds) & ATTENTION_LAYERS)
-    return "num_attention_heads" in config or "num_heads" not in config
+    return "num_attention_heads" in config or "state_size" not in config
 
 
 def _positive_int(config: dict, key: str, path: Path, required: bool = True) -> int | None:

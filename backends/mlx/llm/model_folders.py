@@ -14,8 +14,8 @@ import torch
 # The families the tests export and hold to transformers' greedy output.
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "mistral", "olmo2", "stablelm", "starcoder2",
             "falcon", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "lfm2",
-            "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "gemma4_text",
-            "gemma3n_text", "llama4_text")
+            "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", "jamba",
+            "gemma4_text", "gemma3n_text", "llama4_text")
 
 TEXT = """\
 The quick brown fox jumps over the lazy dog. A small model runs on the device
@@ -135,6 +135,9 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
     if family == "mamba2":  # state layers only
         return tf.Mamba2Config(**{k: v for k, v in common.items() if "heads" not in k and k != "intermediate_size"},
                                num_heads=2 * hidden // 16, head_dim=16, state_size=16, n_groups=1, chunk_size=64)
+    if family == "jamba":  # Mamba-1 layers, attention, experts every other layer
+        return tf.JambaConfig(**common, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16)
     # Gemma 3n/4: sliding and full layers, per-layer inputs; from 3 layers on, the last reads the keys and values
     # of the last earlier layer of its kind (KV sharing)
     gemma = dict(head_dim=head_dim, sliding_window=8, hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab,

@@ -24,10 +24,11 @@ so that every verify call can keep any accepted prefix.
 
 The model's own layer code runs unchanged, with transformers' cache methods
 answered here and its kernels (the causal convolution, the gated delta rule,
-Mamba-2's chunked scan) swapped for ours while the program is traced: the
-convolution is K shifted products, the recurrences are the `mlx::gated_delta`
-and `mlx::ssd_scan` ops (custom_kernel_ops/state.py), which also return the
-states after the last N positions.
+Mamba-2's chunked scan, Mamba-1's selective scan) swapped for ours while the
+program is traced: the convolution is K shifted products, the recurrences are
+the `mlx::gated_delta`, `mlx::ssd_scan` and `mlx::selective_scan` ops
+(custom_kernel_ops/state.py), which also return the states after the last N
+positions.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the 
 from .module_globals import swapped
 
 # The kernels of transformers' modeling modules that read or write state, by their global name there.
-KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
+KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")
 
 
 def probe_states(model) -> dict[int, dict]:
@@ -205,6 +206,27 @@ class StateLayers:
         snaps = snaps.permute(2, 0, 1, 4, 3)  # [N, B, H, P, state]
         return (y, snaps) if return_final_states else y
 
+    def mamba_selective_scan(self, hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+                             delta_softplus=False, return_last_state=False, **kwargs):
+        """transformers' Mamba-1 scan (x, dt [B, D, L], B and C [B, N, L]; the
+        output [B, D, L] and the layer's snapshots out), on `mlx::selective_scan`."""
+        i = self.active
+        batch, channels, length = hidden_states.shape
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = F.softplus(dt)
+        x = hidden_states.float()
+        packed = torch.ops.mlx.selective_scan(x, dt.float(), A.float(), B.transpose(1, 2).float(),
+                                              C.transpose(1, 2).float(), self.initial(i), self.snapshots)
+        y = packed[:, :, :length]
+        if D is not None:
+            y = y + x * D[None, :, None].float()
+        if z is not None:
+            y = y * F.silu(z.float())
+        snaps = packed[:, :, length:].reshape(batch, channels, self.snapshots, A.shape[1]).permute(2, 0, 1, 3)
+        return (y, snaps) if return_last_state else y
+
     def kernels(self, model: torch.nn.Module):
         """A context within which the model's modeling modules call our kernels."""
         return swapped(model, {name: getattr(self, name) for name in KERNELS})
@@ -274,7 +296,8 @@ def make_cache(model, max_context: int, layers: StateLayers):
 
 
 # The kernels that carry each kind of state in and out of a layer.
-KIND_KERNELS = {"conv": ("causal_conv1d_fn",), "recurrent": ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")}
+KIND_KERNELS = {"conv": ("causal_conv1d_fn",),
+                "recurrent": ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")}
 
 
 def check_state_kernels(model, states: dict[int, dict]) -> None:
@@ -282,7 +305,7 @@ def check_state_kernels(model, states: dict[int, dict]) -> None:
     (KERNELS); a layer of another recurrence is refused by its name."""
     if not has_state_kernels(model):
         raise NotImplementedError(f"{type(model).__name__}'s state layers keep their state through kernels of "
-                                  "their own (not the gated delta rule, Mamba-2's scan or a causal convolution), "
+                                  "their own (not the gated delta rule, Mamba's scans or a causal convolution), "
                                   "which export does not build yet")
     for m in model.modules():
         i = getattr(m, "layer_idx", None)
@@ -292,7 +315,7 @@ def check_state_kernels(model, states: dict[int, dict]) -> None:
         for kind in states[i].keys() & KIND_KERNELS.keys():
             if not any(hasattr(module, name) for name in KIND_KERNELS[kind]):
                 raise NotImplementedError(f"{type(m).__name__} keeps a {kind} state through its own kernel (not "
-                                          "the gated delta rule, Mamba-2's scan or a causal convolution), which "
+                                          "the gated delta rule, Mamba's scans or a causal convolution), which "
                                           "export does not build yet")
 
 

@@ -1,4 +1,5 @@
-"""`mlx::gated_delta` / `mlx::ssd_scan` -> GatedDeltaNode / SsdScanNode (the
+"""`mlx::gated_delta` / `mlx::ssd_scan` / `mlx::selective_scan` -> GatedDeltaNode /
+SsdScanNode / SelectiveScanNode (the
 recurrences of state layers: the ops are in custom_kernel_ops/state.py, their
 use in llm/state_cache.py)."""
 
@@ -16,8 +17,8 @@ def _lower_scan(b: GraphBuilder, node: torch.fx.Node, node_cls, fields: tuple[st
     """Both ops: six tensors (the fields, in the op's argument order), then the snapshot count."""
     out = meta_val(node)
     values = dict(zip(fields, (b.get(a) for a in node.args[:6])))
-    first, state = values[fields[0]], values["state"]
-    if any(isinstance(d, torch.SymInt) for d in (first.shape[3], *state.shape[1:])):
+    state = values["state"]
+    if any(isinstance(d, torch.SymInt) for d in (*values[fields[0]].shape[3:], *state.shape[1:])):
         raise Unsupported(f"{node.target} with dynamic heads or state sizes")
     b.bind(node, b.emit(node_cls, out.dtype, out.shape, snapshots=int(node.args[6]),
                         **{name: v.tid for name, v in values.items()}))
@@ -31,3 +32,8 @@ def lower_gated_delta(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(torch.ops.mlx.ssd_scan.default)
 def lower_ssd_scan(b: GraphBuilder, node: torch.fx.Node) -> None:
     _lower_scan(b, node, ir.SsdScanNode, ("x", "dt", "a", "b", "c", "state"))
+
+
+@handles(torch.ops.mlx.selective_scan.default)
+def lower_selective_scan(b: GraphBuilder, node: torch.fx.Node) -> None:
+    _lower_scan(b, node, ir.SelectiveScanNode, ("x", "dt", "a", "b", "c", "state"))

@@ -359,4 +359,9 @@ void exec_SsdScanNode(Interpreter& st, const ir::SsdScanNode* n) {
                             st.get(n->state()), n->snapshots()));
 }
 
+void exec_SelectiveScanNode(Interpreter& st, const ir::SelectiveScanNode* n) {
+  st.set(n->out(), selective_scan(st.get(n->x()), st.get(n->dt()), st.get(n->a()), st.get(n->b()), st.get(n->c()),
+                                  st.get(n->state()), n->snapshots()));
+}
+
 }  // namespace emlx

@@ -674,6 +674,18 @@ class ScatterNode:
 
 
 @dataclass
+class SelectiveScanNode:
+    x: Tid | None = None
+    dt: Tid | None = None
+    a: Tid | None = None
+    b: Tid | None = None
+    c: Tid | None = None
+    state: Tid | None = None
+    snapshots: int = 0
+    out: Tid | None = None
+
+
+@dataclass
 class SigmoidNode:
     a: Tid | None = None
     out: Tid | None = None
@@ -826,8 +838,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode, SelectiveScanNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83, SelectiveScanNode: 84}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -908,6 +920,7 @@ FIELD_TYPES = {
     'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required', 'token_bitmask': 'Tid'},
     'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required'},
     'ScatterNode': {'a': 'Tid required', 'indices': '[Tid] required', 'updates': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
+    'SelectiveScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
     'SigmoidNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SiluNode': {'a': 'Tid required', 'b': 'Tid', 'out': 'Tid required'},
     'SinNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -2275,6 +2288,30 @@ def _pack_ScatterNode(b, v):
 
 def _unpack_ScatterNode(r):
     return ScatterNode(a=_opt(_unpack_Tid, r.A()), indices=[_unpack_Tid(r.Indices(i)) for i in range(r.IndicesLength())], updates=_opt(_unpack_Tid, r.Updates()), axes=[r.Axes(i) for i in range(r.AxesLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_SelectiveScanNode(b, v):
+    fb.SelectiveScanNodeStart(b)
+    if v.x is not None:
+        fb.SelectiveScanNodeAddX(b, _pack_Tid(b, v.x))
+    if v.dt is not None:
+        fb.SelectiveScanNodeAddDt(b, _pack_Tid(b, v.dt))
+    if v.a is not None:
+        fb.SelectiveScanNodeAddA(b, _pack_Tid(b, v.a))
+    if v.b is not None:
+        fb.SelectiveScanNodeAddB(b, _pack_Tid(b, v.b))
+    if v.c is not None:
+        fb.SelectiveScanNodeAddC(b, _pack_Tid(b, v.c))
+    if v.state is not None:
+        fb.SelectiveScanNodeAddState(b, _pack_Tid(b, v.state))
+    fb.SelectiveScanNodeAddSnapshots(b, v.snapshots)
+    if v.out is not None:
+        fb.SelectiveScanNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.SelectiveScanNodeEnd(b)
+
+
+def _unpack_SelectiveScanNode(r):
+    return SelectiveScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_SigmoidNode(b, v):

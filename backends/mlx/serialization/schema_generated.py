@@ -128,6 +128,7 @@ class Op(object):
     SsdScanNode = 81
     FloorDivideNode = 82
     FloorNode = 83
+    SelectiveScanNode = 84
 
 
 # Reference to a value slot of the graph.
@@ -7513,6 +7514,141 @@ def SsdScanNodeAddOut(builder, out):
     builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def SsdScanNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Mamba-1's selective scan (custom_kernel_ops/state.py): x and dt [B, D, L],
+# a [D, N], b and c [B, L, N], state [B, D, N] -> float32
+# [B, D, L + snapshots * N]: the outputs, then the states after the last
+# `snapshots` positions.
+class SelectiveScanNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = SelectiveScanNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsSelectiveScanNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def SelectiveScanNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # SelectiveScanNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # SelectiveScanNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def Dt(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def A(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def B(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def C(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def State(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # SelectiveScanNode
+    def Snapshots(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # SelectiveScanNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def SelectiveScanNodeStart(builder):
+    builder.StartObject(8)
+
+def SelectiveScanNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def SelectiveScanNodeAddDt(builder, dt):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(dt), 0)
+
+def SelectiveScanNodeAddA(builder, a):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
+
+def SelectiveScanNodeAddB(builder, b):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(b), 0)
+
+def SelectiveScanNodeAddC(builder, c):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(c), 0)
+
+def SelectiveScanNodeAddState(builder, state):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(state), 0)
+
+def SelectiveScanNodeAddSnapshots(builder, snapshots):
+    builder.PrependInt32Slot(6, snapshots, 0)
+
+def SelectiveScanNodeAddOut(builder, out):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SelectiveScanNodeEnd(builder):
     return builder.EndObject()
 
 

@@ -281,6 +281,9 @@ struct GatedDeltaNodeBuilder;
 struct SsdScanNode;
 struct SsdScanNodeBuilder;
 
+struct SelectiveScanNode;
+struct SelectiveScanNodeBuilder;
+
 struct FloorDivideNode;
 struct FloorDivideNodeBuilder;
 
@@ -523,11 +526,12 @@ enum class Op : uint8_t {
   SsdScanNode = 81,
   FloorDivideNode = 82,
   FloorNode = 83,
+  SelectiveScanNode = 84,
   MIN = NONE,
-  MAX = FloorNode
+  MAX = SelectiveScanNode
 };
 
-inline const Op (&EnumValuesOp())[84] {
+inline const Op (&EnumValuesOp())[85] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -612,13 +616,14 @@ inline const Op (&EnumValuesOp())[84] {
     Op::GatedDeltaNode,
     Op::SsdScanNode,
     Op::FloorDivideNode,
-    Op::FloorNode
+    Op::FloorNode,
+    Op::SelectiveScanNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[85] = {
+  static const char * const names[86] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -703,13 +708,14 @@ inline const char * const *EnumNamesOp() {
     "SsdScanNode",
     "FloorDivideNode",
     "FloorNode",
+    "SelectiveScanNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::FloorNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SelectiveScanNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -1048,6 +1054,10 @@ template<> struct OpTraits<emlx::ir::FloorDivideNode> {
 
 template<> struct OpTraits<emlx::ir::FloorNode> {
   static const Op enum_value = Op::FloorNode;
+};
+
+template<> struct OpTraits<emlx::ir::SelectiveScanNode> {
+  static const Op enum_value = Op::SelectiveScanNode;
 };
 
 template <bool B = false>
@@ -8420,6 +8430,135 @@ struct SsdScanNode::Traits {
   static auto constexpr Create = CreateSsdScanNode;
 };
 
+/// Mamba-1's selective scan (custom_kernel_ops/state.py): x and dt [B, D, L],
+/// a [D, N], b and c [B, L, N], state [B, D, N] -> float32
+/// [B, D, L + snapshots * N]: the outputs, then the states after the last
+/// `snapshots` positions.
+struct SelectiveScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef SelectiveScanNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_DT = 6,
+    VT_A = 8,
+    VT_B = 10,
+    VT_C = 12,
+    VT_STATE = 14,
+    VT_SNAPSHOTS = 16,
+    VT_OUT = 18
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  const emlx::ir::Tid *dt() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_DT);
+  }
+  const emlx::ir::Tid *a() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_A);
+  }
+  const emlx::ir::Tid *b() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_B);
+  }
+  const emlx::ir::Tid *c() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_C);
+  }
+  const emlx::ir::Tid *state() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_STATE);
+  }
+  int32_t snapshots() const {
+    return GetField<int32_t>(VT_SNAPSHOTS, 0);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_DT, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_B, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_C, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
+           VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct SelectiveScanNodeBuilder {
+  typedef SelectiveScanNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(SelectiveScanNode::VT_X, x);
+  }
+  void add_dt(const emlx::ir::Tid *dt) {
+    fbb_.AddStruct(SelectiveScanNode::VT_DT, dt);
+  }
+  void add_a(const emlx::ir::Tid *a) {
+    fbb_.AddStruct(SelectiveScanNode::VT_A, a);
+  }
+  void add_b(const emlx::ir::Tid *b) {
+    fbb_.AddStruct(SelectiveScanNode::VT_B, b);
+  }
+  void add_c(const emlx::ir::Tid *c) {
+    fbb_.AddStruct(SelectiveScanNode::VT_C, c);
+  }
+  void add_state(const emlx::ir::Tid *state) {
+    fbb_.AddStruct(SelectiveScanNode::VT_STATE, state);
+  }
+  void add_snapshots(int32_t snapshots) {
+    fbb_.AddElement<int32_t>(SelectiveScanNode::VT_SNAPSHOTS, snapshots, 0);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(SelectiveScanNode::VT_OUT, out);
+  }
+  explicit SelectiveScanNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<SelectiveScanNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<SelectiveScanNode>(end);
+    fbb_.Required(o, SelectiveScanNode::VT_X);
+    fbb_.Required(o, SelectiveScanNode::VT_DT);
+    fbb_.Required(o, SelectiveScanNode::VT_A);
+    fbb_.Required(o, SelectiveScanNode::VT_B);
+    fbb_.Required(o, SelectiveScanNode::VT_C);
+    fbb_.Required(o, SelectiveScanNode::VT_STATE);
+    fbb_.Required(o, SelectiveScanNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<SelectiveScanNode> CreateSelectiveScanNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    const emlx::ir::Tid *dt = nullptr,
+    const emlx::ir::Tid *a = nullptr,
+    const emlx::ir::Tid *b = nullptr,
+    const emlx::ir::Tid *c = nullptr,
+    const emlx::ir::Tid *state = nullptr,
+    int32_t snapshots = 0,
+    const emlx::ir::Tid *out = nullptr) {
+  SelectiveScanNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_snapshots(snapshots);
+  builder_.add_state(state);
+  builder_.add_c(c);
+  builder_.add_b(b);
+  builder_.add_a(a);
+  builder_.add_dt(dt);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct SelectiveScanNode::Traits {
+  using type = SelectiveScanNode;
+  static auto constexpr Create = CreateSelectiveScanNode;
+};
+
 /// floor(a / b), for integers exact (MLX's integer division by 0 gives 0).
 struct FloorDivideNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef FloorDivideNodeBuilder Builder;
@@ -8815,6 +8954,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::FloorNode *op_as_FloorNode() const {
     return op_type() == emlx::ir::Op::FloorNode ? static_cast<const emlx::ir::FloorNode *>(op()) : nullptr;
   }
+  const emlx::ir::SelectiveScanNode *op_as_SelectiveScanNode() const {
+    return op_type() == emlx::ir::Op::SelectiveScanNode ? static_cast<const emlx::ir::SelectiveScanNode *>(op()) : nullptr;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -9155,6 +9297,10 @@ template<> inline const emlx::ir::FloorDivideNode *Node::op_as<emlx::ir::FloorDi
 
 template<> inline const emlx::ir::FloorNode *Node::op_as<emlx::ir::FloorNode>() const {
   return op_as_FloorNode();
+}
+
+template<> inline const emlx::ir::SelectiveScanNode *Node::op_as<emlx::ir::SelectiveScanNode>() const {
+  return op_as_SelectiveScanNode();
 }
 
 struct NodeBuilder {
@@ -9703,6 +9849,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::FloorNode: {
       auto ptr = reinterpret_cast<const emlx::ir::FloorNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::SelectiveScanNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::SelectiveScanNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

@@ -121,6 +121,41 @@ mx::array ssd_chunks(const mx::array& x, const mx::array& dt, const mx::array& a
   return rows(mx::concatenate(outs, 2), 0, L);
 }
 
+// a [B, D, L, N] -> [..., L, N] shifted `off` positions later along L, zeros first.
+mx::array later(const mx::array& a, int off) {
+  mx::Shape hi = a.shape();
+  hi[3] -= off;
+  return mx::pad(mx::slice(a, mx::Shape(a.ndim(), 0), hi), std::vector<int>{3}, mx::Shape{off}, mx::Shape{0},
+                 mx::array(0, a.dtype()));
+}
+
+// Mamba-1's scan, chunked form (x, dt [B, D, L, 1], a [1, D, 1, N], b, c
+// [B, 1, L, N]); s is [B, D, N, 1], updated. Each chunk's states from a zero
+// start are an inclusive scan of h_j = exp(l_j) h_{j-1} + u_j, taken by
+// doubling (log2 C steps over [B, D, n, C, N]); the state carried in adds
+// exp(cumsum l) times it.
+mx::array selective_chunks(const mx::array& x, const mx::array& dt, const mx::array& a, const mx::array& b,
+                           const mx::array& c, mx::array& s) {
+  const int L = x.shape(2), n = (L + kChunk - 1) / kChunk;
+  auto cum = mx::cumsum(chunked(mx::multiply(dt, a), n), 3);  // [B, D, n, C, N]; padding: dt = 0
+  auto u = chunked(mx::multiply(mx::multiply(dt, x), b), n);  // padding: no write
+  for (int off = 1; off < kChunk; off *= 2) {
+    u = mx::add(u, mx::multiply(mx::exp(mx::subtract(cum, later(cum, off))), later(u, off)));
+  }
+  auto cc = chunked(mx::broadcast_to(c, {c.shape(0), x.shape(1), L, c.shape(3)}), n);
+  auto intra = mx::sum(mx::multiply(u, cc), -1, true);  // [B, D, n, C, 1]
+  auto c_decayed = mx::multiply(cc, mx::exp(cum));
+  auto last = [](const mx::array& a) {  // [B, D, C, N] -> its last position as [B, D, N, 1]
+    return mx::swapaxes(mx::slice(a, {0, 0, kChunk - 1, 0}, a.shape()), -1, -2);
+  };
+  std::vector<mx::array> outs;
+  for (int i = 0; i < n; ++i) {
+    outs.push_back(mx::add(chunk(intra, i), mx::matmul(chunk(c_decayed, i), s)));
+    s = mx::add(mx::multiply(s, mx::exp(last(chunk(cum, i)))), last(chunk(u, i)));
+  }
+  return rows(mx::concatenate(outs, 2), 0, L);
+}
+
 void check_rank(const mx::array& a, int rank, const char* what) {
   if (static_cast<int>(a.ndim()) != rank) throw std::invalid_argument(what);
 }
@@ -192,6 +227,33 @@ mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::arra
     return mx::matmul(rows(c, t, t + 1), s);
   };
   return scan("SsdScanNode", L, snapshots, mx::swapaxes(f32(state), -1, -2), chunks, step);  // s: [B, H, N, P]
+}
+
+mx::array selective_scan(const mx::array& x_in, const mx::array& dt_in, const mx::array& a_in, const mx::array& b_in,
+                         const mx::array& c_in, const mx::array& state, int snapshots) {
+  check_rank(x_in, 3, "SelectiveScanNode: x must be [B, D, L]");
+  check_rank(a_in, 2, "SelectiveScanNode: a must be [D, N]");
+  const int B = x_in.shape(0), D = x_in.shape(1), L = x_in.shape(2), N = a_in.shape(1);
+  if (dt_in.shape() != x_in.shape() || a_in.shape(0) != D || b_in.shape() != mx::Shape{B, L, N} ||
+      c_in.shape() != b_in.shape() || state.shape() != mx::Shape{B, D, N}) {
+    throw std::invalid_argument("SelectiveScanNode: inputs of inconsistent shapes");
+  }
+  // as the other scans' [B, H, L, R] rows: x, dt [B, D, L, 1], b, c [B, 1, L, N], states [B, D, N, 1]
+  auto x = mx::expand_dims(f32(x_in), -1), dt = mx::expand_dims(f32(dt_in), -1);
+  auto a = mx::reshape(f32(a_in), {1, D, 1, N});
+  auto b = mx::expand_dims(f32(b_in), 1), c = mx::expand_dims(f32(c_in), 1);
+  auto chunks = [&](int n, mx::array& s) {
+    return selective_chunks(rows(x, 0, n), rows(dt, 0, n), a, rows(b, 0, n), rows(c, 0, n), s);
+  };
+  auto rate = mx::swapaxes(a, -1, -2);  // [1, D, N, 1]
+  auto step = [&](int t, mx::array& s) {
+    auto dtt = rows(dt, t, t + 1);  // [B, D, 1, 1]
+    auto write = mx::multiply(mx::multiply(dtt, rows(x, t, t + 1)), mx::swapaxes(rows(b, t, t + 1), -1, -2));
+    s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
+    return mx::matmul(rows(c, t, t + 1), s);  // [B, D, 1, 1]
+  };
+  auto packed = scan("SelectiveScanNode", L, snapshots, mx::expand_dims(f32(state), -1), chunks, step);
+  return mx::reshape(packed, {B, D, -1});
 }
 
 }  // namespace emlx

@@ -1,7 +1,8 @@
 // The recurrences of state layers (custom_kernel_ops/state.py has their
 // exact definitions and the packed result): the gated delta rule (Qwen3.5,
-// Qwen3-Next) and Mamba-2's state-space scan (Granite 4, Nemotron-H,
-// Falcon-H1, Bamba, Mamba-2). Composed from MLX ops, so they run on any
+// Qwen3-Next), Mamba-2's state-space scan (Granite 4, Nemotron-H,
+// Falcon-H1, Bamba, Mamba-2) and Mamba-1's selective scan (Mamba,
+// Falcon-Mamba, Jamba). Composed from MLX ops, so they run on any
 // device: one recurrent step per position for the positions whose states
 // are kept (a decode or verify call is only those), the chunked matrix form
 // for the positions before them (a prefill), whose cost is a few matrix
@@ -23,5 +24,11 @@ mlx::core::array gated_delta(const mlx::core::array& q, const mlx::core::array& 
 mlx::core::array ssd_scan(const mlx::core::array& x, const mlx::core::array& dt, const mlx::core::array& a,
                           const mlx::core::array& b, const mlx::core::array& c, const mlx::core::array& state,
                           int snapshots);
+
+// x, dt [B, D, L], a [D, N], b, c [B, L, N], state [B, D, N]
+// -> float32 [B, D, L + snapshots * N].
+mlx::core::array selective_scan(const mlx::core::array& x, const mlx::core::array& dt, const mlx::core::array& a,
+                                const mlx::core::array& b, const mlx::core::array& c, const mlx::core::array& state,
+                                int snapshots);
 
 }  // namespace emlx
