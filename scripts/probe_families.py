@@ -52,21 +52,33 @@ EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_e
 ALWAYS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.2)
 # Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
 # layers, one layer of each of the first two layer kinds, a sliding window of 8).
+# Latent attention sizes for hidden 64 (DeepSeek-V2/V3 and their kind): head_dim is the rotary part's width
+# (qk_rope_head_dim), and every query head has its own key and value once the latent is expanded (key/value
+# heads = heads).
+LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+              num_key_value_heads=4)
+# Expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first.
+GROUPS = dict(n_group=1, topk_group=1, first_k_dense_replace=1)
 OVERRIDES = {
-    # expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first
-    "glm4_moe": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),
-    # latent attention as DeepSeek-V3's below
-    "glm4_moe_lite": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16,
-                          v_head_dim=16, num_key_value_heads=4),
-    "kimi_linear": dict(kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                        num_key_value_heads=4, linear_head_dim=16, linear_num_heads=4),
-    "zamba2": dict(hybrid_layer_ids=[1]),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),  # its default hybrid layers start at layer 6
-    "dots1": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),  # its defaults are None
-    # latent attention sizes for hidden 64; its head_dim is the rotary part's width (qk_rope_head_dim), and
-    # every query head has its own key and value once the latent is expanded (key/value heads = heads)
-    "deepseek_v3": dict(n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                        qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_key_value_heads=4),
+    "glm4_moe": dict(GROUPS, n_shared_experts=1),
+    "dots1": dict(GROUPS, n_shared_experts=1),  # its defaults are None
+    "deepseek_v2": dict(GROUPS, **LATENT),
+    "deepseek_v3": dict(GROUPS, **LATENT),
+    "axk1": dict(GROUPS, **LATENT),
+    "glm4_moe_lite": LATENT,
+    "kimi_linear": dict(LATENT, q_lora_rank=None, linear_head_dim=16, linear_num_heads=4),
+    "zamba2": dict(hybrid_layer_ids=[1]),  # its default hybrid layers start at layer 6
+    # its layer kinds follow from periods: Mamba-1 then attention, experts every other layer
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "codegen": dict(rotary_dim=8),  # default 64: wider than a head
+    "gptj": dict(rotary_dim=8),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),  # one layer of each kind
+    # transformers' own model fails on its defaults: no rotary parameters per layer kind; a rotary theta its
+    # attention reads and clipping it always applies (real DBRX configs have both)
+    "cohere_compass_text": dict(rope_parameters={kind: dict(rope_type="default", rope_theta=10000.0)
+                                                 for kind in ("full_attention", "sliding_attention")}),
+    "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
     "hunyuan_v1_moe": dict(moe_topk=2),  # its own name for experts per token
     "qwen2_moe": dict(shared_expert_intermediate_size=32),  # default 5632: 20 times the rest of the model
     "qwen3_next": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

@@ -27,6 +27,7 @@ import contextlib
 import inspect
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -215,6 +216,22 @@ class SampledLM(torch.nn.Module):
          for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
 
 
+def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str | Path):
+    """torch.export of the program; a model whose code branches on a value
+    it computes at run time (its cache's length, the experts a batch hits:
+    control flow no static graph has) is refused naming the line."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        with torch.no_grad():
+            return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+    except GuardOnDataDependentSymNode as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "/transformers/models/" in f.filename]
+        where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        raise NotImplementedError(f"{model_dir}: the model's code branches on a value it computes at run time"
+                                  f"{where}, which export cannot trace into a static graph") from e
+
+
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
              logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0,
              cache_rewind: int | None = None) -> dict:
@@ -335,8 +352,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     from ..lowering.unused_constants import drop_unused_constants
     from ..partitioner import MLXPartitioner
 
-    with torch.no_grad():
-        ep = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+    ep = trace(module, example, dynamic, model_dir)
     attend_written_prefix(ep, max_context)
     stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
     partitioner = MLXPartitioner()
