@@ -430,6 +430,29 @@ def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_pa
     check_context(read_config(folder_copy), folder_copy, 64, True, 4)  # allowed: no error
 
 
+def test_a_gpt_neo_cache_longer_than_its_local_window_is_refused():
+    from executorch_mlx.llm.export_checks import check_context
+
+    config = dict(model_type="gpt_neo", attention_types=[[["global", "local"], 1]], window_size=8,
+                  num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
+    with pytest.raises(NotImplementedError, match=r"local attention layers mask correctly only in a cache of at "
+                                                  r"most window_size \(8\) positions; export with max_context <= 8"):
+        check_context(config, "neo", 16, False, 4)
+    check_context(config, "neo", 8, False, 4)
+
+
+def test_control_flow_on_a_run_time_value_is_a_named_refusal():
+    from executorch_mlx.llm.hf_export import trace
+
+    class Branches(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if x.sum() > 0 else x - 1
+
+    with pytest.raises(NotImplementedError, match=r"^folder: the model's code branches on a value it computes at "
+                                                  r"run time, which export cannot trace into a static graph"):
+        trace(Branches(), (torch.ones(3),), None, "folder")
+
+
 def test_kv_cache_over_the_memory_budget_is_refused_at_export(llm, tmp_path):
     # 1 layer, 1 KV head of 16, keys and values, float32: 128 bytes a position
     executorch_mlx.set_memory_budget(64 << 10)
