@@ -46,7 +46,7 @@ from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import sampler_examples
 from .speculative import verify
-from .state_cache import StateCachedModel, find_state_layers
+from .state_cache import StateCachedModel, find_state_layers, one_token_cache
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
@@ -103,13 +103,8 @@ def _set_cached_kv_heads(config) -> None:
 
 def _written_shapes(model) -> dict[int, tuple[torch.Size, torch.Size]]:
     """{layer: (key, value) shapes} that one token through the model writes
-    to transformers' own cache; {} where the family's code fails on it."""
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
-    except Exception:
-        return {}
-    layers = getattr(getattr(out, "past_key_values", None), "layers", ())
+    to transformers' own cache."""
+    layers = getattr(one_token_cache(model), "layers", ())
     return {i: (layer.keys.shape, layer.values.shape) for i, layer in enumerate(layers)
             if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4}
 

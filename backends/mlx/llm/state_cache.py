@@ -45,6 +45,18 @@ from .module_globals import swapped
 KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")
 
 
+def one_token_cache(model):
+    """transformers' own cache after one token through the model: what each
+    layer keeps, as the family's code writes it."""
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+    except Exception as e:  # the family's own code on its own config: named, not a raw traceback
+        raise ValueError(f"transformers' own {type(model).__name__} fails on one token with this config "
+                         f"({type(e).__name__}: {e}); export needs it to find what each layer caches") from e
+    return getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba's name)
+
+
 def probe_states(model) -> dict[int, dict]:
     """{layer index: the layer's states} from one token through the model
     with transformers' own cache: "conv" ([B, C, width] and the kernel size)
@@ -53,14 +65,8 @@ def probe_states(model) -> dict[int, dict]:
     as Falcon-H1's: attention and Mamba-2 side by side)."""
     from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-    try:
-        with torch.no_grad():
-            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
-    except Exception as e:  # the family's own code on its own config: named, not a raw traceback
-        raise ValueError(f"transformers' own {type(model).__name__} fails on one token with this config "
-                         f"({type(e).__name__}: {e}); export needs it to find the state layers") from e
     states = {}
-    cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba-2's name)
+    cache = one_token_cache(model)
     for i, layer in enumerate(getattr(cache, "layers", ())):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
