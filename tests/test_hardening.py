@@ -448,7 +448,7 @@ def test_control_flow_on_a_run_time_value_is_a_named_refusal():
         def forward(self, x):
             return x + 1 if x.sum() > 0 else x - 1
 
-    with pytest.raises(NotImplementedError, match=r"^folder: the model's code branches on a value it computes at "
+    with pytest.raises(NotImplementedError, match=r"^folder: the model's code depends on a value it computes at "
                                                   r"run time, which export cannot trace into a static graph"):
         trace(Branches(), (torch.ones(3),), None, "folder")
 

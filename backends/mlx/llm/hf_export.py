@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import re
 import time
 import traceback
 from pathlib import Path
@@ -144,6 +145,12 @@ class CachedLM(torch.nn.Module):
         super().__init__()
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
+        params = inspect.signature(model.forward).parameters
+        if "past_key_values" not in params and "cache_params" not in params:
+            raise NotImplementedError(f"{type(model).__name__} takes no cache (its forward has no past_key_values): "
+                                      "each token would recompute the whole text, which export does not build")
+        # the program always runs through its cache (MPT's configs say no)
+        model.config.get_text_config().use_cache = model.generation_config.use_cache = True
         model.generation_config.cache_implementation = "static"
         _set_cached_kv_heads(model.config)
         states = find_state_layers(model)
@@ -154,8 +161,7 @@ class CachedLM(torch.nn.Module):
             self.wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_context).model
         self.states = self.wrapper.states if states else None
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
-        # the model's name for its cache (Mamba-2's is cache_params)
-        params = inspect.signature(model.forward).parameters
+        # the model's name for its cache (Mamba's is cache_params)
         self.cache_argument = "past_key_values" if "past_key_values" in params else "cache_params"
         _fit_cache_widths(model, self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
@@ -212,18 +218,21 @@ class SampledLM(torch.nn.Module):
 
 
 def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str | Path):
-    """torch.export of the program; a model whose code branches on a value
-    it computes at run time (its cache's length, the experts a batch hits:
-    control flow no static graph has) is refused naming the line."""
+    """torch.export of the program; a model whose code branches on, or sizes
+    a tensor by, a value it computes at run time (its cache's length, the
+    experts a batch hits: what no static graph has; torch names such values
+    u0, u1, ...) is refused naming the line."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
         with torch.no_grad():
             return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
-    except GuardOnDataDependentSymNode as e:
+    except (GuardOnDataDependentSymNode, RuntimeError, ValueError) as e:
+        if not isinstance(e, GuardOnDataDependentSymNode) and not re.search(r"\bu\d+\b", str(e)):
+            raise
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/transformers/models/" in f.filename]
         where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
-        raise NotImplementedError(f"{model_dir}: the model's code branches on a value it computes at run time"
+        raise NotImplementedError(f"{model_dir}: the model's code depends on a value it computes at run time"
                                   f"{where}, which export cannot trace into a static graph") from e
 
 
