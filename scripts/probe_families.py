@@ -72,6 +72,13 @@ OVERRIDES = {
     # its layer kinds follow from periods: Mamba-1 then attention, experts every other layer
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "codegen": dict(rotary_dim=8),  # default 64: wider than a head
+    # a recurrent and an attention layer (its default pattern's first two are recurrent)
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8),
+    # its defaults leave the indexer unsized (transformers' own model does not build)
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=16, shared_expert_intermediate_size=32,
+                           hc_lowrank=8, ple_embed_dim=16, ngram_vocab_size_base=1000, split_ngram_parts=4),
     "gptj": dict(rotary_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=8),  # one layer of each kind
     # transformers' own model fails on its defaults: no rotary parameters per layer kind; a rotary theta its
@@ -134,7 +141,8 @@ def config(family: str, vocab: int):
     if getattr(default, "sliding_window", None):  # small enough that the probe's ~21 tokens pass it
         overrides["sliding_window"] = 8
     kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or ()))
-    derived = isinstance(getattr(type(default), "layer_types", None), property)  # Jamba's: from its periods
+    # Jamba's and RecurrentGemma's layer kinds follow from other fields
+    derived = any(isinstance(getattr(type(default), k, None), property) for k in ("layer_types", "layers_block_type"))
     if len(kinds) > 1 and not derived:  # one layer of each kind (sliding and full, say), not the first 2 of the default
         overrides["layer_types"] = kinds[:2]
     if hasattr(default, "vocab_size_per_layer_input"):  # Gemma 3n's per-layer embeddings: 262144 rows by default
