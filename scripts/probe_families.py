@@ -67,6 +67,7 @@ OVERRIDES = {
     "axk1": dict(GROUPS, **LATENT),
     "glm4_moe_lite": LATENT,
     "minicpm3": LATENT,
+    "youtu": LATENT,
     "kimi_linear": dict(LATENT, q_lora_rank=None, linear_head_dim=16, linear_num_heads=4),
     "zamba2": dict(hybrid_layer_ids=[1]),  # its default hybrid layers start at layer 6
     # its layer kinds follow from periods: Mamba-1 then attention, experts every other layer

@@ -913,6 +913,10 @@ def test_repeat_tiles_every_axis_and_adds_leading_ones():
     check(lambda x: x.repeat(2, 1, 1, 3), rand((2, 3, 4)), nodes={"BroadcastToNode"})
 
 
+def test_index_select_takes_entries_along_an_axis():
+    check(lambda x: x.index_select(1, torch.tensor([3, 0, 3, 2])), rand((2, 4, 5)), nodes={"TakeNode"})
+
+
 class EveryOtherColumn(torch.nn.Module):
     def forward(self, x, src):
         return torch.slice_scatter(x, src, dim=1, start=1, end=6, step=2)

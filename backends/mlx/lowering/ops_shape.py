@@ -201,6 +201,15 @@ def index(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=b.get(t).tid, axis=axis))
 
 
+@handles(aten.index_select.default)
+def index_select(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x.index_select(dim, idx): the entries idx [K] along dim (XGLM's sinusoidal positions)."""
+    x = b.get(node.args[0])
+    out = meta_val(node)
+    b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=b.get(node.args[2]).tid,
+                        axis=node.args[1] % len(x.shape)))
+
+
 @handles(aten.index_put.default, aten.index_put_.default)
 def index_put(b: GraphBuilder, node: torch.fx.Node) -> None:
     """x[..., idx, ...] = values (one integer index tensor, no accumulate):
