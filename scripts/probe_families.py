@@ -73,6 +73,11 @@ OVERRIDES = {
     # its layer kinds follow from periods: Mamba-1 then attention, experts every other layer
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "codegen": dict(rotary_dim=8),  # default 64: wider than a head
+    # two hybrid layers (their shared transformer needs two to tie), after Mamba layers
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=4,
+                  layer_types=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
+    "zaya": dict(num_experts_per_tok=1),  # the only count it supports
+    "dots3_note_text": dict(num_key_value_heads=4),  # it requires as many as query heads
     # a recurrent and an attention layer (its default pattern's first two are recurrent)
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8),
     # its defaults leave the indexer unsized (transformers' own model does not build)

@@ -221,12 +221,20 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     """torch.export of the program; a model whose code branches on, or sizes
     a tensor by, a value it computes at run time (its cache's length, the
     experts a batch hits: what no static graph has; torch names such values
-    u0, u1, ...) is refused naming the line."""
+    u0, u1, ...) is refused naming the line, as is one whose code takes
+    another path for some call lengths."""
+    from torch._dynamo.exc import UserError, UserErrorType
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
         with torch.no_grad():
             return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+    except UserError as e:
+        if e.error_type != UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+        guards = "; ".join(line.strip(" -") for line in str(e).splitlines()[1:] if "guard" in line)
+        raise NotImplementedError(f"{model_dir}: the model's code takes another path for some call lengths, which "
+                                  f"one program for every length cannot hold ({guards})") from e
     except (GuardOnDataDependentSymNode, RuntimeError, ValueError) as e:
         if not isinstance(e, GuardOnDataDependentSymNode) and not re.search(r"\bu\d+\b", str(e)):
             raise

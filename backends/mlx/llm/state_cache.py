@@ -218,13 +218,17 @@ class StateLayers:
         output [B, D, L] and the layer's snapshots out), on `mlx::selective_scan`."""
         i = self.active
         batch, channels, length = hidden_states.shape
+        initial = self.initial(i)
+        if initial.shape[1] != channels:
+            raise NotImplementedError(f"layer {i} runs Mamba's scan on a part of its channels at a time (Zamba's, "
+                                      "per head), which export does not build yet")
         if delta_bias is not None:
             dt = dt + delta_bias.to(dt.dtype)[..., None]
         if delta_softplus:
             dt = F.softplus(dt)
         x = hidden_states.float()
         packed = torch.ops.mlx.selective_scan(x, dt.float(), A.float(), B.transpose(1, 2).float(),
-                                              C.transpose(1, 2).float(), self.initial(i), self.snapshots)
+                                              C.transpose(1, 2).float(), initial, self.snapshots)
         y = packed[:, :, :length]
         if D is not None:
             y = y + x * D[None, :, None].float()
