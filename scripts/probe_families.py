@@ -10,7 +10,8 @@ LLMRunner with transformers' own greedy generation. Each family runs in a subpro
 (`--one FAMILY`, printing one JSON line), so that a crash or a hang (over --timeout seconds) ends only its row.
 A NotImplementedError from export is a deliberate refusal naming what is missing: "refused: <message>".
 Progress (one JSON row per family) goes to stderr; the table and the total time to stdout.
-`--write FILE` also writes the table, with how it was made, as a markdown page (docs/families.md).
+`--write FILE` also writes the table, with how it was made, as a markdown page (docs/families.md); with
+`--rows LOG` it writes that page from the progress lines of an earlier run (the last row of each family).
 """
 
 from __future__ import annotations
@@ -266,12 +267,17 @@ def page(rows: list[dict]) -> str:
 
     whole = sum(1 for row in rows
                 if row.get("greedy_equal") and row.get("delegates") == 1 and not row.get("ops_outside"))
+    unbuilt = sum(1 for row in rows if str(row.get("note", "")).startswith(("failed in config", "failed in model")))
+    built = len(rows) - unbuilt
     return (f"# Decoder families\n\nWritten by `scripts/probe_families.py --write docs/families.md` (do not edit by "
-            f"hand; run it again after a change) with transformers {transformers.__version__}: each family as a "
-            f"tiny random-weight model (2 layers, hidden size 64), exported at max context 64, then "
-            f"{NEW_TOKENS} greedy tokens against transformers' own. {whole} of {len(rows)} export whole (one "
-            f"delegate, no op outside it) and match; the others are refused with what is missing.\n\n"
-            f"{table(rows)}\n")
+            f"hand; run it again after a change) with transformers {transformers.__version__}: every decoder-only "
+            f"causal-LM type it has (not its encoder-decoder types, the encoders it can run as decoders, nor the "
+            f"multimodal ones, whose text models are here under their own types), each as a tiny random-weight "
+            f"model (2 layers, hidden size 64, unless its row in the script says otherwise), exported at max "
+            f"context 64, then {NEW_TOKENS} greedy tokens against transformers' own. Of the {built} families "
+            f"transformers builds from a tiny config, {whole} ({100 * whole / max(built, 1):.0f}%) export whole "
+            f"(one delegate, no op outside it) and match; the others are refused with what is missing"
+            f"{f' ({unbuilt} more do not build)' if unbuilt else ''}.\n\n{table(rows)}\n")
 
 
 def main() -> int:
@@ -281,9 +287,19 @@ def main() -> int:
     ap.add_argument("--one", metavar="FAMILY", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--write", type=Path, metavar="FILE", help="also write the table as a markdown page")
+    ap.add_argument("--rows", type=Path, metavar="LOG", help="write the page from a run's progress log (its stderr) "
+                    "instead of probing, with --write")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args.work)), flush=True)
+        return 0
+    if args.rows:  # the rows a run printed, the last for each family, in the order given
+        found = {}
+        for line in args.rows.read_text().splitlines():
+            family, _, row = line.partition(": ")
+            if row.startswith("{"):
+                found[family] = json.loads(row)
+        args.write.write_text(page([found[f] for f in args.families if f in found]))
         return 0
     start = time.perf_counter()
     rows = []

@@ -142,7 +142,7 @@ mx::array selective_chunks(const mx::array& x, const mx::array& dt, const mx::ar
   for (int off = 1; off < kChunk; off *= 2) {
     u = mx::add(u, mx::multiply(mx::exp(mx::subtract(cum, later(cum, off))), later(u, off)));
   }
-  auto cc = chunked(mx::broadcast_to(c, {c.shape(0), x.shape(1), L, c.shape(3)}), n);
+  auto cc = chunked(c, n);  // [B, 1, n, C, N]: broadcast over the channels
   auto intra = mx::sum(mx::multiply(u, cc), -1, true);  // [B, D, n, C, 1]
   auto c_decayed = mx::multiply(cc, mx::exp(cum));
   auto last = [](const mx::array& a) {  // [B, D, C, N] -> its last position as [B, D, N, 1]
