@@ -40,7 +40,4 @@ def written_attention(q, k, v, mask, written, scale):
 
 @torch.library.register_fake("mlx::written_attention")
 def _fake(q, k, v, mask, written, scale):
-    # in the layout of torch's CPU sdpa, whose output this op replaces in traced graphs: [B, L, H, Dv] in memory,
-    # so that the `transpose(1, 2)` models apply next is contiguous, as it was when they were traced (a
-    # `contiguous()` there left no node, and a `view` follows it: Arcee's AFMoE)
-    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))

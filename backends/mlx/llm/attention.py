@@ -37,6 +37,23 @@ def _written_slots(arg, max_context: int) -> torch.fx.Node | None:
     return node.args[2]
 
 
+def _reshape_transposed_views(attention: torch.fx.Node) -> None:
+    """`view`s of the output's transposes become `reshape`s. torch's CPU sdpa
+    lays its output out [B, L, H, D] in memory, so a model's
+    `.transpose(1, 2).contiguous()` left no node when it was traced, and a
+    `view` follows the transpose directly (Arcee's AFMoE); our op's output is
+    contiguous, its transpose is not, and only a reshape takes it (the same
+    values: MLX's reshape never depends on the layout)."""
+    shape_ops = (aten.transpose.int, aten.reshape.default, aten.view.default, aten.permute.default)
+    pending = list(attention.users)
+    while pending:  # through the shape ops that follow it
+        node = pending.pop()
+        if node.target in shape_ops:
+            if node.target == aten.view.default:
+                node.target = aten.reshape.default
+            pending += node.users
+
+
 def attend_written_prefix(ep: ExportedProgram, max_context: int) -> int:
     """Rewrites, in place, every masked attention over a full static cache;
     returns how many."""
@@ -66,6 +83,7 @@ def attend_written_prefix(ep: ExportedProgram, max_context: int) -> int:
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        _reshape_transposed_views(new)
         rewritten += 1
     if rewritten:
         ep.graph_module.recompile()
