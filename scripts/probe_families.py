@@ -51,8 +51,6 @@ EXPERTS = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_e
                moe_intermediate_size=32)
 # Set for every family: larger random weights give distinct greedy tokens rather than ties.
 ALWAYS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.2)
-# Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
-# layers, one layer of each of the first two layer kinds, a sliding window of 8).
 # Latent attention sizes for hidden 64 (DeepSeek-V2/V3 and their kind): head_dim is the rotary part's width
 # (qk_rope_head_dim), and every query head has its own key and value once the latent is expanded (key/value
 # heads = heads).
@@ -60,6 +58,8 @@ LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, q
               num_key_value_heads=4)
 # Expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first.
 GROUPS = dict(n_group=1, topk_group=1, first_k_dense_replace=1)
+# Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
+# layers, one layer of each of the first two layer kinds, a sliding window of 8).
 OVERRIDES = {
     "glm4_moe": dict(GROUPS, n_shared_experts=1),
     "dots1": dict(GROUPS, n_shared_experts=1),  # its defaults are None
@@ -293,6 +293,8 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args.one, args.work)), flush=True)
         return 0
+    if args.rows and not args.write:
+        ap.error("--rows writes a page: give --write FILE")
     if args.rows:  # the rows a run printed, the last for each family, in the order given
         found = {}
         for line in args.rows.read_text().splitlines():

@@ -102,26 +102,20 @@ def _set_cached_kv_heads(config) -> None:
                                       else 1 if config.multi_query else config.num_kv_heads)
 
 
-def _written_shapes(model) -> dict[int, tuple[torch.Size, torch.Size]]:
-    """{layer: (key, value) shapes} that one token through the model writes
-    to transformers' own cache."""
-    layers = getattr(one_token_cache(model), "layers", ())
-    return {i: (layer.keys.shape, layer.values.shape) for i, layer in enumerate(layers)
-            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4}
-
-
-def _fit_cache_widths(model, wrapper: torch.nn.Module, cache) -> None:
+def _fit_cache_widths(written, wrapper: torch.nn.Module, cache) -> None:
     """Sizes each layer's static cache (transformers sizes every layer from
     the head count and head_dim) to what its attention writes: multi-head
     latent attention (DeepSeek-V2/V3 and their kind) caches one compressed
     key/value latent and one rotary key shared by the heads per position,
     MiMo-V2-Flash's values are narrower than its keys and its sliding layers
-    have twice the key/value heads of its full ones."""
-    written = _written_shapes(model)
+    have twice the key/value heads of its full ones. `written`: transformers'
+    own cache after one token (one_token_cache)."""
+    shapes = {i: (layer.keys.shape, layer.values.shape) for i, layer in enumerate(getattr(written, "layers", ()))
+              if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4}
     for i, layer in enumerate(cache.layers):
-        if i not in written or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+        if i not in shapes or not isinstance(getattr(layer, "keys", None), torch.Tensor):
             continue
-        key, value = written[i]
+        key, value = shapes[i]
         if (key[1], key[3], value[1], value[3]) == (*layer.keys.shape[1::2], *layer.values.shape[1::2]):
             continue
         layer.lazy_initialization(layer.keys.new_empty(1, key[1], 0, key[3]),
@@ -153,7 +147,8 @@ class CachedLM(torch.nn.Module):
         model.config.get_text_config().use_cache = model.generation_config.use_cache = True
         model.generation_config.cache_implementation = "static"
         _set_cached_kv_heads(model.config)
-        states = find_state_layers(model)
+        written = one_token_cache(model)  # what each layer caches, as the family's code writes it
+        states = find_state_layers(model, written)
         if states:
             self.wrapper = StateCachedModel(model, max_context, states, snapshots)
             ring_chunk = None
@@ -163,7 +158,7 @@ class CachedLM(torch.nn.Module):
         self.cache = getattr(self.wrapper, "static_cache", None) or self.wrapper.cache
         # the model's name for its cache (Mamba's is cache_params)
         self.cache_argument = "past_key_values" if "past_key_values" in params else "cache_params"
-        _fit_cache_widths(model, self.wrapper, self.cache)
+        _fit_cache_widths(written, self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,

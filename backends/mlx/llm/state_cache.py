@@ -57,16 +57,15 @@ def one_token_cache(model):
     return getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba's name)
 
 
-def probe_states(model) -> dict[int, dict]:
-    """{layer index: the layer's states} from one token through the model
-    with transformers' own cache: "conv" ([B, C, width] and the kernel size)
+def probe_states(cache) -> dict[int, dict]:
+    """{layer index: the layer's states} in transformers' own cache after one
+    token (one_token_cache): "conv" ([B, C, width] and the kernel size)
     and "recurrent" (shape, dtype), each present only if the layer has it,
     and "attends" when the layer also keeps keys and values (a hybrid layer,
     as Falcon-H1's: attention and Mamba-2 side by side)."""
     from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
     states = {}
-    cache = one_token_cache(model)
     for i, layer in enumerate(getattr(cache, "layers", ())):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             continue
@@ -334,15 +333,16 @@ def has_state_kernels(model) -> bool:
     return any(hasattr(inspect.getmodule(type(m)), name) for m in model.modules() for name in KERNELS)
 
 
-def find_state_layers(model) -> dict[int, dict]:
-    """probe_states where the modeling code has a state kernel or the config
-    names a state layer kind; {} for a model of attention layers only."""
+def find_state_layers(model, cache) -> dict[int, dict]:
+    """probe_states of `cache` (one_token_cache's) where the modeling code has
+    a state kernel or the config names a state layer kind; {} for a model of
+    attention layers only."""
     from .export_checks import STATE_LAYERS
 
     kinds = sorted(set(getattr(model.config.get_text_config(), "layer_types", None) or ()) & STATE_LAYERS)
     if not (kinds or has_state_kernels(model)):
         return {}
-    states = probe_states(model)
+    states = probe_states(cache)
     if kinds and not states:
         raise NotImplementedError(f"{type(model).__name__} has {', '.join(kinds)} layers whose state does not go "
                                   "through transformers' state cache (a recurrence of its own), which export does "

@@ -14,7 +14,7 @@ from .registry import Unsupported, handles
 
 
 def _lower_scan(b: GraphBuilder, node: torch.fx.Node, node_cls, fields: tuple[str, ...]) -> None:
-    """Both ops: six tensors (the fields, in the op's argument order), then the snapshot count."""
+    """Each op: six tensors (the fields, in the op's argument order), then the snapshot count."""
     out = meta_val(node)
     values = dict(zip(fields, (b.get(a) for a in node.args[:6])))
     state = values["state"]
