@@ -275,25 +275,37 @@ def test_logprobs_export(exported):
 
 
 def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
-    """Export keeps large constants in files beside the output (not a second
-    copy in memory): with every constant counted as large, the .pte is the
-    same file byte for byte, and no spilled file is left behind."""
-    from executorch_mlx.lowering import builder
+    """Export loads each weight into a file beside the output as it reads it,
+    quantizes from and into such files, and the named data store takes the
+    files themselves (lowering/weight_files.py): with every tensor counted as
+    large, every weight goes that way, the .pte is the same file byte for
+    byte, and no file is left behind."""
+    from executorch_mlx.llm.export_checks import load_weights
+    from executorch_mlx.lowering import weight_files
 
-    spilled = []
+    files = []
 
     def spy(path, **kw):
-        spilled.append(path)
-        return builder.FileBackedData.__wrapped__(path, **kw)
+        files.append(path)
+        return spy.__wrapped__(path, **kw)
 
-    folder, pte = exported("llama", sampling=False)
-    spy.__wrapped__ = builder.FileBackedData
-    monkeypatch.setattr(builder, "SPILL_BYTES", 1)
-    monkeypatch.setattr(builder, "FileBackedData", spy)
-    out = export_llm(folder, tmp_path / "spilled.pte", max_context=128, sampling=False, progress=None)
-    assert spilled and all(p.startswith(str(tmp_path)) for p in spilled)
+    folder, _ = exported("llama", sampling=False)
+    (tmp_path / "in_memory").mkdir()
+    pte = export_llm(folder, tmp_path / "in_memory" / "a.pte", max_context=64, sampling=False, quantize="int4",
+                     progress=None)
+    spy.__wrapped__ = weight_files.FileBackedData
+    monkeypatch.setattr(weight_files, "SPILL_BYTES", 1)
+    monkeypatch.setattr(weight_files, "FileBackedData", spy)
+    with weight_files.weight_files(tmp_path) as kept:
+        model = load_weights(folder, torch.float32)
+        assert all(kept.stored(p) is not None for p in model.parameters())
+    del model
+    assert [p.name for p in tmp_path.iterdir()] == ["in_memory"]
+    out = export_llm(folder, tmp_path / "spilled.pte", max_context=64, sampling=False, quantize="int4",
+                     progress=None)
+    assert files and all(p.startswith(str(tmp_path)) for p in files)
     assert out.read_bytes() == pte.read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["spilled.pte"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in_memory", "spilled.pte"]
 
 
 def test_the_readme_lists_the_tested_families():

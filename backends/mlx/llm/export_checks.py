@@ -272,8 +272,13 @@ def load_weights(model_dir: str | Path, dtype):
     naming the missing, unexpected or mis-shaped tensors."""
     model_dir = Path(model_dir)
     _check_safetensors_headers(model_dir)
+    from .mlx_folders import load_mlx_quantized, mlx_quantization
+
+    if mlx_quantization(json.loads((model_dir / "config.json").read_text())) is not None:
+        return load_mlx_quantized(model_dir, dtype)
     from transformers import AutoModelForCausalLM
 
+    from .streamed_load import streamed_load
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
@@ -282,8 +287,9 @@ def load_weights(model_dir: str | Path, dtype):
         # a safetensors file of another name is beside it.
         # ignore_mismatched_sizes=True: mis-shaped tensors are listed in
         # `info` (refused below, by name) instead of a bare RuntimeError.
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
-                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+        with streamed_load(model_dir):  # into files, one tensor at a time, while export's weight files are active
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
     except StrictDataclassError as e:  # transformers' own config validation
         raise ValueError(f"{model_dir / 'config.json'} is inconsistent: {' '.join(str(e).split())}") from e
     except SafetensorError as e:

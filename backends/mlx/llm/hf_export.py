@@ -35,11 +35,13 @@ from typing import Callable
 import torch
 
 from ..custom_kernel_ops.quantized import GROUP_SIZES
+from ..lowering.weight_files import weight_files
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
+from .mlx_folders import describe, mlx_quantization
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
 from .ring_cache import ring_chunk, use_rings
@@ -308,73 +310,77 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     output_path = check_output_path(model_dir, output_path)
     quantization = "none" if quantize is None else (
         f"{quantize} group {group_size}" + (" +embedding" if quantize_embedding else ""))
+    if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
+        if quantize is not None or quantize_embedding:
+            raise ValueError(f"{model_dir} is already quantized ({describe(mlx_quantization(config))}): export "
+                             "keeps its weights as they are; leave out quantize")
+        quantization = describe(mlx_quantization(config))
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
     def stage(text: str) -> None:
         say(f"[{time.perf_counter() - started:6.1f} s] {text}")
 
-    stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
-    model = load_weights(model_dir, DTYPES[dtype])
-    experts = route_experts(model)
-    check_experts_routed(config, experts, model_dir)
-    if experts:
-        stage(f"{len(experts)} mixture-of-experts layers")
-    if quantize is not None:
-        layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
-                                embedding=quantize_embedding)
-        stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
-    # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
-    chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
-    max_chunk = chunk or max_context - 1
-    lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
-    rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
-    if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/state_cache.py)
-        chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
-        stage(f"{len(lm.states.states)} state layers, states kept after each of the last {max_draft_tokens + 1} "
-              "positions")
-    if chunk:
-        slots = next(iter(lm.rings.values())).max_cache_len
-        stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {slots} slots, calls of up to {chunk} tokens")
-    seq = torch.export.Dim("seq", min=1, max=max_chunk)
-    example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
-    dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
-    if sampling:
-        module = SampledLM(lm, logprobs)
-        sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
-                                   logit_bias_size=logit_bias_size,
-                                   mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
-        dynamic.update({name: None for name in sampler})
-        if max_draft_tokens:  # the history's rows are the rows sampled: 1 + the drafts
-            sampler["history"] = sampler["history"].expand(2, -1).contiguous()
-            dynamic["history"] = {0: torch.export.Dim("rows", min=1, max=max_draft_tokens + 1)}
-        example += tuple(sampler.values())
-    else:
-        module = lm
-    stage("exporting (torch.export)")
-    # the export stack is imported after every check (weights included): a refused export is quick
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    # The weights wait in files beside the output, loaded and quantized one
+    # tensor at a time, until the program is written (lowering/weight_files.py).
+    with weight_files(output_path.parent):
+        stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
+        model = load_weights(model_dir, DTYPES[dtype])
+        experts = route_experts(model)
+        check_experts_routed(config, experts, model_dir)
+        if experts:
+            stage(f"{len(experts)} mixture-of-experts layers")
+        if quantize is not None:
+            layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
+                                    embedding=quantize_embedding)
+            stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
+        # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
+        chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
+        max_chunk = chunk or max_context - 1
+        lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
+        rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
+        if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/state_cache.py)
+            chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
+            stage(f"{len(lm.states.states)} state layers, states kept after each of the last {max_draft_tokens + 1} "
+                  "positions")
+        if chunk:
+            slots = next(iter(lm.rings.values())).max_cache_len
+            stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {slots} slots, calls of up to {chunk} tokens")
+        seq = torch.export.Dim("seq", min=1, max=max_chunk)
+        example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
+        dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
+        if sampling:
+            module = SampledLM(lm, logprobs)
+            sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
+                                       logit_bias_size=logit_bias_size,
+                                       mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
+            dynamic.update({name: None for name in sampler})
+            if max_draft_tokens:  # the history's rows are the rows sampled: 1 + the drafts
+                sampler["history"] = sampler["history"].expand(2, -1).contiguous()
+                dynamic["history"] = {0: torch.export.Dim("rows", min=1, max=max_draft_tokens + 1)}
+            example += tuple(sampler.values())
+        else:
+            module = lm
+        stage("exporting (torch.export)")
+        # the export stack is imported after every check (weights included): a refused export is quick
+        from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-    from ..lowering.builder import spill_constants_to
-    from ..lowering.unused_constants import drop_unused_constants
-    from ..partitioner import MLXPartitioner
+        from ..lowering.unused_constants import drop_unused_constants
+        from ..partitioner import MLXPartitioner
 
-    ep = trace(module, example, dynamic, model_dir)
-    attend_written_prefix(ep, max_context)
-    stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
-    partitioner = MLXPartitioner()
-    # ExecuTorch re-validates every edge op's dtypes against its portable
-    # kernels after each pass (about a tenth of the lowering); an LLM lowers
-    # whole into our delegate, whose handlers check what they accept.
-    # The weights' bytes wait in files beside the output until it is
-    # written, not in memory beside the model's own tensors.
-    with spill_constants_to(output_path.parent):
+        ep = trace(module, example, dynamic, model_dir)
+        attend_written_prefix(ep, max_context)
+        stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
+        partitioner = MLXPartitioner()
+        # ExecuTorch re-validates every edge op's dtypes against its portable
+        # kernels after each pass (about a tenth of the lowering); an LLM lowers
+        # whole into our delegate, whose handlers check what they accept.
         edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False),
                                            constant_methods=metadata(config, max_context, max_chunk, sampling,
                                                                      quantization, logprobs and sampling, token_mask,
                                                                      max_draft_tokens, rewind))
-        del ep, module, lm, model  # the delegate's weights are in those files now
+        del ep, module, lm, model  # the delegate's weights are in the named data store now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())
         program = edge.to_executorch()

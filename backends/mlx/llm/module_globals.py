@@ -29,3 +29,15 @@ def swapped(model, replacements: dict[str, Callable], modules: tuple[str, ...] |
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def replaced(owner, name: str, value):
+    """`owner.name` (a module's global, a class's attribute) is `value` within
+    the block; restored on exit."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

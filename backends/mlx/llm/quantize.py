@@ -16,10 +16,13 @@ the output side would store the table twice).
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 
 from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
+from ..lowering.weight_files import keep
 from ..progress import counter
 from .experts import projections, route_experts
 
@@ -39,20 +42,24 @@ def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
         return torch.from_numpy(np.array(a.astype(mx.float32))).to(weight.dtype)
 
     packed = torch.from_numpy(np.array(packed).view(np.int32).copy())
-    return packed, to_torch(scales), to_torch(biases)
+    # in files while export runs (lowering/weight_files.py): one weight at a time in memory
+    return keep(packed), keep(to_torch(scales)), keep(to_torch(biases))
 
 
 class QuantizedTable(torch.nn.Module):
     """A quantized [N, K] matrix: as a linear layer (x @ W^T) and as an embedding (rows of W)."""
 
-    def __init__(self, weight: torch.Tensor, group_size: int, bits: int, embed_scale: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor | None, group_size: int, bits: int,
+                 embed_scale: torch.Tensor | None = None, tables: tuple | None = None):
+        """Quantizes `weight`, or holds `tables` (packed, scales, biases: an
+        mlx-lm folder's, llm/mlx_folders.py) as they are."""
         super().__init__()
-        packed, scales, biases = quantize_weight(weight, group_size, bits)
+        packed, scales, biases = tables if tables is not None else quantize_weight(weight, group_size, bits)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("biases", biases)
         self.group_size, self.bits = group_size, bits
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 32 // bits
         # Gemma3's scaled word embedding multiplies its output by this.
         self.embed_scale = None if embed_scale is None else float(embed_scale)
 
@@ -102,7 +109,7 @@ def _check_mode(bits: int, group_size: int) -> None:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
 
 
-def _embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
+def embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
     """The output scale of an input embedding we know how to quantize; errors otherwise."""
     if type(module) is torch.nn.Embedding:
         scale = None
@@ -120,7 +127,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
     """Replaces the model's linear layers (and input embedding if `embedding`)
     in place; returns the names of the layers it quantized."""
     _check_mode(bits, group_size)
-    names = {id(m): n for n, m in model.named_modules()}
+    module_names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = embed is not None and head is not None and head.weight is embed.weight
@@ -129,7 +136,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
     if tied and not embedding:
         targets = [(n, m) for n, m in targets if m is not head]
     if embedding and embed is not None:
-        targets.append((names[id(embed)], embed))
+        targets.append((module_names[id(embed)], embed))
     experts = [(f"{n}.{p}", model.get_submodule(n), p) for n in route_experts(model)
                for p in projections(model.get_submodule(n))]
     bad = [f"{n} (input width {m.weight.shape[1]})" for n, m in targets if m.weight.shape[1] % group_size]
@@ -138,21 +145,34 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
         raise ValueError(f"cannot quantize with group size {group_size}: the input width of "
                          f"{', '.join(bad)} is not a multiple of it")
 
-    tables: dict[int, QuantizedTable] = {}  # id(weight) -> table: a tied weight is quantized once
-    with counter(f"quantizing to {bits} bits", len(targets) + len(experts)) as count:
-        for name, module in targets:
-            scale = _embedding_scale(name, module) if module is embed else None
-            table = tables.get(id(module.weight))
-            if table is None:
-                table = tables[id(module.weight)] = QuantizedTable(module.weight, group_size, bits, scale)
-            elif module is embed:
+    # A tied weight is quantized once. The modules are looked up by name as
+    # they are replaced, so that each full-precision weight is freed once
+    # quantized (export reads it from a file, lowering/weight_files.py).
+    users = collections.Counter(id(m.weight) for _, m in targets)
+    tables: dict[int, QuantizedTable] = {}  # id(weight) -> table, while a module still uses the weight
+    names = [name for name, _ in targets]
+    embed_name = names[-1] if embedding and embed is not None else None
+    del targets, embed, head
+    with counter(f"quantizing to {bits} bits", len(names) + len(experts)) as count:
+        for name in names:
+            module = model.get_submodule(name)
+            scale = embedding_scale(name, module) if name == embed_name else None
+            key = id(module.weight)
+            table = tables.get(key) or QuantizedTable(module.weight, group_size, bits, scale)
+            if name == embed_name:
                 table.embed_scale = None if scale is None else float(scale)
-            new = table if module is embed else QuantizedLinear(table, module.bias)
+            users[key] -= 1
+            if users[key]:
+                tables[key] = table
+            else:
+                tables.pop(key, None)
+            new = table if name == embed_name else QuantizedLinear(table, module.bias)
             parent, _, child = name.rpartition(".")
+            del module
             setattr(model.get_submodule(parent) if parent else model, child, new)
             count.advance()
         for _, module, weight in experts:  # llm/experts.py reads `<weight>_quantized`
             setattr(module, f"{weight}_quantized", QuantizedExperts(getattr(module, weight), group_size, bits))
             delattr(module, weight)
             count.advance()
-    return [name for name, _ in targets] + [name for name, _, _ in experts]
+    return names + [name for name, _, _ in experts]

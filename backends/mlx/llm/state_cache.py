@@ -47,14 +47,44 @@ KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_sca
 
 def one_token_cache(model):
     """transformers' own cache after one token through the model: what each
-    layer keeps, as the family's code writes it."""
+    layer keeps, as the family's code writes it. On fake tensors (shapes
+    only, no weight read: export keeps weights in files, llm/streamed_load.py)
+    when the family's code allows it, else on the weights."""
+    ids = torch.zeros(1, 1, dtype=torch.int64)
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.zeros(1, 1, dtype=torch.int64), use_cache=True)
+            out = _fake_forward(model, ids)
+            if out is None:
+                out = model(input_ids=ids, use_cache=True)
     except Exception as e:  # the family's own code on its own config: named, not a raw traceback
         raise ValueError(f"transformers' own {type(model).__name__} fails on one token with this config "
                          f"({type(e).__name__}: {e}); export needs it to find what each layer caches") from e
     return getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)  # (Mamba's name)
+
+
+def _fake_forward(model, ids):
+    """The model's output on fake tensors; None where its code reads values
+    (data-dependent shapes: the experts a token hits) or keeps a tensor it
+    computed (then the module state is put back as it was)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    before = {id(m): dict(vars(m)) for m in model.modules()}
+    tensors = {id(m): (dict(m._parameters), dict(m._buffers)) for m in model.modules()}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = model(input_ids=ids, use_cache=True)
+    except Exception:
+        out = None
+    for m in model.modules():
+        kept = [v for d in (vars(m), m._parameters, m._buffers) for v in d.values() if isinstance(v, FakeTensor)]
+        if kept:
+            out = None
+    if out is None:
+        for m in model.modules():
+            vars(m).clear()
+            vars(m).update(before[id(m)])
+            m._parameters, m._buffers = (dict(d) for d in tensors[id(m)])
+    return out
 
 
 def probe_states(cache) -> dict[int, dict]:

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import operator
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import sympy
 import torch
-from executorch.exir._serialize._cord import FileBackedData
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
 
 from ..progress import counter
 from ..serialization import ir
 from .common_nodes import merge_common_nodes
+from . import weight_files
 from .registry import Unsupported, handler_for
 
 TORCH_TO_IR = {
@@ -38,27 +33,6 @@ TORCH_TO_IR = {
 }
 # Weights are aligned for zero-copy use by MLX.
 CONSTANT_ALIGNMENT = 64
-
-# Constants of at least this many bytes go to a file while a spill folder is
-# set (export_llm sets one): the named data store then holds a file, not a
-# second copy of the weights in memory, until the .pte is written.
-SPILL_BYTES = 1 << 20
-_spill: contextvars.ContextVar[tuple[Path, list] | None] = contextvars.ContextVar("spill", default=None)
-
-
-@contextlib.contextmanager
-def spill_constants_to(folder: str | Path):
-    """Within the block, large constants are kept in files under `folder`;
-    the files are removed when it ends (write the program inside it)."""
-    spilled: list[FileBackedData] = []
-    token = _spill.set((Path(folder), spilled))
-    try:
-        yield
-    finally:
-        _spill.reset(token)
-        for data in spilled:
-            data.close()
-
 
 def ir_dtype(dtype: torch.dtype) -> ir.DType:
     try:
@@ -254,19 +228,13 @@ class GraphBuilder:
 
     def _store(self, tensor: torch.Tensor) -> str:
         """Puts `tensor`'s bytes in the named data store; returns their name."""
-        raw = tensor.reshape(-1).view(torch.uint8).numpy()
-        digest = hashlib.sha256(raw)
+        files = weight_files.active()
+        digest = files.sha256(tensor) if files is not None else None
+        raw = None if digest is not None else tensor.reshape(-1).view(torch.uint8).numpy()
+        digest = digest or hashlib.sha256(raw).digest()
         # Content-addressed, so identical weights are stored once.
-        name = "emlx_" + digest.hexdigest()[:32] + f"_{tensor.dtype}".replace("torch.", "")
-        spill = _spill.get()
-        if spill is not None and raw.nbytes >= SPILL_BYTES:
-            fd, path = tempfile.mkstemp(prefix=".emlx_", suffix=".data", dir=spill[0])
-            with os.fdopen(fd, "wb") as f:
-                f.write(memoryview(raw))
-            data = FileBackedData(path, cleanup=True, sha256=digest.digest())
-            spill[1].append(data)
-        else:
-            data = raw.tobytes()
+        name = "emlx_" + digest.hex()[:32] + f"_{tensor.dtype}".replace("torch.", "")
+        data = raw.tobytes() if files is None else files.data(tensor, raw, digest)
         self.named_data.add_named_data(name, data, alignment=CONSTANT_ALIGNMENT)
         return name
 

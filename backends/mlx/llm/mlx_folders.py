@@ -1,0 +1,163 @@
+"""mlx-lm's quantized model folders, exported as they are.
+
+`mlx_lm.convert -q` writes a Hugging Face folder whose config.json has
+`"quantization": {"group_size": G, "bits": B, "mode": "affine", <layer>: ...}`
+and whose quantized layers hold `weight` (uint32, B-bit values packed along
+the input), `scales` and `biases` ([N, K/G] each): MLX's affine layout, the
+one our int4/int8 programs store (llm/quantize.py). Export keeps those
+tensors as they are (no requantization: the packed bytes in the .pte are the
+folder's), reads the other tensors of the folder into the model, one tensor
+at a time (lowering/weight_files.py), and ties the output layer to the
+quantized embedding where the folder has no lm_head of its own.
+
+A per-layer entry in "quantization" gives that layer its own group size and
+bits (mlx-lm's mixed recipes), `false` leaves it in full precision. Bits our
+kernels do not have, other modes (mxfp4) and mlx-lm's own expert layout
+(`switch_mlp`) are refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
+from ..lowering.weight_files import keep
+from .module_globals import replaced
+from .quantize import QuantizedLinear, QuantizedTable, embedding_scale
+from .streamed_load import release_mapped_pages
+
+
+def mlx_quantization(config: dict) -> dict | None:
+    """config.json's mlx-lm quantization entry, or None for a folder of full-precision weights."""
+    q = config.get("quantization")
+    return q if isinstance(q, dict) else None
+
+
+def describe(quantization: dict) -> str:
+    """The program contract's quantization string for an mlx-lm folder."""
+    differ = [v for v in quantization.values() if isinstance(v, dict) or v is False]  # own bits, or none
+    mixed = f" ({len(differ)} layers differ)" if differ else ""
+    return f"mlx-lm int{quantization['bits']} group {quantization['group_size']}{mixed}"
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built within get their parameters on the meta device (no
+    memory, no initialization) and keep real buffers (rotary frequencies)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    with replaced(torch.nn.Module, "register_parameter", on_meta):
+        yield
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    names = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names.update({k: path for k in f.keys()})
+    return names
+
+
+def _layer_mode(quantization: dict, name: str) -> tuple[int, int]:
+    """(group size, bits) of a quantized layer, checked against what our kernels run."""
+    own = quantization.get(name)
+    mode = own if isinstance(own, dict) else quantization
+    kind = mode.get("mode", "affine")
+    if kind != "affine":
+        raise NotImplementedError(f"{name}: mlx-lm's {kind!r} quantization is not read yet (affine only)")
+    group, bits = mode.get("group_size"), mode.get("bits")
+    if bits not in BITS or group not in GROUP_SIZES:
+        raise NotImplementedError(f"{name}: {bits}-bit weights in groups of {group}; export runs "
+                                  f"{'/'.join(map(str, BITS))} bits in groups of {'/'.join(map(str, GROUP_SIZES))}")
+    return group, bits
+
+
+def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
+    """The model of an mlx-lm quantized folder, its quantized layers as
+    QuantizedTable/QuantizedLinear modules holding the folder's tensors."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    quantization = mlx_quantization(json.loads((model_dir / "config.json").read_text()))
+    config = AutoConfig.from_pretrained(model_dir)
+    for key in ("quantization", "quantization_config"):
+        if hasattr(config, key):
+            delattr(config, key)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    files = _tensor_files(model_dir)
+    if any(".switch_mlp." in k for k in files):
+        raise NotImplementedError(f"{model_dir}: mlx-lm's expert layout (switch_mlp) is not read yet")
+
+    def read(name: str, to=None) -> torch.Tensor:
+        with safe_open(files[name], "pt") as f:
+            tensor = f.get_tensor(name)
+        tensor = keep(tensor if to is None else tensor.to(to))
+        release_mapped_pages(model_dir)
+        return tensor
+
+    embed = model.get_input_embeddings()
+    embed_name = _name_of(model, embed)
+    head = model.get_output_embeddings()
+    head_name = None if head is None else _name_of(model, head)
+    tables: dict[str, QuantizedTable] = {}
+    for name in sorted(k[: -len(".scales")] for k in files if k.endswith(".scales")):
+        group, bits = _layer_mode(quantization, name)
+        module = model.get_submodule(name)
+        width = getattr(module, "in_features", None) or getattr(module, "embedding_dim", None)
+        packed = read(f"{name}.weight")
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) or \
+                packed.shape[-1] * 32 != width * bits or packed.dtype not in (torch.uint32, torch.int32):
+            raise ValueError(f"{model_dir}: {name} is not a {bits}-bit quantized linear layer or embedding of "
+                             f"width {width} (its packed weight is {packed.dtype} {list(packed.shape)})")
+        scale = embedding_scale(name, module) if module is embed else None
+        table = QuantizedTable(None, group, bits, scale, tables=(packed.view(torch.int32), read(f"{name}.scales", dtype),
+                                                                read(f"{name}.biases", dtype)))
+        tables[name] = table
+        bias = f"{name}.bias"
+        _replace(model, name, table if module is embed else
+                 QuantizedLinear(table, read(bias, dtype) if bias in files else None))
+
+    quantized = {f"{n}.{t}" for n in tables for t in ("weight", "scales", "biases", "bias")}
+    own = dict(model.named_parameters(remove_duplicate=False))
+    unexpected = sorted(k for k in files if k not in quantized and k not in own)
+    if unexpected:
+        raise ValueError(f"{model_dir}: tensors the model in its config.json does not have: {', '.join(unexpected[:8])}")
+    for name in files:
+        if name in own:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, attr, torch.nn.Parameter(read(name, dtype), requires_grad=False))
+    if head_name is not None and getattr(config, "tie_word_embeddings", False) and f"{head_name}.weight" not in files:
+        if embed_name in tables:  # mlx-lm's tied output layer: the quantized embedding as a linear layer
+            _replace(model, head_name, QuantizedLinear(tables[embed_name], None))
+        else:
+            model.tie_weights()
+    missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
+    if missing:
+        raise ValueError(f"{model_dir}: tensors missing from the folder: {', '.join(missing[:8])}")
+    return model
+
+
+def _name_of(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def _replace(model, name: str, new: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -1,0 +1,67 @@
+"""Loads a model folder one tensor at a time into files (lowering/weight_files.py).
+
+transformers' from_pretrained builds the model on the meta device, then
+reads, converts (dtype, renamed or fused tensors) and sets each parameter.
+Within `streamed_load(folder)`, while weight files are active, each
+parameter is put in a file the moment it is set, so the model never holds
+more than a few tensors in memory; the loading is sequential (transformers'
+reader threads would otherwise read every tensor ahead of the one being
+set); and the pages of the checkpoint that safetensors maps to read it are
+dropped from the process as it goes (on Linux), or the resident set would
+grow to the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+
+from ..lowering import weight_files
+from .module_globals import replaced
+
+MADV_DONTNEED = 4  # Linux: drop the pages; a shared file mapping reads them again from the file if touched
+
+
+def release_mapped_pages(folder: str | Path) -> None:
+    """Drops this process's mapped pages of `folder`'s safetensors files
+    (clean pages of read-only file mappings: nothing is lost)."""
+    folder = str(Path(folder).resolve())
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:  # not Linux
+        return
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(folder) and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+@contextlib.contextmanager
+def streamed_load(folder: str | Path):
+    files = weight_files.active()
+    if files is None:
+        yield
+        return
+    from transformers import core_model_loading
+
+    set_param = core_model_loading.set_param_for_module
+
+    def set_kept(model, target_name, param_value, *args, **kwargs):
+        set_param(model, target_name, files.keep(param_value), *args, **kwargs)
+        release_mapped_pages(folder)
+
+    async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
+    try:
+        with replaced(core_model_loading, "set_param_for_module", set_kept):
+            yield
+    finally:
+        if async_load is None:
+            del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = async_load

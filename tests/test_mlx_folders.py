@@ -1,0 +1,87 @@
+"""mlx-lm's quantized folders (llm/mlx_folders.py): written here as
+`mlx_lm.convert -q` writes them (mx.quantize of every linear layer and of
+the embedding, uint32 packed weights, config.json's "quantization"), then
+exported as they are: the packed bytes in the .pte are the folder's, and
+the program generates what the same weights quantized by export generate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.model_folders import write_model_folder
+from executorch_mlx.llm.runner import LLMRunner
+
+PROMPT = "The quick brown fox"
+
+
+def write_mlx_folder(src, dst, bits: int, group_size: int, layers: dict | None = None):
+    """`src` (a float32 folder) as mlx-lm's converter writes it; `layers`:
+    per-layer entries of "quantization" ({name: {"bits", "group_size"}} or
+    {name: False})."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        layer = name.removesuffix(".weight")
+        own = (layers or {}).get(layer, {"bits": bits, "group_size": group_size})
+        if w.ndim != 2 or own is False or not (name.endswith("proj.weight") or "embed_tokens" in name):
+            out[name] = w
+            continue
+        packed, scales, biases = mx.quantize(mx.array(w), group_size=own["group_size"], bits=own["bits"])
+        out[name] = np.array(packed)  # uint32, as mlx-lm saves it
+        out[f"{layer}.scales"], out[f"{layer}.biases"] = np.array(scales), np.array(biases)
+    (dst / "model.safetensors").unlink()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = {"group_size": group_size, "bits": bits,
+                                                              "mode": "affine", **(layers or {})}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("llama") / "f32", "llama", layers=2, hidden=64,
+                              intermediate=128)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits):
+    folder = write_mlx_folder(llama, tmp_path / "mlx", bits, 64)
+    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, progress=None)
+    data = pte.read_bytes()
+    packed = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if v.dtype == np.uint32}
+    assert packed and all(v.tobytes() in data for v in packed.values()), "the folder's packed weights, unchanged"
+    ours = export_llm(llama, tmp_path / "ours.pte", max_context=64, quantize=f"int{bits}", quantize_embedding=True,
+                      progress=None)
+    want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
+    runner = LLMRunner(pte, folder)
+    assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
+    assert runner.contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64"]
+
+
+def test_per_layer_entries_and_refusals(llama, tmp_path):
+    down = "model.layers.0.mlp.down_proj"
+    folder = write_mlx_folder(llama, tmp_path / "mixed", 4, 64, {down: {"bits": 8, "group_size": 32},
+                                                                 "model.layers.1.mlp.up_proj": False})
+    pte = export_llm(folder, tmp_path / "mixed.pte", max_context=64, progress=None)
+    assert LLMRunner(pte, folder).contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ)"]
+    with pytest.raises(ValueError, match="already quantized .*leave out quantize"):
+        export_llm(folder, tmp_path / "q.pte", max_context=64, quantize="int4", progress=None)
+    three = write_mlx_folder(llama, tmp_path / "three", 4, 64, {down: {"bits": 3, "group_size": 64}})
+    with pytest.raises(NotImplementedError, match=f"{down}: 3-bit weights in groups of 64"):
+        export_llm(three, tmp_path / "three.pte", max_context=64, progress=None)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"]["mode"] = "mxfp4"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="'mxfp4' quantization is not read yet"):
+        export_llm(folder, tmp_path / "fp4.pte", max_context=64, progress=None)
