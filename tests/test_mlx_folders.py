@@ -70,17 +70,23 @@ def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits):
 
 
 def test_per_layer_entries_and_refusals(llama, tmp_path):
+    """A layer at its own width (3 bits: MLX's kernels) and one left in full
+    precision; what export does not read is named."""
     down = "model.layers.0.mlp.down_proj"
-    folder = write_mlx_folder(llama, tmp_path / "mixed", 4, 64, {down: {"bits": 8, "group_size": 32},
+    folder = write_mlx_folder(llama, tmp_path / "mixed", 4, 64, {down: {"bits": 3, "group_size": 32},
                                                                  "model.layers.1.mlp.up_proj": False})
     pte = export_llm(folder, tmp_path / "mixed.pte", max_context=64, progress=None)
-    assert LLMRunner(pte, folder).contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ)"]
+    runner = LLMRunner(pte, folder)
+    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ)"]
+    assert len(runner.generate(PROMPT, max_new_tokens=4).token_ids) == 4
     with pytest.raises(ValueError, match="already quantized .*leave out quantize"):
         export_llm(folder, tmp_path / "q.pte", max_context=64, quantize="int4", progress=None)
-    three = write_mlx_folder(llama, tmp_path / "three", 4, 64, {down: {"bits": 3, "group_size": 64}})
-    with pytest.raises(NotImplementedError, match=f"{down}: 3-bit weights in groups of 64"):
-        export_llm(three, tmp_path / "three.pte", max_context=64, progress=None)
     config = json.loads((folder / "config.json").read_text())
+    config["quantization"][down]["bits"] = 7
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match=f"{down}: 7-bit weights in groups of 32"):
+        export_llm(folder, tmp_path / "seven.pte", max_context=64, progress=None)
+    config["quantization"][down]["bits"] = 3
     config["quantization"]["mode"] = "mxfp4"
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="'mxfp4' quantization is not read yet"):

@@ -105,7 +105,7 @@ def assert_close_to_integer_rows(got, want, x, table, dtype):
     assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bound of rounding x to integers"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_packing_is_mlx_quantize_and_dequantize_inverts_it(bits, group_size):
     w = torch.randn(24, 256)
@@ -134,6 +134,22 @@ def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
     assert got.dtype == dtype and got.shape == (m, 37)
     want = mlx_quantized_linear(x, weight, b, 64, bits)
     assert_close_to_integer_rows(got, want, x, model.table, dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+def test_other_widths_run_on_mlx_quantized_matmul(bits):
+    """2, 3, 5 and 6 bits (no CPU kernel of ours: MLX's quantized_matmul and
+    dequantize), a linear layer and an embedding, against MLX's own."""
+    weight, b, x = torch.randn(37, 320), torch.randn(37), rand((5, 320), torch.float32)
+    edge = lower(QLinear(weight, b, 64, bits).eval(), (x,))
+    assert undelegated_ops(edge) == [] and "QuantizedLinearNode" in node_types(edge)
+    torch.testing.assert_close(run(edge.to_executorch().buffer, [x])[0],
+                               mlx_quantized_linear(x, weight, b, 64, bits), atol=1e-4, rtol=1e-4)
+    ids = torch.tensor([[0, 36, 7, 7]])
+    edge = lower(QEmbedding(weight, 32, bits).eval(), (ids,))
+    w, s, bb = mx.quantize(to_mx(weight), group_size=32, bits=bits)
+    want = to_torch(mx.dequantize(w, s, bb, group_size=32, bits=bits), torch.float32)[ids]
+    torch.testing.assert_close(run(edge.to_executorch().buffer, [ids])[0], want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -336,6 +352,23 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     assert_program_near_quantized_model(pte, model)
 
 
+@pytest.mark.parametrize("mode", ["int3", "int6"])
+def test_other_widths_model_logits_equal_the_reference(folder, logits_program, mode):
+    """A whole model at 3 and 6 bits (MLX's quantized_matmul, x not rounded):
+    its logits are the same model's, quantized the same way, run eagerly
+    (the ops' references dequantize exactly as mlx.core.dequantize)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    quantize_model(model, bits=int(mode[3:]), group_size=64)
+    ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
+    program = Runtime.get().load_program(logits_program(mode, False).read_bytes())
+    with torch.no_grad():
+        want = model(ids).logits[:, -1:]
+    got = program.load_method("forward").execute([ids, torch.arange(ids.shape[1])])[0]
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
 def assert_program_near_quantized_model(pte, model):
     """A logits program's last logits against `model` quantized (its linears
     computed by integer_linear, patched in by the caller), on a prefill and on
@@ -378,14 +411,14 @@ def test_quantized_pte_sizes(folder, logits_program):
 def test_bad_bits_or_group_size(folder, tmp_path):
     from executorch_mlx.llm.hf_export import export_llm
 
-    with pytest.raises(ValueError, match=r"quantize must be one of int4, int8, got 'int3'"):
-        export_llm(folder, tmp_path / "x.pte", quantize="int3", progress=None)
+    with pytest.raises(ValueError, match=r"quantize must be one of int2, int3, int4, int5, int6, int8, got 'int7'"):
+        export_llm(folder, tmp_path / "x.pte", quantize="int7", progress=None)
     with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128, got 16"):
         export_llm(folder, tmp_path / "x.pte", quantize="int4", group_size=16, progress=None)
     with pytest.raises(ValueError, match=r"quantize_embedding needs quantize"):
         export_llm(folder, tmp_path / "x.pte", quantize_embedding=True, progress=None)
-    with pytest.raises(ValueError, match=r"bits must be one of \(4, 8\), got 2"):
-        quantize_model(torch.nn.Linear(64, 8), bits=2)
+    with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
+        quantize_model(torch.nn.Linear(64, 8), bits=7)
     assert not (tmp_path / "x.pte").exists()
 
 

@@ -6,9 +6,10 @@
                                       group_size, bits) -> [..., K]
 
 `weight` is int32 [N, K * bits / 32]: the packed uint32 words of
-`mlx.core.quantize` (value i of a row at bits (i % (32 / bits)) * bits of
-word i // (32 / bits), lowest first), reinterpreted as int32 because torch
-has no uint32 arithmetic. `scales` and `biases` are [N, K / group_size];
+`mlx.core.quantize`, a little-endian stream of bits per row (value i at
+bits i * bits .. (i + 1) * bits - 1; for 2, 4 and 8 bits each word holds
+whole values, for 3, 5 and 6 bits values cross bytes), reinterpreted as
+int32 because torch has no uint32 arithmetic. `scales` and `biases` are [N, K / group_size];
 w = q * scale + bias per group. The CPU references below dequantize in
 torch; the lowering (`lowering/ops_quantized.py`) emits one IR node each,
 which the runtime runs with our CPU kernel or `mlx::core::quantized_matmul`
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-BITS = (4, 8)
+BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 
 torch.library.define(
@@ -41,9 +42,13 @@ torch.library.define(
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
                bits: int) -> torch.Tensor:
     """[..., K] in scales' dtype from packed [..., K * bits / 32] words (as mlx.core.dequantize)."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32) * bits
-    q = (weight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # the mask undoes int32 sign extension
+    if 32 % bits == 0:
+        shifts = torch.arange(32 // bits, dtype=torch.int32) * bits
+        q = (weight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # the mask undoes int32 sign extension
+    else:  # values cross bytes: read the row's bit stream
+        stream = (weight.contiguous().view(torch.uint8).unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        stream = stream.reshape(*weight.shape[:-1], -1, bits).to(torch.int32)
+        q = (stream << torch.arange(bits, dtype=torch.int32)).sum(-1)
     q = q.reshape(*weight.shape[:-1], -1, group_size).to(torch.float32)
     w = q * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
     return w.flatten(-2).to(scales.dtype)

@@ -259,9 +259,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
     `max_context` is the KV cache length: prompt plus generated tokens never
     exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
-    `quantize` ("int4" or "int8") stores every linear weight (and, with
-    `quantize_embedding`, the input embedding) in MLX's affine layout with
-    `group_size` values per scale and bias (see llm/quantize.py).
+    `quantize` ("int2", "int3", "int4", "int5", "int6" or "int8") stores
+    every linear weight (and, with `quantize_embedding`, the input
+    embedding) in MLX's affine layout with `group_size` values per scale and
+    bias (see llm/quantize.py).
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
@@ -293,7 +294,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if quantize is not None and quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
     if quantize is None and quantize_embedding:
-        raise ValueError("quantize_embedding needs quantize (int4 or int8)")
+        raise ValueError("quantize_embedding needs quantize (int2 ... int8)")
     if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
         raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
                          f"{logit_bias_size}")

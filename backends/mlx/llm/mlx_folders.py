@@ -11,9 +11,9 @@ at a time (lowering/weight_files.py), and ties the output layer to the
 quantized embedding where the folder has no lm_head of its own.
 
 A per-layer entry in "quantization" gives that layer its own group size and
-bits (mlx-lm's mixed recipes), `false` leaves it in full precision. Bits our
-kernels do not have, other modes (mxfp4) and mlx-lm's own expert layout
-(`switch_mlp`) are refused by name.
+bits (mlx-lm's mixed recipes), `false` leaves it in full precision. Widths
+and group sizes MLX's affine kernels do not have, other modes (mxfp4) and
+mlx-lm's own expert layout (`switch_mlp`) are refused by name.
 """
 
 from __future__ import annotations

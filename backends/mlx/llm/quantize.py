@@ -1,4 +1,4 @@
-"""Weight-only 4- and 8-bit quantization of a model before export.
+"""Weight-only 2- to 8-bit quantization of a model before export.
 
 `quantize_model` replaces every `nn.Linear` of a model (and, when asked,
 its input embedding) with modules that hold MLX's affine quantized layout,
@@ -26,7 +26,7 @@ from ..lowering.weight_files import keep
 from ..progress import counter
 from .experts import projections, route_experts
 
-QUANTIZE_MODES = {"int4": 4, "int8": 8}
+QUANTIZE_MODES = {f"int{bits}": bits for bits in BITS}  # int2 .. int8 (no 7 bits in MLX)
 
 
 def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):

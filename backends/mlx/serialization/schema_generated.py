@@ -6758,7 +6758,7 @@ def RopeNodeEnd(builder):
 
 # Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
 # weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
-# w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs).
+# w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs, 4 and 8 bits).
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 

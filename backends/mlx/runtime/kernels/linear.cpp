@@ -366,7 +366,7 @@ mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::v
 void check_quantization(const char* node, const mx::array& w, const mx::array& scales, const mx::array& biases,
                         int group_size, int bits, int K) {
   const std::string name(node);
-  if (bits != 4 && bits != 8) throw std::invalid_argument(name + ": bits must be 4 or 8");
+  if (bits < 2 || bits > 8 || bits == 7) throw std::invalid_argument(name + ": bits must be 2, 3, 4, 5, 6 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(name + ": group_size must be 32, 64 or 128");
   }
@@ -414,8 +414,9 @@ mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::arr
     out.back() = w.shape(0);
     return mx::zeros(out, x.dtype(), s);
   }
-  const bool supported =
-      float_activation(x.dtype()) && scales.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype());
+  // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
+  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
+                         (!bias || bias->dtype() == x.dtype());
   auto fallback = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
     auto y = mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
                                   bits, "affine", s);
