@@ -136,6 +136,21 @@ def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
     assert_close_to_integer_rows(got, want, x, model.table, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_in_chunks_of_rows_changes_nothing(monkeypatch, dtype):
+    """quantize_weight hands MLX a few rows at a time (a [vocab, hidden]
+    output layer is not copied whole): the same tables as one call."""
+    from executorch_mlx.llm import quantize
+
+    w = torch.randn(37, 256).to(dtype)
+    whole = quantize_weight(w, 64, 4)
+    monkeypatch.setattr(quantize, "CHUNK_BYTES", 5 * 256 * w.element_size())  # 5 rows a chunk
+    for got, want in zip(quantize_weight(w, 64, 4), whole):
+        assert torch.equal(got, want)
+    ref = mx.quantize(to_mx(w), group_size=64, bits=4)
+    assert np.array_equal(whole[0].numpy().view(np.uint32), np.array(ref[0]))
+
+
 @pytest.mark.parametrize("bits", [2, 3, 5, 6])
 def test_other_widths_run_on_mlx_quantized_matmul(bits):
     """2, 3, 5 and 6 bits (no CPU kernel of ours: MLX's quantized_matmul and

@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("export", help="export a Hugging Face model folder to a .pte")
-    p.add_argument("model_dir", help="folder with config.json, *.safetensors and tokenizer.json")
+    p.add_argument("model_dir", help="folder with config.json and *.safetensors (a Hugging Face or mlx-lm folder), "
+                                     "or a llama.cpp .gguf file")
     p.add_argument("-o", "--output", required=True, help="the .pte to write")
     p.add_argument("--max-context", type=int, default=256, help="KV cache length in tokens (default 256)")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights and compute type")

@@ -41,6 +41,7 @@ from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
+from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
 from .mlx_folders import describe, mlx_quantization
 from .export_checks import check_architecture, with_standard_names
 from .quantize import QUANTIZE_MODES, quantize_model
@@ -283,8 +284,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     from .export_checks import (check_config, check_context, check_output_path, load_weights, read_config_json,
                                 write_atomically)
 
-    read_config_json(model_dir)
-    config = read_config(model_dir)
+    if is_gguf(model_dir):  # llama.cpp's file: config from its metadata (llm/gguf_files.py)
+        config = gguf_config(model_dir)
+    else:
+        read_config_json(model_dir)
+        config = read_config(model_dir)
     check_config(config, model_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -316,6 +320,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
             raise ValueError(f"{model_dir} is already quantized ({describe(mlx_quantization(config))}): export "
                              "keeps its weights as they are; leave out quantize")
         quantization = describe(mlx_quantization(config))
+    if is_gguf(model_dir):
+        quantization = gguf_types(model_dir) + ("" if quantize is None else f", then {quantization}")
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
@@ -326,7 +332,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     # tensor at a time, until the program is written (lowering/weight_files.py).
     with weight_files(output_path.parent):
         stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
-        model = load_weights(model_dir, DTYPES[dtype])
+        model = (load_gguf(model_dir, DTYPES[dtype], stage) if is_gguf(model_dir)
+                 else load_weights(model_dir, DTYPES[dtype]))
         experts = route_experts(model)
         check_experts_routed(config, experts, model_dir)
         if experts:

@@ -45,7 +45,7 @@ def describe(quantization: dict) -> str:
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Modules built within get their parameters on the meta device (no
     memory, no initialization) and keep real buffers (rotary frequencies)."""
     register = torch.nn.Module.register_parameter
@@ -98,7 +98,7 @@ def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
     for key in ("quantization", "quantization_config"):
         if hasattr(config, key):
             delattr(config, key)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     files = _tensor_files(model_dir)
     if any(".switch_mlp." in k for k in files):
@@ -130,7 +130,7 @@ def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
                                                                 read(f"{name}.biases", dtype)))
         tables[name] = table
         bias = f"{name}.bias"
-        _replace(model, name, table if module is embed else
+        replace_module(model, name, table if module is embed else
                  QuantizedLinear(table, read(bias, dtype) if bias in files else None))
 
     quantized = {f"{n}.{t}" for n in tables for t in ("weight", "scales", "biases", "bias")}
@@ -145,7 +145,7 @@ def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
             setattr(module, attr, torch.nn.Parameter(read(name, dtype), requires_grad=False))
     if head_name is not None and getattr(config, "tie_word_embeddings", False) and f"{head_name}.weight" not in files:
         if embed_name in tables:  # mlx-lm's tied output layer: the quantized embedding as a linear layer
-            _replace(model, head_name, QuantizedLinear(tables[embed_name], None))
+            replace_module(model, head_name, QuantizedLinear(tables[embed_name], None))
         else:
             model.tie_weights()
     missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
@@ -158,6 +158,6 @@ def _name_of(model, module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-def _replace(model, name: str, new: torch.nn.Module) -> None:
+def replace_module(model, name: str, new: torch.nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)

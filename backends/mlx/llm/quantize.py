@@ -29,21 +29,34 @@ from .experts import projections, route_experts
 QUANTIZE_MODES = {f"int{bits}": bits for bits in BITS}  # int2 .. int8 (no 7 bits in MLX)
 
 
+# Rows quantized at once: MLX's copies of a few of them, not of a whole
+# [vocab, hidden] output layer, are in memory at a time.
+CHUNK_BYTES = 64 << 20
+
+
 def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
     """(packed int32 [N, K*bits/32], scales [N, K/g], biases [N, K/g]) of a [N, K]
-    weight, computed by mlx.core.quantize in the weight's dtype."""
+    weight, computed by mlx.core.quantize in the weight's dtype, a chunk of
+    rows at a time (each row is quantized on its own)."""
     import mlx.core as mx
 
-    dtype = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}[weight.dtype]
-    w = mx.array(weight.detach().to(torch.float32).numpy()).astype(dtype)
-    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    def to_mx(rows: torch.Tensor) -> mx.array:
+        if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+            return mx.view(mx.array(rows.contiguous().view(torch.int16).numpy()), mx.bfloat16)
+        return mx.array(rows.detach().contiguous().numpy())
 
     def to_torch(a):  # numpy has no bfloat16: widen, then narrow back (exact)
         return torch.from_numpy(np.array(a.astype(mx.float32))).to(weight.dtype)
 
-    packed = torch.from_numpy(np.array(packed).view(np.int32).copy())
+    weight = weight.detach()
+    step = max(1, CHUNK_BYTES // max(1, weight.shape[1] * weight.element_size()))
+    parts = []
+    for start in range(0, weight.shape[0], step):
+        packed, scales, biases = mx.quantize(to_mx(weight[start:start + step]), group_size=group_size, bits=bits)
+        parts.append((torch.from_numpy(np.array(packed).view(np.int32)), to_torch(scales), to_torch(biases)))
+    mx.clear_cache()  # MLX keeps freed buffers for reuse: give them back
     # in files while export runs (lowering/weight_files.py): one weight at a time in memory
-    return keep(packed), keep(to_torch(scales)), keep(to_torch(biases))
+    return tuple(keep(torch.cat([part[i] for part in parts])) for i in range(3))
 
 
 class QuantizedTable(torch.nn.Module):

@@ -24,10 +24,11 @@ from .module_globals import replaced
 MADV_DONTNEED = 4  # Linux: drop the pages; a shared file mapping reads them again from the file if touched
 
 
-def release_mapped_pages(folder: str | Path) -> None:
-    """Drops this process's mapped pages of `folder`'s safetensors files
-    (clean pages of read-only file mappings: nothing is lost)."""
-    folder = str(Path(folder).resolve())
+def release_mapped_pages(path: str | Path) -> None:
+    """Drops this process's mapped pages of a folder's safetensors files, or
+    of one file (clean pages of read-only file mappings: nothing is lost)."""
+    path = Path(path).resolve()
+    folder = str(path) + "/" if path.is_dir() else None
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
@@ -36,7 +37,8 @@ def release_mapped_pages(folder: str | Path) -> None:
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith(folder) and fields[5].endswith(".safetensors"):
+        mapped = fields[5] if len(fields) == 6 else ""
+        if (mapped.startswith(folder) and mapped.endswith(".safetensors")) if folder else mapped == str(path):
             start, end = (int(x, 16) for x in fields[0].split("-"))
             madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 

@@ -1,0 +1,82 @@
+"""GGUF files in (llm/gguf_files.py): a tiny Llama folder written as GGUF
+with the gguf package (benchmarks/gguf_folder.py: llama.cpp's names, its
+interleaved rotary rows, Q8_0/Q4_0 by gguf's own quantizer), exported, and
+held to the same model run by transformers on the GGUF's values
+(dequantized by the gguf package): Q8_0 and Q4_0 are repacked exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.model_folders import write_model_folder
+from executorch_mlx.llm.runner import LLMRunner
+
+PROMPT = "The quick brown fox"
+_spec = importlib.util.spec_from_file_location("gguf_folder", Path(__file__).parents[1] / "benchmarks/gguf_folder.py")
+gguf_folder = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gguf_folder)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # tied embeddings: the GGUF has no output tensor, llama.cpp's way of tying them
+    return write_model_folder(tmp_path_factory.mktemp("gguf") / "f32", "llama", layers=2, hidden=64,
+                              intermediate=128)
+
+
+def gguf_values_folder(folder: Path, gguf_path: Path, out: Path) -> Path:
+    """`folder` with every weight replaced by the GGUF's dequantized value."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.gguf_files import _halves, _hf_name
+
+    config = json.loads((folder / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    state = model.state_dict()
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind)
+        state[_hf_name(t.name)].copy_(torch.from_numpy(_halves(values, heads) if heads else values))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
+def test_a_gguf_file_exports_and_generates_its_values(llama, tmp_path, quant):
+    path = gguf_folder.write_gguf(llama, tmp_path / "model.gguf", quant)
+    pte = export_llm(path, tmp_path / "model.pte", max_context=64, progress=None)
+    runner = LLMRunner(pte, llama)
+    assert runner.contract.metadata["emlx_quantization"] == [f"gguf: 15 {quant}"]
+    ids = runner.tokenizer.encode(PROMPT).ids
+    want_folder = gguf_values_folder(llama, path, tmp_path / "values")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(want_folder).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+    assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
+
+
+def test_gguf_refusals(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(NotImplementedError, match="GGUF architecture 'mamba' is not read yet"):
+        export_llm(tmp_path / "m.gguf", tmp_path / "m.pte", progress=None)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(20))
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        export_llm(tmp_path / "bad.gguf", tmp_path / "m.pte", progress=None)
