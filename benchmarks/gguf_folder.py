@@ -1,5 +1,5 @@
 """Writes a Hugging Face Llama folder (safetensors, float32) as a GGUF file
-for llama.cpp, in F32, Q8_0 or Q4_0, so that bench_llm.py can run the same
+for llama.cpp, in F32, Q8_0, Q4_0 or Q5_0, so that bench_llm.py can run the same
 weights on llama.cpp. Benchmark-only: it needs the `gguf` package (bench
 extra) and handles the plain Llama layout bench_llm.py writes.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-QUANT_TYPES = ("F32", "Q8_0", "Q4_0")
+QUANT_TYPES = ("F32", "Q8_0", "Q4_0", "Q5_0")
 
 
 def _interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -53,7 +53,7 @@ def write_gguf(folder: str | Path, out: str | Path, quant: str = "F32") -> Path:
     w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[quant])
+                     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0}[quant])
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>" for i in range(vocab)])
     w.add_token_scores([0.0] * vocab)

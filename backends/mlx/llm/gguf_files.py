@@ -11,8 +11,8 @@ weights, read one at a time (lowering/weight_files.py):
   scales widen exactly to float32; --dtype bf16 rounds them).
 - Every other type (the K-quants, ...) is dequantized with the gguf package
   and quantized again by MLX at the nearest width it has (Q2_K -> 2 bits,
-  Q3_K -> 3, Q4_K -> 4, Q5_K -> 5, Q6_K -> 6, anything else -> 8), in groups of
-  32: not exact, and export says so.
+  Q3_K -> 3, Q4_1 and Q4_K -> 4, Q5_0, Q5_1 and Q5_K -> 5, Q6_K -> 6, anything
+  else -> 8), in groups of 32: not exact, and export says so.
 
 Query and key rows are put back from llama.cpp's interleaved rotary layout
 into Hugging Face's halves (what llama.cpp's converter permuted). The
@@ -39,7 +39,7 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-REQUANTIZED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+REQUANTIZED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 GROUP = 32
 
 
