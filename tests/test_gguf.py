@@ -45,7 +45,7 @@ def gguf_values_folder(folder: Path, gguf_path: Path, out: Path) -> Path:
         values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind)
-        state[_hf_name(t.name)].copy_(torch.from_numpy(_halves(values, heads) if heads else values))
+        state[_hf_name(t.name)].copy_(torch.from_numpy(np.array(_halves(values, heads) if heads else values)))
     model.save_pretrained(out)
     return out
 

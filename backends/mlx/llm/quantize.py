@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
-from ..lowering.weight_files import keep
+from ..lowering.weight_files import keep, trim_heap
 from ..progress import counter
 from .experts import projections, route_experts
 
@@ -54,7 +54,8 @@ def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
     for start in range(0, weight.shape[0], step):
         packed, scales, biases = mx.quantize(to_mx(weight[start:start + step]), group_size=group_size, bits=bits)
         parts.append((torch.from_numpy(np.array(packed).view(np.int32)), to_torch(scales), to_torch(biases)))
-    mx.clear_cache()  # MLX keeps freed buffers for reuse: give them back
+    mx.clear_cache()  # MLX keeps freed buffers for reuse: give them back, and the heap's
+    trim_heap()
     # in files while export runs (lowering/weight_files.py): one weight at a time in memory
     return tuple(keep(torch.cat([part[i] for part in parts])) for i in range(3))
 

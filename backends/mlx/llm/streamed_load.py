@@ -54,8 +54,8 @@ def streamed_load(folder: str | Path):
     set_param = core_model_loading.set_param_for_module
 
     def set_kept(model, target_name, param_value, *args, **kwargs):
+        release_mapped_pages(folder)  # the value is read (copied) by now: the pages it came from can go
         set_param(model, target_name, files.keep(param_value), *args, **kwargs)
-        release_mapped_pages(folder)
 
     async_load = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
     os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import hashlib
 import os
 import tempfile
@@ -127,6 +128,16 @@ def weight_files(folder: str | Path):
 
 def active() -> WeightFiles | None:
     return _active.get()
+
+
+def trim_heap() -> None:
+    """Gives the C heap's free memory back to the system (glibc). Quantizing
+    weight after weight frees blocks of tens of MiB that malloc otherwise
+    keeps, fragmented: an 8B model's export held 2 GB more without it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def keep(tensor: torch.Tensor) -> torch.Tensor:
