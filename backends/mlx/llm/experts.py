@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..custom_kernel_ops import experts as _experts_ops  # noqa: F401  (defines the ops)
+from ..lowering.weight_files import keep
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -101,7 +102,8 @@ def route_experts(model: torch.nn.Module) -> list[str]:
         if module.is_transposed:
             for weight in projections(module):
                 param = getattr(module, weight)
-                setattr(module, weight, torch.nn.Parameter(param.detach().transpose(1, 2).contiguous(),
+                # (into a file while export runs: lowering/weight_files.py)
+                setattr(module, weight, torch.nn.Parameter(keep(param.detach().transpose(1, 2).contiguous()),
                                                            requires_grad=False))
             module.is_transposed = False
         module.forward = types.MethodType(_experts_forward, module)
