@@ -367,9 +367,10 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     assert_program_near_quantized_model(pte, model)
 
 
-@pytest.mark.parametrize("mode", ["int3", "int6"])
+@pytest.mark.parametrize("mode", ["int3"])
 def test_other_widths_model_logits_equal_the_reference(folder, logits_program, mode):
-    """A whole model at 3 and 6 bits (MLX's quantized_matmul, x not rounded):
+    """A whole model at 3 bits (MLX's quantized_matmul, x not rounded; every
+    width per layer above):
     its logits are the same model's, quantized the same way, run eagerly
     (the ops' references dequantize exactly as mlx.core.dequantize)."""
     from transformers import AutoModelForCausalLM
