@@ -41,9 +41,9 @@ from ..serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
-from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
-from .mlx_folders import describe, mlx_quantization
 from .export_checks import check_architecture, with_standard_names
+from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
+from .mlx_folders import describe as mlx_types, mlx_quantization
 from .quantize import QUANTIZE_MODES, quantize_model
 from .ring_cache import ring_chunk, use_rings
 from . import program_contract
@@ -317,9 +317,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         f"{quantize} group {group_size}" + (" +embedding" if quantize_embedding else ""))
     if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
         if quantize is not None or quantize_embedding:
-            raise ValueError(f"{model_dir} is already quantized ({describe(mlx_quantization(config))}): export "
+            raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
                              "keeps its weights as they are; leave out quantize")
-        quantization = describe(mlx_quantization(config))
+        quantization = mlx_types(mlx_quantization(config))
     if is_gguf(model_dir):
         quantization = gguf_types(model_dir) + ("" if quantize is None else f", then {quantization}")
     say = progress or (lambda _: None)

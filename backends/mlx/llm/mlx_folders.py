@@ -130,8 +130,8 @@ def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
                                                                 read(f"{name}.biases", dtype)))
         tables[name] = table
         bias = f"{name}.bias"
-        replace_module(model, name, table if module is embed else
-                 QuantizedLinear(table, read(bias, dtype) if bias in files else None))
+        new = table if module is embed else QuantizedLinear(table, read(bias, dtype) if bias in files else None)
+        replace_module(model, name, new)
 
     quantized = {f"{n}.{t}" for n in tables for t in ("weight", "scales", "biases", "bias")}
     own = dict(model.named_parameters(remove_duplicate=False))
