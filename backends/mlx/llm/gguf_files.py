@@ -62,14 +62,14 @@ def _field(reader, key: str, default=None):
     field = reader.get_field(key)
     if field is None:
         return default
-    value = field.contents()
-    return value
+    return field.contents()
 
 
-def gguf_config(path: str | Path) -> dict:
-    """The Hugging Face config.json a GGUF file's metadata describes."""
+def gguf_config(path: str | Path, reader=None) -> dict:
+    """The Hugging Face config.json a GGUF file's metadata describes
+    (`reader`: the file already opened)."""
     path = Path(path)
-    reader = _reader(path)
+    reader = reader or _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise NotImplementedError(f"{path}: GGUF architecture {arch!r} is not read yet (read: {', '.join(ARCHITECTURES)})")
@@ -133,8 +133,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, say=lambda _: None):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = Path(path)
-    config = gguf_config(path)
     reader = _reader(path)
+    config = gguf_config(path, reader)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=dtype).eval()
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
