@@ -58,6 +58,8 @@ LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, q
               num_key_value_heads=4)
 # Expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first.
 GROUPS = dict(n_group=1, topk_group=1, first_k_dense_replace=1)
+# Indexed (sparse) attention: a small indexer that keeps 8 keys per query, fewer than the probe's ~21 tokens
+INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=8)
 # Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
 # layers, one layer of each of the first two layer kinds, a sliding window of 8).
 OVERRIDES = {
@@ -67,6 +69,16 @@ OVERRIDES = {
     "deepseek_v3": dict(GROUPS, **LATENT),
     "axk1": dict(GROUPS, **LATENT),
     "glm4_moe_lite": LATENT,
+    # (their default per-layer MLP kinds start with more dense layers than the tiny model has)
+    "beam": dict(GROUPS, mlp_layer_types=["dense", "sparse"]),
+    "bailing_hybrid": dict(GROUPS, **LATENT, num_expert_group=1, mlp_layer_types=["dense", "sparse"]),
+    # two zero-computation experts beside the 4 routed; one layer of its own (two of transformers')
+    "longcat_flash": dict(LATENT, zero_expert_num=2, num_layers=1),
+    "flint": dict(mlp_only_layers=[0], shared_expert_intermediate_size=32),
+    "deepseek_v32": dict(GROUPS, **LATENT, **INDEXER),
+    "glm_moe_dsa": dict(GROUPS, **LATENT, **INDEXER),
+    "axk2": dict(GROUPS, **LATENT, **INDEXER),
+    "hy_v4": dict(GROUPS, **LATENT, **INDEXER),
     "minicpm3": LATENT,
     "youtu": LATENT,
     "kimi_linear": dict(LATENT, q_lora_rank=None, linear_head_dim=16, linear_num_heads=4),
@@ -78,7 +90,7 @@ OVERRIDES = {
     "zamba": dict(attn_layer_period=2, attn_layer_offset=1, num_hidden_layers=4,
                   layer_types=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
     "zaya": dict(num_experts_per_tok=1),  # the only count it supports
-    "dots3_note_text": dict(num_key_value_heads=4),  # it requires as many as query heads
+    "dots3_note_text": dict(GROUPS, **LATENT, **INDEXER),  # (key/value heads: as many as query heads)
     # a recurrent and an attention layer (its default pattern's first two are recurrent)
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8),
     # its defaults leave the indexer unsized (transformers' own model does not build)

@@ -917,6 +917,14 @@ def test_index_select_takes_entries_along_an_axis():
     check(lambda x: x.index_select(1, torch.tensor([3, 0, 3, 2])), rand((2, 4, 5)), nodes={"TakeNode"})
 
 
+def test_indexing_with_two_index_tensors_takes_at_broadcast_pairs():
+    # x[i, j] with i [3, 1] and j [4] (a padding mask read at [batch, position]); and on middle axes
+    check(lambda x, i, j: x[i, j], rand((3, 5, 2)), torch.tensor([[2], [0], [1]]), torch.tensor([4, 0, 0, 3]),
+          nodes={"TakeNode"})
+    check(lambda x, i, j: x[:, i, j], rand((2, 3, 5)), torch.tensor([2, 0]), torch.tensor([1, 4]),
+          nodes={"TakeNode"})
+
+
 class EveryOtherColumn(torch.nn.Module):
     def forward(self, x, src):
         return torch.slice_scatter(x, src, dim=1, start=1, end=6, step=2)

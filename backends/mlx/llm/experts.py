@@ -55,11 +55,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
 
 
-# config.json keys of a model with mixture-of-experts layers
-MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-def _llama4_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+def _split_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return up * self.act_fn(gate)
 
@@ -77,17 +73,33 @@ def _llama4_moe_forward(self, hidden_states: torch.Tensor):
     return self.shared_expert(x) + routed, logits
 
 
+def _zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """LongCat-Flash's experts: ids past the routed experts are zero-computation
+    experts that hand the row on as it is."""
+    routed = top_k_index < self.num_routed_experts
+    h = _project(self, "gate_up_proj", hidden_states, torch.where(routed, top_k_index, 0))
+    out = _project(self, "down_proj", self._apply_gate(h), torch.where(routed, top_k_index, 0))  # [T, k, H]
+    out = torch.where(routed.unsqueeze(-1), out, hidden_states.unsqueeze(1).to(out.dtype))
+    return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
 def _adopt_dense_experts(model: torch.nn.Module) -> None:
     """Llama 4's experts (weights [E, K, N], every expert run on every row)
     made an experts module of the common kind, its layer routed by
-    `_llama4_moe_forward`."""
+    `_llama4_moe_forward`; LongCat-Flash's (weights of the common kind, its
+    own loop) too."""
     for module in model.modules():
         if type(module).__name__ == "Llama4TextMoe" and not is_experts_module(module.experts):
             experts = module.experts
             experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
             experts.is_transposed = True
-            experts._apply_gate = types.MethodType(_llama4_gate, experts)
+            experts._apply_gate = types.MethodType(_split_gate, experts)
             module.forward = types.MethodType(_llama4_moe_forward, module)
+        if type(module).__name__ == "LongcatFlashExperts" and module.down_proj is not None:
+            module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
+            module.is_transposed = False
+            module._apply_gate = types.MethodType(_split_gate, module)
 
 
 def route_experts(model: torch.nn.Module) -> list[str]:
@@ -106,15 +118,19 @@ def route_experts(model: torch.nn.Module) -> list[str]:
                 setattr(module, weight, torch.nn.Parameter(keep(param.detach().transpose(1, 2).contiguous()),
                                                            requires_grad=False))
             module.is_transposed = False
-        module.forward = types.MethodType(_experts_forward, module)
+        zero_experts = getattr(module, "zero_expert_num", 0)
+        module.forward = types.MethodType(_zero_experts_forward if zero_experts else _experts_forward, module)
         names.append(name)
     return names
 
 
-def check_experts_routed(config: dict, routed: list[str], model_dir: str | Path) -> None:
-    """A config with experts whose model has no experts module we route (an
-    older layout: a list of MLP modules and a loop) is an error naming the family."""
-    if not routed and any(config.get(k) for k in MOE_CONFIG_KEYS):
-        raise NotImplementedError(f"{Path(model_dir) / 'config.json'}: {config.get('model_type')} has "
-                                  "mixture-of-experts layers that are not transformers' experts modules, which "
-                                  "export does not lower yet")
+def check_experts_routed(model: torch.nn.Module, routed: list[str]) -> None:
+    """An experts module we do not route (an older layout, a list of MLP
+    modules or weights of its own, run in a loop over the experts a batch
+    hits) is an error naming it; layers that pick experts with static shapes
+    (Doge's, embedding rows per expert) lower as ordinary ops."""
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Experts") and name not in routed:
+            raise NotImplementedError(f"{type(module).__name__} ({name}) runs its experts in a loop over the ones "
+                                      "a batch hits (not transformers' experts modules), which export does not "
+                                      "lower yet")

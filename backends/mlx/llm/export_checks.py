@@ -128,8 +128,9 @@ def with_standard_names(config: dict) -> dict:
 
 # Layer kinds with a key/value cache, and those that keep a state instead
 # (llm/state_cache.py) or nothing (a layer of MLP or experts only).
-# (chunks: Llama 4's; hybrid: attention beside a state in one layer, Falcon-H1's)
-ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "hybrid"}
+# (chunks: Llama 4's; hybrid: attention beside a state in one layer, Falcon-H1's;
+# indexed: DeepSeek-V3.2's sparse attention, its keys picked by a scorer with a cache of its own)
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "indexed_attention"}
 STATE_LAYERS = {"linear_attention", "conv"}
 CACHELESS_LAYERS = {"mlp", "moe"}
 

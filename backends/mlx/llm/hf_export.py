@@ -127,6 +127,27 @@ def _fit_cache_widths(written, wrapper: torch.nn.Module, cache) -> None:
         wrapper.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
 
 
+def _indexer_caches(written, wrapper: torch.nn.Module, cache) -> list[int]:
+    """Allocates the indexer key cache of each layer with indexed attention
+    (DeepSeek-V3.2's sparse attention and its kind: a small scorer picks the
+    keys each query attends to, from keys of its own kept per position) as
+    buffers beside the key/value cache; the layers that have one."""
+    indexed = []
+    for i, layer in enumerate(cache.layers):
+        kept = written.layers[i] if hasattr(written, "layers") else None
+        keys = getattr(kept, "indexer_keys", None)
+        if not isinstance(keys, torch.Tensor):
+            continue
+        if getattr(kept, "indexer_position_ids", None) is not None or not hasattr(layer, "update_indexer"):
+            raise NotImplementedError(f"layer {i} picks its keys with an indexer that keeps positions of its own "
+                                      "(blocks of compressed keys, Qwen4-exp's), which export does not build yet")
+        layer.lazy_initialization_indexer(torch.zeros(1, 0, keys.shape[-1], dtype=layer.keys.dtype))
+        wrapper.register_buffer(f"indexer_keys_{i}", layer.indexer_keys, persistent=False)
+        wrapper.register_buffer(f"indexer_length_{i}", layer.indexer_cumulative_length, persistent=False)
+        indexed.append(i)
+    return indexed
+
+
 class CachedLM(torch.nn.Module):
     """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
     with a static KV cache registered as buffers (transformers' exportable
@@ -162,7 +183,10 @@ class CachedLM(torch.nn.Module):
         # the model's name for its cache (Mamba's is cache_params)
         self.cache_argument = "past_key_values" if "past_key_values" in params else "cache_params"
         _fit_cache_widths(written, self.wrapper, self.cache)
+        self.indexed = _indexer_caches(written, self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
+        # None: the family's code builds its masks from the positions (see `trace`)
+        self.full_mask: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor,
                 rows: int | torch.SymInt = 1) -> torch.Tensor:
@@ -180,6 +204,10 @@ class CachedLM(torch.nn.Module):
             layer.values = getattr(self.wrapper, f"value_cache_{i}")
             layer.cumulative_length = getattr(self.wrapper, f"cumulative_length_{i}")
             layer.cumulative_length.copy_(cache_position[0])
+            if i in self.indexed:
+                layer.indexer_keys = getattr(self.wrapper, f"indexer_keys_{i}")
+                layer.indexer_cumulative_length = getattr(self.wrapper, f"indexer_length_{i}")
+                layer.indexer_cumulative_length.copy_(cache_position[0])
             if i in self.rings:
                 layer.positions = getattr(self.wrapper, f"ring_positions_{i}")
                 layer.query_positions = cache_position
@@ -189,7 +217,7 @@ class CachedLM(torch.nn.Module):
         with (self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext(),
               real_rotary(self.wrapper.model)):
             # positions given, as generate() gives them: some families (Bamba) count from 0 when left out
-            out = self.wrapper.model(input_ids=input_ids, attention_mask=None, position_ids=cache_position[None],
+            out = self.wrapper.model(input_ids=input_ids, attention_mask=self.full_mask, position_ids=cache_position[None],
                                      use_cache=True, logits_to_keep=keep, **{self.cache_argument: self.cache})
         return out.logits
 
@@ -224,9 +252,14 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     from torch._dynamo.exc import UserError, UserErrorType
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+    lm = next(m for m in module.modules() if isinstance(m, CachedLM))
     try:
         with torch.no_grad():
-            return torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
+        if lm.full_mask is None and any(n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+                                        for n in program.graph.nodes):
+            return _with_full_mask(lm, module, example, dynamic, model_dir)  # a length read as a number
+        return program
     except UserError as e:
         if e.error_type != UserErrorType.CONSTRAINT_VIOLATION:
             raise
@@ -236,10 +269,22 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     except (GuardOnDataDependentSymNode, RuntimeError, ValueError) as e:
         if not isinstance(e, GuardOnDataDependentSymNode) and not re.search(r"\bu\d+\b", str(e)):
             raise
+        if lm.full_mask is None:
+            return _with_full_mask(lm, module, example, dynamic, model_dir)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/transformers/models/" in f.filename]
         where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
         raise NotImplementedError(f"{model_dir}: the model's code depends on a value it computes at run time"
                                   f"{where}, which export cannot trace into a static graph") from e
+
+
+def _with_full_mask(lm: CachedLM, module: torch.nn.Module, example: tuple, dynamic: dict, model_dir):
+    """`trace` again with a mask of ones over the whole cache: some families
+    (OPT, BioGPT) size their masks and positions by the cache's length when
+    given no mask, which the mask's static size replaces (no padding: the
+    same attention)."""
+    lm.full_mask = torch.ones(1, max(layer.max_cache_len for layer in lm.cache.layers
+                                     if hasattr(layer, "max_cache_len")), dtype=torch.int64)
+    return trace(module, example, dynamic, model_dir)
 
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
@@ -335,7 +380,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         model = (load_gguf(model_dir, DTYPES[dtype], stage) if is_gguf(model_dir)
                  else load_weights(model_dir, DTYPES[dtype]))
         experts = route_experts(model)
-        check_experts_routed(config, experts, model_dir)
+        check_experts_routed(model, experts)
         if experts:
             stage(f"{len(experts)} mixture-of-experts layers")
         if quantize is not None:

@@ -114,6 +114,7 @@ def _ring_attention(kind: str):
 
     def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         ring = getattr(module, "_mlx_ring", None)
+        attention_mask = _with_indexed_keys(attention_mask, kwargs.pop("indices", None), key.shape[-2])
         if kind == "eager":
             if ring is not None:  # additive, as transformers' eager masks
                 attention_mask = torch.where(ring.visible(), 0.0, torch.finfo(query.dtype).min).to(query.dtype)
@@ -128,6 +129,20 @@ def _ring_attention(kind: str):
         return out.transpose(1, 2).contiguous(), None
 
     return attention
+
+
+def _with_indexed_keys(attention_mask, indices, keys: int):
+    """The mask of an indexed-attention layer (DeepSeek-V3.2's kind), whose
+    code hands an attention function other than transformers' own the keys
+    each query attends to (`indices` [B, S, k]) instead of masking them out
+    itself: the layer's mask with every other key masked."""
+    if indices is None:
+        return attention_mask
+    batch, rows = indices.shape[:2]
+    picked = torch.zeros(batch, rows, keys, dtype=torch.bool).scatter(-1, indices.long(), True).unsqueeze(1)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & picked
+    return attention_mask.masked_fill(~picked, torch.finfo(attention_mask.dtype).min)
 
 
 def _register_attention(kind: str) -> str:

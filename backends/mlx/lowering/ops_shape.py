@@ -194,11 +194,34 @@ def _advanced_index(indices) -> tuple[int, torch.fx.Node]:
 
 @handles(aten.index.Tensor)
 def index(b: GraphBuilder, node: torch.fx.Node) -> None:
-    """x[..., idx, ...] with one integer index tensor: take along its axis."""
+    """x[..., idx, ...] with one integer index tensor: take along its axis;
+    with several on adjacent axes of static sizes (x[i, j], a padding mask
+    read at [batch, position]), take along those axes flattened into one, at
+    the flat index i * size_j + j."""
     x = b.get(node.args[0])
-    axis, t = _advanced_index(node.args[1])
     out = meta_val(node)
-    b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=b.get(t).tid, axis=axis))
+    tensors = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
+    if len(tensors) == 1:
+        axis, t = _advanced_index(node.args[1])
+        b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=x.tid, indices=b.get(t).tid, axis=axis))
+        return
+    axes = [i for i, _ in tensors]
+    sizes = x.shape[axes[0]:axes[-1] + 1]
+    if axes != list(range(axes[0], axes[-1] + 1)) or not all(isinstance(d, int) for d in sizes):
+        raise Unsupported("indexing with index tensors on axes that are not adjacent or not of static sizes")
+    if any(meta_val(t).dtype in (torch.bool, torch.uint8) for _, t in tensors):
+        raise Unsupported("boolean mask indexing (data-dependent shape)")
+    flat, flat_shape = None, ()
+    for (axis, t), stride in zip(tensors, [int(torch.tensor(sizes[k + 1:]).prod()) for k in range(len(sizes))]):
+        term = b.cast(b.get(t), torch.int64)
+        if stride != 1:
+            term = b.emit(ir.MultiplyNode, torch.int64, term.shape, a=term.tid, b=b.literal(stride, torch.int64).tid)
+        if flat is not None:
+            flat_shape = torch.broadcast_shapes(flat_shape, term.shape)
+            term = b.emit(ir.AddNode, torch.int64, flat_shape, a=flat.tid, b=term.tid)
+        flat, flat_shape = term, term.shape
+    joined = b.reshape(x, (*x.shape[:axes[0]], int(torch.tensor(sizes).prod()), *x.shape[axes[-1] + 1:]))
+    b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=joined.tid, indices=flat.tid, axis=axes[0]))
 
 
 @handles(aten.index_select.default)
