@@ -430,17 +430,6 @@ def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_pa
     check_context(read_config(folder_copy), folder_copy, 64, True, 4)  # allowed: no error
 
 
-def test_a_gpt_neo_cache_longer_than_its_local_window_is_refused():
-    from executorch_mlx.llm.export_checks import check_context
-
-    config = dict(model_type="gpt_neo", attention_types=[[["global", "local"], 1]], window_size=8,
-                  num_hidden_layers=2, num_attention_heads=4, hidden_size=64)
-    with pytest.raises(NotImplementedError, match=r"local attention layers mask correctly only in a cache of at "
-                                                  r"most window_size \(8\) positions; export with max_context <= 8"):
-        check_context(config, "neo", 16, False, 4)
-    check_context(config, "neo", 8, False, 4)
-
-
 def test_control_flow_on_a_run_time_value_is_a_named_refusal():
     from executorch_mlx.llm.hf_export import trace
 

@@ -23,8 +23,9 @@ PROMPT = [5, 9, 3, 7, 11, 5, 9, 3, 7, 11, 5, 9]
 
 
 class Scans(torch.nn.Module):
-    def forward(self, q, k, v, g, beta, s, x, dt, a, b, c, s2, x1, dt1, a1, b1, c1, s1):
+    def forward(self, q, k, v, g, beta, s, x, dt, a, b, c, s2, x1, dt1, a1, b1, c1, s1, g_channels):
         return (torch.ops.mlx.gated_delta(q, k, v, g, beta, s, SNAPSHOTS),
+                torch.ops.mlx.gated_delta(q, k, v, g_channels, beta, s, SNAPSHOTS),  # KDA's decay per key channel
                 torch.ops.mlx.ssd_scan(x, dt, a, b, c, s2, SNAPSHOTS),
                 torch.ops.mlx.selective_scan(x1, dt1, a1, b1, c1, s1, SNAPSHOTS))
 
@@ -41,7 +42,9 @@ def scan_inputs(length: int) -> tuple:
             rand(1, 3, 4, 6),
             # Mamba-1: 3 channels, 5 states each, each its own decay rate
             rand(1, 3, length), dt1, -torch.rand(3, 5, generator=gen) * 2, rand(1, length, 5), rand(1, length, 5),
-            rand(1, 3, 5))
+            rand(1, 3, 5),
+            # a log decay per key channel, some channels forgetting fast (down to exp(-8) a step)
+            -torch.rand(1, 2, length, 8, generator=gen) * torch.linspace(0.1, 8, 8))
 
 
 def test_state_scans_equal_their_references_at_every_length():
@@ -49,7 +52,7 @@ def test_state_scans_equal_their_references_at_every_length():
     steps of the kept positions and the chunked form before them."""
     seq = torch.export.Dim("seq", min=1, max=256)
     dynamic = [{2: seq}, {2: seq}, {2: seq}, {2: seq}, {2: seq}, None, {2: seq}, {2: seq}, None, {2: seq}, {2: seq},
-               None, {2: seq}, {2: seq}, None, {1: seq}, {1: seq}, None]
+               None, {2: seq}, {2: seq}, None, {1: seq}, {1: seq}, None, {2: seq}]
     edge = lower(Scans(), scan_inputs(3), dynamic_shapes=dynamic)
     assert {"GatedDeltaNode", "SsdScanNode", "SelectiveScanNode"} <= node_types(edge)
     program = edge.to_executorch().buffer

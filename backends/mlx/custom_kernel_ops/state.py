@@ -1,13 +1,15 @@
 """State-layer recurrences: the gated delta rule, Mamba-2's state-space scan and Mamba-1's selective scan.
 
     torch.ops.mlx.gated_delta(q[B, H, L, Dk], k[B, H, L, Dk], v[B, H, L, Dv],
-                              g[B, H, L], beta[B, H, L], state[B, H, Dk, Dv],
-                              snapshots) -> float32 [B, H, L + snapshots * Dk, Dv]
+                              g[B, H, L] or [B, H, L, Dk], beta[B, H, L],
+                              state[B, H, Dk, Dv], snapshots)
+        -> float32 [B, H, L + snapshots * Dk, Dv]
 
 runs, for t = 0 .. L-1 and each head (q and k already normalized and
-scaled, g the log of the decay):
+scaled, g the log of the decay: one per head (Qwen3.5's gated delta rule) or
+one per key channel, row of S (Kimi's delta attention, KDA)):
 
-    S = S * exp(g_t)
+    S = S * exp(g_t)          (g_t [Dk]: row i of S times exp(g_t,i))
     S = S + k_t (beta_t (v_t - k_t^T S))^T
     o_t = S^T q_t
 
@@ -76,8 +78,9 @@ def gated_delta_reference(q, k, v, g, beta, state, snapshots):
     q, k, v, g, beta, s = (t.to(torch.float64) for t in (q, k, v, g, beta, state))
     initial = s
     outputs, states = [], []
+    rows = g if g.dim() == 4 else g[..., None]  # [B, H, L, Dk or 1]: the decay of each row of S
     for t in range(q.shape[2]):
-        s = s * g[:, :, t].exp()[..., None, None]
+        s = s * rows[:, :, t].exp()[..., None]
         memory = (s * k[:, :, t, :, None]).sum(-2)
         delta = (v[:, :, t] - memory) * beta[:, :, t, None]
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]

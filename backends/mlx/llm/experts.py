@@ -84,11 +84,35 @@ def _zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
 
 
+def _dbrx_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """DBRX's experts take [B, S, H] and return that shape."""
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    return _experts_forward(self, rows, top_k_index, top_k_weights).view(hidden_states.shape)
+
+
+def _adopt_dbrx_experts(experts: torch.nn.Module) -> None:
+    """DBRX's experts (gate, up and down weights [E * F, H] each, in a GLU
+    module of their own) as an experts module of the common kind."""
+    glu = experts.mlp
+    shape = (experts.num_experts, experts.ffn_hidden_size, experts.hidden_size)
+    with torch.no_grad():
+        gate_up = torch.cat([glu.w1.view(shape), glu.v1.view(shape)], dim=1)
+        down = glu.w2.view(shape).transpose(1, 2).contiguous()
+    experts.gate_up_proj = torch.nn.Parameter(keep(gate_up), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(keep(down), requires_grad=False)
+    experts.act_fn = glu.activation_fn
+    del experts.mlp
+    experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
+    experts.is_transposed = False
+    experts._apply_gate = types.MethodType(_split_gate, experts)
+
+
 def _adopt_dense_experts(model: torch.nn.Module) -> None:
     """Llama 4's experts (weights [E, K, N], every expert run on every row)
     made an experts module of the common kind, its layer routed by
     `_llama4_moe_forward`; LongCat-Flash's (weights of the common kind, its
-    own loop) too."""
+    own loop) and DBRX's too."""
     for module in model.modules():
         if type(module).__name__ == "Llama4TextMoe" and not is_experts_module(module.experts):
             experts = module.experts
@@ -96,6 +120,8 @@ def _adopt_dense_experts(model: torch.nn.Module) -> None:
             experts.is_transposed = True
             experts._apply_gate = types.MethodType(_split_gate, experts)
             module.forward = types.MethodType(_llama4_moe_forward, module)
+        if type(module).__name__ == "DbrxExperts" and hasattr(module, "mlp"):
+            _adopt_dbrx_experts(module)
         if type(module).__name__ == "LongcatFlashExperts" and module.down_proj is not None:
             module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
             module.is_transposed = False
@@ -118,8 +144,9 @@ def route_experts(model: torch.nn.Module) -> list[str]:
                 setattr(module, weight, torch.nn.Parameter(keep(param.detach().transpose(1, 2).contiguous()),
                                                            requires_grad=False))
             module.is_transposed = False
-        zero_experts = getattr(module, "zero_expert_num", 0)
-        module.forward = types.MethodType(_zero_experts_forward if zero_experts else _experts_forward, module)
+        forward = (_zero_experts_forward if getattr(module, "zero_expert_num", 0)
+                   else _dbrx_experts_forward if type(module).__name__ == "DbrxExperts" else _experts_forward)
+        module.forward = types.MethodType(forward, module)
         names.append(name)
     return names
 

@@ -212,14 +212,6 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
         raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings {trained} "
                          f"({Path(model_dir) / 'config.json'}): positions beyond it were never trained; pass "
                          f"allow_longer_context=True (--allow-longer-context) to export anyway")
-    window = config.get("window_size")
-    if config.get("model_type") == "gpt_neo" and "local" in str(config.get("attention_types")) and \
-            isinstance(window, int) and max_context > window:
-        # its local layers take their mask's rows from the end of a window-wide causal mask, as if the cache held
-        # only what was written; with a static cache longer than the window they would mask the wrong positions
-        raise NotImplementedError(f"{Path(model_dir) / 'config.json'}: GPT-Neo's local attention layers mask "
-                                  f"correctly only in a cache of at most window_size ({window}) positions; export "
-                                  f"with max_context <= {window}")
     from .. import memory_budget
 
     if not attends(config):

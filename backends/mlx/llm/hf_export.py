@@ -43,6 +43,7 @@ from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
 from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
+from .local_attention import position_local_attention
 from .mlx_folders import describe as mlx_types, mlx_quantization
 from .quantize import QUANTIZE_MODES, quantize_model
 from .ring_cache import ring_chunk, use_rings
@@ -185,6 +186,7 @@ class CachedLM(torch.nn.Module):
         _fit_cache_widths(written, self.wrapper, self.cache)
         self.indexed = _indexer_caches(written, self.wrapper, self.cache)
         self.rings = use_rings(model, self.wrapper, self.cache, ring_chunk) if ring_chunk else {}
+        self.positioned = position_local_attention(model)
         # None: the family's code builds its masks from the positions (see `trace`)
         self.full_mask: torch.Tensor | None = None
 
@@ -211,6 +213,8 @@ class CachedLM(torch.nn.Module):
             if i in self.rings:
                 layer.positions = getattr(self.wrapper, f"ring_positions_{i}")
                 layer.query_positions = cache_position
+        for module in self.positioned:
+            module._mlx_positions = cache_position
         # no [S, V] logits on prefill: the last `rows` positions only (by index,
         # which transformers takes for a count that is a size of an input)
         keep = 1 if isinstance(rows, int) and rows == 1 else torch.arange(seq - rows, seq)

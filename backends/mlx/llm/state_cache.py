@@ -23,9 +23,9 @@ contract says N - 1 (`CACHE_REWIND`), and N = the drafts a call verifies + 1,
 so that every verify call can keep any accepted prefix.
 
 The model's own layer code runs unchanged, with transformers' cache methods
-answered here and its kernels (the causal convolution, the gated delta rule,
-Mamba-2's chunked scan, Mamba-1's selective scan) swapped for ours while the
-program is traced: the convolution is K shifted products, the recurrences are
+answered here and its kernels (the causal convolution, the gated delta rule
+and Kimi's delta attention, Mamba-2's chunked scan, Mamba-1's selective scan)
+swapped for ours while the program is traced: the convolution is K shifted products, the recurrences are
 the `mlx::gated_delta`, `mlx::ssd_scan` and `mlx::selective_scan` ops
 (custom_kernel_ops/state.py), which also return the states after the last N
 positions.
@@ -42,7 +42,8 @@ from ..custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the 
 from .module_globals import swapped
 
 # The kernels of transformers' modeling modules that read or write state, by their global name there.
-KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")
+KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan",
+           "mamba_selective_scan")
 
 
 def one_token_cache(model):
@@ -137,6 +138,7 @@ class StateLayers:
     def __init__(self, owner: torch.nn.Module, states: dict[int, dict], snapshots: int):
         self.owner, self.states, self.snapshots = owner, states, snapshots
         self.active: int | None = None  # the state layer whose code is running
+        self.head = 0  # the head its next scan covers, in a layer that scans one at a time (Zamba's)
         self.start = self.length = None
         for i, found in states.items():
             if "conv" in found:
@@ -217,6 +219,10 @@ class StateLayers:
         snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, dk, v.shape[-1]).permute(2, 0, 1, 3, 4)
         return out, snaps
 
+    # Kimi's delta attention (KDA: Kimi-Linear, Bailing's hybrids): the same rule with g [B, L, H, Dk], a
+    # decay per key channel, and the same arguments
+    chunk_kimi_delta_attention = torch_chunk_gated_delta_rule
+
     def mamba2_chunk_scan(self, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
                           dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
         """transformers' Mamba-2 scan ([B, L, H, P] in, the output and the
@@ -248,9 +254,8 @@ class StateLayers:
         i = self.active
         batch, channels, length = hidden_states.shape
         initial = self.initial(i)
-        if initial.shape[1] != channels:
-            raise NotImplementedError(f"layer {i} runs Mamba's scan on a part of its channels at a time (Zamba's, "
-                                      "per head), which export does not build yet")
+        if initial.dim() == 4:  # [B, heads, D / heads, N]: Zamba's layers scan one head at a time, in order
+            initial, self.head = initial[:, self.head], self.head + 1
         if delta_bias is not None:
             dt = dt + delta_bias.to(dt.dtype)[..., None]
         if delta_softplus:
@@ -286,6 +291,8 @@ def make_cache(model, max_context: int, layers: StateLayers):
             return layers.conv_inputs(conv_states, self.index)
 
         def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+            if recurrent_states.shape[1:3] != layers.ring("recurrent", self.index).shape[1:3]:
+                recurrent_states = recurrent_states.transpose(1, 2)  # Zamba's heads, stacked after our snapshots
             layers.write_recurrent(recurrent_states, self.index)
             return recurrent_states
 
@@ -302,11 +309,11 @@ def make_cache(model, max_context: int, layers: StateLayers):
         and note which layer runs, for the swapped kernels."""
 
         def get_conv_state(self, layer_idx, state_idx=0):
-            layers.active = layer_idx
+            layers.active, layers.head = layer_idx, 0
             return None
 
         def get_recurrent_state(self, layer_idx, state_idx=0):
-            layers.active = layer_idx
+            layers.active, layers.head = layer_idx, 0
             return None
 
         def get_seq_length(self, layer_idx=0):
@@ -336,7 +343,8 @@ def make_cache(model, max_context: int, layers: StateLayers):
 
 # The kernels that carry each kind of state in and out of a layer.
 KIND_KERNELS = {"conv": ("causal_conv1d_fn",),
-                "recurrent": ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")}
+                "recurrent": ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan",
+                              "mamba_selective_scan")}
 
 
 def check_state_kernels(model, states: dict[int, dict]) -> None:

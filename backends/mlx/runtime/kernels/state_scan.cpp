@@ -21,12 +21,12 @@ mx::array rows(const mx::array& a, int start, int stop) {
   return mx::slice(a, lo, hi);
 }
 
-// a [B, H, L, ...] -> [B, H, n, kChunk, ...], zero-padded to n * kChunk positions.
-mx::array chunked(const mx::array& a, int n) {
-  const int pad = n * kChunk - a.shape(2);
+// a [B, H, L, ...] -> [B, H, n, size, ...], zero-padded to n * size positions.
+mx::array chunked(const mx::array& a, int n, int size = kChunk) {
+  const int pad = n * size - a.shape(2);
   mx::array padded = pad ? mx::pad(a, std::vector<int>{2}, mx::Shape{0}, mx::Shape{pad}, mx::array(0, a.dtype())) : a;
   mx::Shape shape = a.shape();
-  shape[2] = kChunk;
+  shape[2] = size;
   shape.insert(shape.begin() + 2, n);
   return mx::reshape(padded, shape);
 }
@@ -90,6 +90,57 @@ mx::array gated_delta_chunks(const mx::array& q, const mx::array& k, const mx::a
   auto q_decayed = mx::multiply(qc, mx::expand_dims(exp_cum, -1));
   auto k_decayed = mx::multiply(kc, mx::expand_dims(mx::exp(mx::subtract(last, cum)), -1));
   auto chunk_decay = mx::expand_dims(mx::exp(last), -1);  // [B, H, n, 1, 1]
+  std::vector<mx::array> outs;
+  for (int i = 0; i < n; ++i) {
+    auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
+    outs.push_back(mx::add(mx::matmul(chunk(q_decayed, i), s), mx::matmul(chunk(intra, i), v_new)));
+    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(k_decayed, i)), v_new));
+  }
+  return rows(mx::concatenate(outs, 2), 0, L);
+}
+
+// [..., C, C, Dk]: exp(cum_i - cum_j) per key channel for j <= i, else 0 (cum [..., C, Dk]).
+mx::array pairwise_channel_decay(const mx::array& cum, int size) {
+  auto diff = mx::subtract(mx::expand_dims(cum, -2), mx::expand_dims(cum, -3));
+  auto lower = mx::expand_dims(mx::tril(mx::ones({size, size}, mx::bool_)), -1);
+  return mx::where(lower, mx::exp(mx::where(lower, diff, mx::array(0.0f))), mx::array(0.0f));
+}
+
+// [..., C, C]: sum over c of a_i[c] b_j[c] decay[i, j, c] (a, b [..., C, Dk]).
+mx::array decayed_scores(const mx::array& a, const mx::array& b, const mx::array& decay) {
+  return mx::sum(mx::multiply(mx::multiply(mx::expand_dims(a, -2), mx::expand_dims(b, -3)), decay), -1);
+}
+
+// The gated delta rule with a decay per key channel (Kimi's delta attention),
+// chunked form over chunks of kChannelChunk positions: the pairwise decays
+// are [C, C, Dk] per chunk, kept small; the same steps as gated_delta_chunks
+// with exp(cum_i - cum_j) inside each product over the key channels.
+constexpr int kChannelChunk = 16;
+
+mx::array channel_delta_chunks(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
+                               const mx::array& beta, mx::array& s) {
+  const int C = kChannelChunk, L = q.shape(2), n = (L + C - 1) / C;
+  auto qc = chunked(q, n, C), kc = chunked(k, n, C), vc = chunked(v, n, C);
+  auto cum = mx::cumsum(chunked(g, n, C), -2);  // [B, H, n, C, Dk]; padding: g = 0 (no decay)
+  auto bc = mx::expand_dims(chunked(beta, n, C), -1);  // padding: beta = 0 (no write)
+  auto decay = pairwise_channel_decay(cum, C);     // [B, H, n, C, C, Dk]
+  auto k_beta = mx::multiply(kc, bc);
+  auto strict = mx::tril(mx::ones({C, C}, mx::bool_), -1);
+  auto nil = mx::where(strict, mx::negative(decayed_scores(k_beta, kc, decay)), mx::array(0.0f));
+  auto inverse = mx::add(mx::eye(C, mx::float32), nil);
+  auto power = nil;
+  for (int span = 2; span < C; span *= 2) {
+    power = mx::matmul(power, power);
+    inverse = mx::add(inverse, mx::matmul(inverse, power));
+  }
+  auto exp_cum = mx::exp(cum);
+  auto new_values = mx::matmul(inverse, mx::multiply(vc, bc));
+  auto k_cumdecay = mx::matmul(inverse, mx::multiply(k_beta, exp_cum));
+  auto intra = decayed_scores(qc, kc, decay);  // the diagonal too: a position reads its own write
+  auto last = mx::slice(cum, {0, 0, 0, C - 1, 0}, cum.shape());  // [B, H, n, 1, Dk]
+  auto q_decayed = mx::multiply(qc, exp_cum);
+  auto k_decayed = mx::multiply(kc, mx::exp(mx::subtract(last, cum)));
+  auto chunk_decay = mx::swapaxes(mx::exp(last), -1, -2);  // [B, H, n, Dk, 1]: per row of s
   std::vector<mx::array> outs;
   for (int i = 0; i < n; ++i) {
     auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
@@ -187,17 +238,21 @@ mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::ar
   check_rank(q_in, 4, "GatedDeltaNode: q must be [B, H, L, Dk]");
   check_rank(state, 4, "GatedDeltaNode: state must be [B, H, Dk, Dv]");
   const int B = q_in.shape(0), H = q_in.shape(1), L = q_in.shape(2), Dk = q_in.shape(3), Dv = v_in.shape(-1);
-  if (k_in.shape() != q_in.shape() || v_in.shape() != mx::Shape{B, H, L, Dv} || g_in.shape() != mx::Shape{B, H, L} ||
-      beta_in.shape() != g_in.shape() || state.shape() != mx::Shape{B, H, Dk, Dv}) {
+  const bool per_channel = g_in.ndim() == 4;  // a decay per key channel (KDA), else per head
+  if (k_in.shape() != q_in.shape() || v_in.shape() != mx::Shape{B, H, L, Dv} || beta_in.shape() != mx::Shape{B, H, L} ||
+      g_in.shape() != (per_channel ? mx::Shape{B, H, L, Dk} : mx::Shape{B, H, L}) ||
+      state.shape() != mx::Shape{B, H, Dk, Dv}) {
     throw std::invalid_argument("GatedDeltaNode: inputs of inconsistent shapes");
   }
   auto q = f32(q_in), k = f32(k_in), v = f32(v_in), g = f32(g_in), beta = f32(beta_in);
   auto chunks = [&](int n, mx::array& s) {
-    return gated_delta_chunks(rows(q, 0, n), rows(k, 0, n), rows(v, 0, n), rows(g, 0, n), rows(beta, 0, n), s);
+    auto form = per_channel ? channel_delta_chunks : gated_delta_chunks;
+    return form(rows(q, 0, n), rows(k, 0, n), rows(v, 0, n), rows(g, 0, n), rows(beta, 0, n), s);
   };
   auto step = [&](int t, mx::array& s) {
     auto kt = rows(k, t, t + 1);  // [B, H, 1, Dk]
-    s = mx::multiply(s, mx::expand_dims(mx::exp(rows(g, t, t + 1)), -1));
+    auto gt = mx::exp(rows(g, t, t + 1));  // [B, H, 1] or [B, H, 1, Dk]
+    s = mx::multiply(s, per_channel ? mx::swapaxes(gt, -1, -2) : mx::expand_dims(gt, -1));
     auto memory = mx::matmul(kt, s);  // [B, H, 1, Dv]
     auto delta = mx::multiply(mx::subtract(rows(v, t, t + 1), memory), mx::expand_dims(rows(beta, t, t + 1), -1));
     s = mx::add(s, mx::matmul(mx::swapaxes(kt, -1, -2), delta));
