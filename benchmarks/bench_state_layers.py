@@ -15,6 +15,13 @@ medians, and the two ratios the state layers must hold (issue #36): decode
 at position `--far` against position 64 (>= 0.9), and the `--long`-token
 prefill's per-token rate against the 64-token one's (>= 0.8: the chunked
 form, not a step per token).
+
+With `--llama-cpp SRC` (a llama.cpp source tree: llama-cpp-python's sdist
+carries one under vendor/llama.cpp) the same folders also run on llama.cpp
+(the bench extra's llama-cpp-python), converted by its own converter
+(llama_cpp_convert.py) to F32 and quantized by it to Q8_0 / Q4_0 for our
+int8 / int4, in the same table; first its greedy tokens are compared with
+ours at fp32 (the conversion's check).
 """
 
 from __future__ import annotations
@@ -52,7 +59,61 @@ def write_folder(path: Path, shape: str) -> Path:
     model = tf.AutoModelForCausalLM.from_config(cfg)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
     model.save_pretrained(path)
+    from transformers import PreTrainedTokenizerFast
+
+    from executorch_mlx.llm.model_folders import BOS, EOS, train_tokenizer
+
+    # (for llama.cpp's converter, which reads a vocabulary; the runs feed token ids)
+    PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS).save_pretrained(path)
     return path
+
+
+LLAMA_CPP_TYPES = {"fp32": None, "int8": "LLAMA_FTYPE_MOSTLY_Q8_0", "int4": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def llama_cpp_gguf(folder: Path, variant: str, src: Path) -> Path:
+    """The folder as llama.cpp's converter writes it (F32), quantized by llama.cpp for int8 / int4."""
+    import subprocess
+
+    import llama_cpp as lc
+
+    f32 = folder / "llama-f32.gguf"
+    if not f32.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")), str(src), str(folder),
+                        "--outfile", str(f32), "--outtype", "f32", "--no-mtp"], check=True, capture_output=True)
+    if LLAMA_CPP_TYPES[variant] is None:
+        return f32
+    out = folder / f"llama-{variant}.gguf"
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, LLAMA_CPP_TYPES[variant])
+    if lc.llama_model_quantize(str(f32).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {f32} to {variant}")
+    return out
+
+
+def llama_cpp_caller(gguf: Path, max_context: int):
+    """call(ids, start) -> llama.cpp's greedy next token (2 threads, as ours)."""
+    import llama_cpp as lc
+    import numpy as np
+
+    llm = lc.Llama(str(gguf), n_ctx=max_context, n_threads=2, n_threads_batch=2, verbose=False)
+    vocab = llm.n_vocab()
+
+    def call(ids: list[int], start: int) -> int:
+        if start == 0:
+            llm.reset()
+        llm.eval(ids)
+        return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+
+    call.llm = llm
+    return call
+
+
+def greedy_tokens(call, prompt: list[int], n: int) -> list[int]:
+    tokens = [call(prompt, 0)]
+    for i in range(n - 1):
+        tokens.append(call([tokens[-1]], len(prompt) + i))
+    return tokens
 
 
 def main() -> int:
@@ -63,6 +124,7 @@ def main() -> int:
     ap.add_argument("--long", type=int, default=1000)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--llama-cpp", type=Path, metavar="SRC", help="also run llama.cpp, converting with SRC's converter")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print("command: " + " ".join(sys.argv))
@@ -77,8 +139,16 @@ def main() -> int:
             for variant in args.variants:
                 pte = export(folder, folder, variant, args.far + args.decode + 1, whole_cache=False)
                 programs[f"{shape} {variant}"] = greedy_caller(pte)
+                if args.llama_cpp:
+                    gguf = llama_cpp_gguf(folder, variant, args.llama_cpp)
+                    programs[f"{shape} {variant} llama.cpp"] = llama_cpp_caller(gguf, args.far + args.decode + 1)
         prompt = lambda n, a: [(a * i + 7) % VOCAB for i in range(n)]  # noqa: E731
         short, long, far = prompt(64, 31), prompt(args.long, 17), prompt(args.far, 13)
+        if args.llama_cpp and "fp32" in args.variants:
+            for shape in args.shapes:  # the same weights: the same greedy tokens at fp32
+                ours, theirs = (greedy_tokens(programs[f"{shape} fp32{who}"], short, 8) for who in ("", " llama.cpp"))
+                print(f"{shape} fp32 greedy, 8 tokens: ours {ours}, llama.cpp {theirs}: "
+                      f"{'equal' if ours == theirs else 'DIFFER'}", flush=True)
         keys = ("prefill 64", f"prefill {args.long}", "decode at 64", f"decode at {args.far}")
         results = {label: {k: [] for k in keys} for label in programs}
 

@@ -221,8 +221,9 @@ class CachedLM(torch.nn.Module):
         with (self.states.kernels(self.wrapper.model) if self.states is not None else contextlib.nullcontext(),
               real_rotary(self.wrapper.model)):
             # positions given, as generate() gives them: some families (Bamba) count from 0 when left out
-            out = self.wrapper.model(input_ids=input_ids, attention_mask=self.full_mask, position_ids=cache_position[None],
-                                     use_cache=True, logits_to_keep=keep, **{self.cache_argument: self.cache})
+            out = self.wrapper.model(input_ids=input_ids, attention_mask=self.full_mask,
+                                     position_ids=cache_position[None], use_cache=True, logits_to_keep=keep,
+                                     **{self.cache_argument: self.cache})
         return out.logits
 
 
@@ -260,9 +261,9 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     try:
         with torch.no_grad():
             program = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
-        if lm.full_mask is None and any(n.target in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-                                        for n in program.graph.nodes):
-            return _with_full_mask(lm, module, example, dynamic, model_dir)  # a length read as a number
+        read = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)  # a length read as a number
+        if lm.full_mask is None and any(n.target in read for n in program.graph.nodes):
+            return _with_full_mask(lm, module, example, dynamic, model_dir)
         return program
     except UserError as e:
         if e.error_type != UserErrorType.CONSTRAINT_VIOLATION:

@@ -7249,8 +7249,9 @@ def SampleNodeEnd(builder):
 
 
 # The gated delta rule of linear-attention layers (custom_kernel_ops/state.py):
-# q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay) and
-# beta [B, H, L], state [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
+# q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay)
+# [B, H, L] or per key channel [B, H, L, Dk], beta [B, H, L], state
+# [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
 # the outputs, then the states after the last `snapshots` positions.
 class GatedDeltaNode(object):
     __slots__ = ['_tab']
