@@ -27,7 +27,7 @@ _spec.loader.exec_module(gguf_folder)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     # tied embeddings: the GGUF has no output tensor, llama.cpp's way of tying them
-    return write_model_folder(tmp_path_factory.mktemp("gguf") / "f32", "llama", layers=2, hidden=64,
+    return write_model_folder(tmp_path_factory.mktemp("gguf") / "f32", "llama", layers=1, hidden=64,
                               intermediate=128)
 
 
@@ -55,7 +55,7 @@ def test_a_gguf_file_exports_and_generates_its_values(llama, tmp_path, quant):
     path = gguf_folder.write_gguf(llama, tmp_path / "model.gguf", quant)
     pte = export_llm(path, tmp_path / "model.pte", max_context=64, progress=None)
     runner = LLMRunner(pte, llama)
-    assert runner.contract.metadata["emlx_quantization"] == [f"gguf: 15 {quant}"]
+    assert runner.contract.metadata["emlx_quantization"] == [f"gguf: 8 {quant}"]
     ids = runner.tokenizer.encode(PROMPT).ids
     want_folder = gguf_values_folder(llama, path, tmp_path / "values")
     from transformers import AutoModelForCausalLM

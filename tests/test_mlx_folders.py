@@ -50,7 +50,7 @@ def write_mlx_folder(src, dst, bits: int, group_size: int, layers: dict | None =
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return write_model_folder(tmp_path_factory.mktemp("llama") / "f32", "llama", layers=2, hidden=64,
+    return write_model_folder(tmp_path_factory.mktemp("llama") / "f32", "llama", layers=1, hidden=64,
                               intermediate=128)
 
 
@@ -74,7 +74,7 @@ def test_per_layer_entries_and_refusals(llama, tmp_path):
     precision; what export does not read is named."""
     down = "model.layers.0.mlp.down_proj"
     folder = write_mlx_folder(llama, tmp_path / "mixed", 4, 64, {down: {"bits": 3, "group_size": 32},
-                                                                 "model.layers.1.mlp.up_proj": False})
+                                                                 "model.layers.0.mlp.up_proj": False})
     pte = export_llm(folder, tmp_path / "mixed.pte", max_context=64, progress=None)
     runner = LLMRunner(pte, folder)
     assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ)"]
