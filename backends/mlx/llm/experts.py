@@ -78,8 +78,8 @@ def _zero_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     """LongCat-Flash's experts: ids past the routed experts are zero-computation
     experts that hand the row on as it is."""
     routed = top_k_index < self.num_routed_experts
-    h = _project(self, "gate_up_proj", hidden_states, torch.where(routed, top_k_index, 0))
-    out = _project(self, "down_proj", self._apply_gate(h), torch.where(routed, top_k_index, 0))  # [T, k, H]
+    ids = torch.where(routed, top_k_index, 0)
+    out = _project(self, "down_proj", self._apply_gate(_project(self, "gate_up_proj", hidden_states, ids)), ids)
     out = torch.where(routed.unsqueeze(-1), out, hidden_states.unsqueeze(1).to(out.dtype))
     return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
 

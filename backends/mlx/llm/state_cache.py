@@ -25,8 +25,9 @@ so that every verify call can keep any accepted prefix.
 The model's own layer code runs unchanged, with transformers' cache methods
 answered here and its kernels (the causal convolution, the gated delta rule
 and Kimi's delta attention, Mamba-2's chunked scan, Mamba-1's selective scan)
-swapped for ours while the program is traced: the convolution is K shifted products, the recurrences are
-the `mlx::gated_delta`, `mlx::ssd_scan` and `mlx::selective_scan` ops
+swapped for ours while the program is traced: the convolution is K shifted
+products, the recurrences are the `mlx::gated_delta`, `mlx::ssd_scan` and
+`mlx::selective_scan` ops
 (custom_kernel_ops/state.py), which also return the states after the last N
 positions.
 """

@@ -197,7 +197,8 @@ def index(b: GraphBuilder, node: torch.fx.Node) -> None:
     """x[..., idx, ...] with one integer index tensor: take along its axis;
     with several on adjacent axes of static sizes (x[i, j], a padding mask
     read at [batch, position]), take along those axes flattened into one, at
-    the flat index i * size_j + j."""
+    the flat index i * size_j + j (indices from 0, as masks index: a
+    negative one would wrap into the wrong row)."""
     x = b.get(node.args[0])
     out = meta_val(node)
     tensors = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
@@ -212,7 +213,7 @@ def index(b: GraphBuilder, node: torch.fx.Node) -> None:
     if any(meta_val(t).dtype in (torch.bool, torch.uint8) for _, t in tensors):
         raise Unsupported("boolean mask indexing (data-dependent shape)")
     flat, flat_shape = None, ()
-    for (axis, t), stride in zip(tensors, [int(torch.tensor(sizes[k + 1:]).prod()) for k in range(len(sizes))]):
+    for (_, t), stride in zip(tensors, [int(torch.tensor(sizes[k + 1:]).prod()) for k in range(len(sizes))]):
         term = b.cast(b.get(t), torch.int64)
         if stride != 1:
             term = b.emit(ir.MultiplyNode, torch.int64, term.shape, a=term.tid, b=b.literal(stride, torch.int64).tid)
