@@ -151,8 +151,6 @@ def test_no_sampling_export_runs_in_executorchs_text_runner(exported):
     ({"model_type": "t5"}, ValueError, r"model_type 't5' is not a causal language model transformers knows"),
     ({"layer_types": ["compressed_sparse_attention", "full_attention"]}, NotImplementedError,
      "has compressed_sparse_attention layers, which export does not build yet"),
-    ({"layer_types": ["indexed_attention", "full_attention"]}, NotImplementedError,
-     "has indexed_attention layers, which export does not build yet"),
 ])
 def test_what_export_does_not_build_yet_is_named(exported, tmp_path, edit, error, match):
     """No list of families: any causal LM goes through, and what export

@@ -257,12 +257,12 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     from torch._dynamo.exc import UserError, UserErrorType
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    lm = next(m for m in module.modules() if isinstance(m, CachedLM))
+    lm = next((m for m in module.modules() if isinstance(m, CachedLM)), None)
     try:
         with torch.no_grad():
             program = torch.export.export(module.eval(), example, dynamic_shapes=dynamic, strict=False)
         read = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)  # a length read as a number
-        if lm.full_mask is None and any(n.target in read for n in program.graph.nodes):
+        if lm is not None and lm.full_mask is None and any(n.target in read for n in program.graph.nodes):
             return _with_full_mask(lm, module, example, dynamic, model_dir)
         return program
     except UserError as e:
@@ -274,7 +274,7 @@ def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str
     except (GuardOnDataDependentSymNode, RuntimeError, ValueError) as e:
         if not isinstance(e, GuardOnDataDependentSymNode) and not re.search(r"\bu\d+\b", str(e)):
             raise
-        if lm.full_mask is None:
+        if lm is not None and lm.full_mask is None:
             return _with_full_mask(lm, module, example, dynamic, model_dir)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "/transformers/models/" in f.filename]
         where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
