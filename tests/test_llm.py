@@ -15,7 +15,7 @@ from llm_programs import SAMPLED, family_program
 from transformers import AutoModelForCausalLM
 
 from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.model_folders import FAMILIES
+from executorch_mlx.llm.model_folders import FAMILIES, write_model_folder
 from executorch_mlx.llm.runner import LLMRunner
 
 PROMPT = "Once upon a time"
@@ -168,7 +168,6 @@ def test_an_op_without_lowering_is_an_error_naming_it_and_its_module(tmp_path, m
     """No silent portable fallback inside an LLM export: the op, its module
     and the reason, and nothing written (no spilled weights either)."""
     from executorch_mlx import partitioner
-    from executorch_mlx.llm.model_folders import write_model_folder
 
     # one layer: the export is refused once the partitioner has seen the graph (~5 s less than two)
     folder = write_model_folder(tmp_path / "llama", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
@@ -287,8 +286,8 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
         files.append(path)
         return spy.__wrapped__(path, **kw)
 
-    folder, _ = exported("llama", sampling=False)
-    (tmp_path / "in_memory").mkdir()
+    # (a one-layer folder: the path of every weight shows in one layer)
+    folder = write_model_folder(tmp_path / "in_memory" / "llama", "llama", layers=1)
     pte = export_llm(folder, tmp_path / "in_memory" / "a.pte", max_context=64, sampling=False, quantize="int4",
                      progress=None)
     spy.__wrapped__ = weight_files.FileBackedData
@@ -298,7 +297,7 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
         model = load_weights(folder, torch.float32)
         assert all(kept.stored(p) is not None for p in model.parameters())
     del model
-    assert [p.name for p in tmp_path.iterdir()] == ["in_memory"]
+    assert [p.name for p in tmp_path.iterdir()] == ["in_memory"]  # (the folder is inside it)
     out = export_llm(folder, tmp_path / "spilled.pte", max_context=64, sampling=False, quantize="int4",
                      progress=None)
     assert files and all(p.startswith(str(tmp_path)) for p in files)
