@@ -58,7 +58,9 @@ LATENT = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, head_dim=8, q
               num_key_value_heads=4)
 # Expert groups: 4 experts cannot be split into the default 8 groups of which 4 are kept; one dense layer first.
 GROUPS = dict(n_group=1, topk_group=1, first_k_dense_replace=1)
-# Indexed (sparse) attention: a small indexer that keeps 8 keys per query, fewer than the probe's ~21 tokens
+# Indexed (sparse) attention: a small indexer that keeps 8 keys per query, fewer than the probe's ~21 tokens; 8
+# heads, as with 2 its ReLU'd scores often tie at 0, and transformers' growing cache breaks a tie at the k-th key
+# otherwise than any static cache (transformers' own included)
 INDEXER = dict(index_n_heads=8, index_head_dim=16, index_topk=8)
 # Fixes a tiny model needs for a consistent config, beyond the rules of config() (per-layer lists rebuilt for 2
 # layers, one layer of each of the first two layer kinds, a sliding window of 8).
