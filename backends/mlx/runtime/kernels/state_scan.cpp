@@ -60,6 +60,32 @@ mx::array pack(const std::vector<mx::array>& outputs, std::vector<mx::array> sta
   return mx::concatenate(parts, 2);
 }
 
+// (I + A)^-1 for a strictly lower [..., C, C] A, given as nil = -A (nilpotent):
+// sum N^i = (I + N)(I + N^2)(I + N^4)... (log2 C products).
+mx::array unit_lower_inverse(const mx::array& nil, int size) {
+  auto inverse = mx::add(mx::eye(size, mx::float32), nil);
+  auto power = nil;
+  for (int span = 2; span < size; span *= 2) {
+    power = mx::matmul(power, power);
+    inverse = mx::add(inverse, mx::matmul(inverse, power));
+  }
+  return inverse;
+}
+
+// The delta rule's chunk after chunk ([B, H, n, C, ...] per-chunk terms):
+// each chunk's outputs from the state carried in, and the state carried on.
+mx::array carry_chunks(const mx::array& new_values, const mx::array& k_cumdecay, const mx::array& q_decayed,
+                       const mx::array& intra, const mx::array& k_decayed, const mx::array& chunk_decay, int L,
+                       mx::array& s) {
+  std::vector<mx::array> outs;
+  for (int i = 0; i < new_values.shape(2); ++i) {
+    auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
+    outs.push_back(mx::add(mx::matmul(chunk(q_decayed, i), s), mx::matmul(chunk(intra, i), v_new)));
+    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(k_decayed, i)), v_new));
+  }
+  return rows(mx::concatenate(outs, 2), 0, L);
+}
+
 // Gated delta rule, chunked form over all of q..beta (float32, [B, H, L, ...]);
 // returns the outputs and updates `s`.
 mx::array gated_delta_chunks(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
@@ -72,16 +98,10 @@ mx::array gated_delta_chunks(const mx::array& q, const mx::array& k, const mx::a
   auto k_beta = mx::multiply(kc, mx::expand_dims(bc, -1));
   auto v_beta = mx::multiply(vc, mx::expand_dims(bc, -1));
   auto kt = mx::swapaxes(kc, -1, -2);
-  // (I + A)^-1 for the strictly lower A = (k_beta k^T) * decay: with N = -A
-  // nilpotent, it is sum N^i = (I + N)(I + N^2)(I + N^4)... (log2 C products).
+  // A = (k_beta k^T) * decay, strictly lower
   auto strict = mx::tril(mx::ones({kChunk, kChunk}, mx::bool_), -1);
   auto nil = mx::where(strict, mx::negative(mx::multiply(mx::matmul(k_beta, kt), decay)), mx::array(0.0f));
-  auto inverse = mx::add(mx::eye(kChunk, mx::float32), nil);
-  auto power = nil;
-  for (int span = 2; span < kChunk; span *= 2) {
-    power = mx::matmul(power, power);
-    inverse = mx::add(inverse, mx::matmul(inverse, power));
-  }
+  auto inverse = unit_lower_inverse(nil, kChunk);
   auto exp_cum = mx::exp(cum);
   auto new_values = mx::matmul(inverse, v_beta);
   auto k_cumdecay = mx::matmul(inverse, mx::multiply(k_beta, mx::expand_dims(exp_cum, -1)));
@@ -90,13 +110,7 @@ mx::array gated_delta_chunks(const mx::array& q, const mx::array& k, const mx::a
   auto q_decayed = mx::multiply(qc, mx::expand_dims(exp_cum, -1));
   auto k_decayed = mx::multiply(kc, mx::expand_dims(mx::exp(mx::subtract(last, cum)), -1));
   auto chunk_decay = mx::expand_dims(mx::exp(last), -1);  // [B, H, n, 1, 1]
-  std::vector<mx::array> outs;
-  for (int i = 0; i < n; ++i) {
-    auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
-    outs.push_back(mx::add(mx::matmul(chunk(q_decayed, i), s), mx::matmul(chunk(intra, i), v_new)));
-    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(k_decayed, i)), v_new));
-  }
-  return rows(mx::concatenate(outs, 2), 0, L);
+  return carry_chunks(new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, L, s);
 }
 
 // [..., C, C, Dk]: exp(cum_i - cum_j) per key channel for j <= i, else 0 (cum [..., C, Dk]).
@@ -127,12 +141,7 @@ mx::array channel_delta_chunks(const mx::array& q, const mx::array& k, const mx:
   auto k_beta = mx::multiply(kc, bc);
   auto strict = mx::tril(mx::ones({C, C}, mx::bool_), -1);
   auto nil = mx::where(strict, mx::negative(decayed_scores(k_beta, kc, decay)), mx::array(0.0f));
-  auto inverse = mx::add(mx::eye(C, mx::float32), nil);
-  auto power = nil;
-  for (int span = 2; span < C; span *= 2) {
-    power = mx::matmul(power, power);
-    inverse = mx::add(inverse, mx::matmul(inverse, power));
-  }
+  auto inverse = unit_lower_inverse(nil, C);
   auto exp_cum = mx::exp(cum);
   auto new_values = mx::matmul(inverse, mx::multiply(vc, bc));
   auto k_cumdecay = mx::matmul(inverse, mx::multiply(k_beta, exp_cum));
@@ -141,13 +150,7 @@ mx::array channel_delta_chunks(const mx::array& q, const mx::array& k, const mx:
   auto q_decayed = mx::multiply(qc, exp_cum);
   auto k_decayed = mx::multiply(kc, mx::exp(mx::subtract(last, cum)));
   auto chunk_decay = mx::swapaxes(mx::exp(last), -1, -2);  // [B, H, n, Dk, 1]: per row of s
-  std::vector<mx::array> outs;
-  for (int i = 0; i < n; ++i) {
-    auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
-    outs.push_back(mx::add(mx::matmul(chunk(q_decayed, i), s), mx::matmul(chunk(intra, i), v_new)));
-    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(k_decayed, i)), v_new));
-  }
-  return rows(mx::concatenate(outs, 2), 0, L);
+  return carry_chunks(new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay, L, s);
 }
 
 // Mamba-2's scan, chunked form; s is [B, H, N, P] (transposed), updated.
