@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if "--llama-cpp" in sys.argv:
+    # before torch: llama-cpp-python's build (OpenMP) loaded after torch crashes the process (SIGSEGV)
+    import llama_cpp  # noqa: F401
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
