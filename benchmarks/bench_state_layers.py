@@ -27,6 +27,7 @@ ours at fp32 (the conversion's check).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -82,8 +83,11 @@ def llama_cpp_gguf(folder: Path, variant: str, src: Path) -> Path:
 
     f32 = folder / "llama-f32.gguf"
     if not f32.exists():
+        # (Qwen3.5's converter expects multi-token-prediction layers unless told there are none; LFM2's refuses the flag)
+        qwen = json.loads((folder / "config.json").read_text())["model_type"].startswith("qwen3_5")
+        no_mtp = ["--no-mtp"] if qwen else []
         subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")), str(src), str(folder),
-                        "--outfile", str(f32), "--outtype", "f32", "--no-mtp"], check=True, capture_output=True)
+                        "--outfile", str(f32), "--outtype", "f32", *no_mtp], check=True, capture_output=True)
     if LLAMA_CPP_TYPES[variant] is None:
         return f32
     out = folder / f"llama-{variant}.gguf"
