@@ -91,6 +91,15 @@ def _dbrx_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     return _experts_forward(self, rows, top_k_index, top_k_weights).view(hidden_states.shape)
 
 
+def _as_common_experts(experts: torch.nn.Module, transposed: bool, forward=_experts_forward) -> None:
+    """Marks an experts module of a family's own as one of the common kind
+    (gated: act(gate) * up, no biases), with the forward route_experts gives it."""
+    experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
+    experts.is_transposed = transposed
+    experts._apply_gate = types.MethodType(_split_gate, experts)
+    experts._routed_forward = forward
+
+
 def _adopt_dbrx_experts(experts: torch.nn.Module) -> None:
     """DBRX's experts (gate, up and down weights [E * F, H] each, in a GLU
     module of their own) as an experts module of the common kind."""
@@ -103,9 +112,7 @@ def _adopt_dbrx_experts(experts: torch.nn.Module) -> None:
     experts.down_proj = torch.nn.Parameter(keep(down), requires_grad=False)
     experts.act_fn = glu.activation_fn
     del experts.mlp
-    experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
-    experts.is_transposed = False
-    experts._apply_gate = types.MethodType(_split_gate, experts)
+    _as_common_experts(experts, transposed=False, forward=_dbrx_experts_forward)
 
 
 def _adopt_dense_experts(model: torch.nn.Module) -> None:
@@ -115,17 +122,13 @@ def _adopt_dense_experts(model: torch.nn.Module) -> None:
     own loop) and DBRX's too."""
     for module in model.modules():
         if type(module).__name__ == "Llama4TextMoe" and not is_experts_module(module.experts):
-            experts = module.experts
-            experts.has_gate, experts.has_bias, experts.has_post_expert_norm = True, False, False
-            experts.is_transposed = True
-            experts._apply_gate = types.MethodType(_split_gate, experts)
+            _as_common_experts(module.experts, transposed=True)
             module.forward = types.MethodType(_llama4_moe_forward, module)
         if type(module).__name__ == "DbrxExperts" and hasattr(module, "mlp"):
             _adopt_dbrx_experts(module)
         if type(module).__name__ == "LongcatFlashExperts" and module.down_proj is not None:
-            module.has_gate, module.has_bias, module.has_post_expert_norm = True, False, False
-            module.is_transposed = False
-            module._apply_gate = types.MethodType(_split_gate, module)
+            _as_common_experts(module, transposed=False,
+                               forward=_zero_experts_forward if module.zero_expert_num else _experts_forward)
 
 
 def route_experts(model: torch.nn.Module) -> list[str]:
@@ -144,9 +147,7 @@ def route_experts(model: torch.nn.Module) -> list[str]:
                 setattr(module, weight, torch.nn.Parameter(keep(param.detach().transpose(1, 2).contiguous()),
                                                            requires_grad=False))
             module.is_transposed = False
-        forward = (_zero_experts_forward if getattr(module, "zero_expert_num", 0)
-                   else _dbrx_experts_forward if type(module).__name__ == "DbrxExperts" else _experts_forward)
-        module.forward = types.MethodType(forward, module)
+        module.forward = types.MethodType(getattr(module, "_routed_forward", _experts_forward), module)
         names.append(name)
     return names
 

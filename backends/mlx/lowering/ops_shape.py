@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -212,16 +213,16 @@ def index(b: GraphBuilder, node: torch.fx.Node) -> None:
         raise Unsupported("indexing with index tensors on axes that are not adjacent or not of static sizes")
     if any(meta_val(t).dtype in (torch.bool, torch.uint8) for _, t in tensors):
         raise Unsupported("boolean mask indexing (data-dependent shape)")
-    flat, flat_shape = None, ()
-    for (_, t), stride in zip(tensors, [int(torch.tensor(sizes[k + 1:]).prod()) for k in range(len(sizes))]):
+    flat = None
+    for k, (_, t) in enumerate(tensors):
         term = b.cast(b.get(t), torch.int64)
-        if stride != 1:
+        if (stride := math.prod(sizes[k + 1:])) != 1:
             term = b.emit(ir.MultiplyNode, torch.int64, term.shape, a=term.tid, b=b.literal(stride, torch.int64).tid)
         if flat is not None:
-            flat_shape = torch.broadcast_shapes(flat_shape, term.shape)
-            term = b.emit(ir.AddNode, torch.int64, flat_shape, a=flat.tid, b=term.tid)
-        flat, flat_shape = term, term.shape
-    joined = b.reshape(x, (*x.shape[:axes[0]], int(torch.tensor(sizes).prod()), *x.shape[axes[-1] + 1:]))
+            term = b.emit(ir.AddNode, torch.int64, torch.broadcast_shapes(flat.shape, term.shape), a=flat.tid,
+                          b=term.tid)
+        flat = term
+    joined = b.reshape(x, (*x.shape[:axes[0]], math.prod(sizes), *x.shape[axes[-1] + 1:]))
     b.bind(node, b.emit(ir.TakeNode, x.dtype, out.shape, a=joined.tid, indices=flat.tid, axis=axes[0]))
 
 
