@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from executorch_mlx import cli, third_party_warnings
+from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
 from executorch_mlx.llm.quantize import quantize_model
 from executorch_mlx.progress import CountingWriter, TerminalProgress, counter, shown_by
 
@@ -107,8 +108,8 @@ def _bar_output(live: bool) -> str:
         display.live = live
         with shown_by(display):
             display.line("[   0.0 s] quantizing")
-            quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8 * 8, 4)), bits=4,
-                           group_size=32)
+            quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8 * 8, 4)),
+                           QuantFormat(4, 32))
             display.tick()
             out = io.BytesIO()
             with counter("writing", 3 * 2**20, "MiB", 2**20) as count:

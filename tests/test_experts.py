@@ -16,6 +16,7 @@ from test_ops import Fn, check, rand
 
 from executorch_mlx.custom_kernel_ops import experts  # noqa: F401  (defines the ops)
 from executorch_mlx.llm.experts import check_experts_routed, route_experts
+from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
 from executorch_mlx.llm.quantize import QuantizedExperts, quantize_model
 
 E, N, K, T, TOP = 5, 12, 64, 7, 2
@@ -42,9 +43,9 @@ def test_gather_linear(per_expert_x, bias):
             torch.testing.assert_close(got[t, j], want)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_gather_quantized_linear(bits):
-    table = QuantizedExperts(rand((E, N, K)), 32, bits)
+@pytest.mark.parametrize("fmt", [QuantFormat(4, 32), QuantFormat(8, 32), QuantFormat(4, 32, "mxfp4")], ids=str)
+def test_gather_quantized_linear(fmt):
+    table = QuantizedExperts(rand((E, N, K)), fmt)
     b = rand((E, N))
     check(lambda x, i: table(x, i, b), rand((T, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
     check(lambda x, i: table(x, i, None), rand((T, TOP, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
@@ -136,7 +137,7 @@ def test_int4_experts_export_whole_and_match_the_quantized_model(shared, tmp_pat
     runner = LLMRunner(pte, folder)
     ids = runner.tokenizer.encode("Once upon a time").ids
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantized = quantize_model(model, bits=4, group_size=32)
+    quantized = quantize_model(model, QuantFormat(4, 32))
     assert "model.layers.0.mlp.experts.down_proj" in quantized
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()

@@ -73,6 +73,7 @@ def test_other_types_are_quantized_again_and_said_so(llama, tmp_path):
     import gguf
 
     from executorch_mlx.llm.gguf_files import load_gguf
+    from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
     from executorch_mlx.llm.quantize import quantize_weight
 
     path = gguf_folder.write_gguf(llama, tmp_path / "model.gguf", "Q5_0")
@@ -82,8 +83,8 @@ def test_other_types_are_quantized_again_and_said_so(llama, tmp_path):
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
     values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
     table = model.model.layers[0].mlp.down_proj.table
-    want = quantize_weight(torch.from_numpy(np.array(values)), 32, 5)
-    assert (table.bits, table.group_size) == (5, 32)
+    want = quantize_weight(torch.from_numpy(np.array(values)), QuantFormat(5, 32))
+    assert table.fmt == QuantFormat(5, 32)
     assert all(torch.equal(got, w) for got, w in zip((table.qweight, table.scales, table.biases), want))
 
 

@@ -23,10 +23,10 @@ from executorch_mlx.llm.runner import LLMRunner
 PROMPT = "The quick brown fox"
 
 
-def write_mlx_folder(src, dst, bits: int, group_size: int, layers: dict | None = None):
+def write_mlx_folder(src, dst, bits: int, group_size: int, layers: dict | None = None, mode: str = "affine"):
     """`src` (a float32 folder) as mlx-lm's converter writes it; `layers`:
     per-layer entries of "quantization" ({name: {"bits", "group_size"}} or
-    {name: False})."""
+    {name: False}); mode "mxfp4": uint8 scales and no biases."""
     shutil.copytree(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
     out = {}
@@ -36,14 +36,16 @@ def write_mlx_folder(src, dst, bits: int, group_size: int, layers: dict | None =
         if w.ndim != 2 or own is False or not (name.endswith("proj.weight") or "embed_tokens" in name):
             out[name] = w
             continue
-        packed, scales, biases = mx.quantize(mx.array(w), group_size=own["group_size"], bits=own["bits"])
+        packed, scales, *biases = mx.quantize(mx.array(w), group_size=own["group_size"], bits=own["bits"], mode=mode)
         out[name] = np.array(packed)  # uint32, as mlx-lm saves it
-        out[f"{layer}.scales"], out[f"{layer}.biases"] = np.array(scales), np.array(biases)
+        out[f"{layer}.scales"] = np.array(scales)
+        if biases:
+            out[f"{layer}.biases"] = np.array(biases[0])
     (dst / "model.safetensors").unlink()
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "mlx"})
     config = json.loads((src / "config.json").read_text())
     config["quantization"] = config["quantization_config"] = {"group_size": group_size, "bits": bits,
-                                                              "mode": "affine", **(layers or {})}
+                                                              "mode": mode, **(layers or {})}
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -69,6 +71,30 @@ def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
     assert runner.contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64"]
 
 
+def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
+    """`mlx_lm.convert --q-mode mxfp4`: uint8 scales, no biases, the
+    embedding too; greedy ids against the same model quantized by
+    quantize_model and run eagerly (the ops' references)."""
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.quantize import quantize_format, quantize_model
+
+    folder = write_mlx_folder(llama, tmp_path / "mxfp4", 4, 32, mode="mxfp4")
+    pte = export_llm(folder, tmp_path / "mxfp4.pte", max_context=64, progress=None)
+    data = pte.read_bytes()
+    stored = load_file(str(folder / "model.safetensors"))
+    quantized = [v for v in stored.values() if v.dtype in (np.uint32, np.uint8)]
+    assert len(quantized) == 16 and all(v.tobytes() in data for v in quantized), "the folder's bytes, unchanged"
+    model = AutoModelForCausalLM.from_pretrained(llama).eval()
+    quantize_model(model, quantize_format("mxfp4"), embedding=True)
+    ids = [3, 17, 42, 5, 99, 7]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    runner = LLMRunner(pte, folder)
+    assert runner.generate(ids, max_new_tokens=12, temperature=0).token_ids == want
+    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm mxfp4"]
+
+
 def test_per_layer_entries_and_refusals(llama, tmp_path):
     """A layer at its own width (3 bits: MLX's kernels) and one left in full
     precision; what export does not read is named."""
@@ -87,7 +113,7 @@ def test_per_layer_entries_and_refusals(llama, tmp_path):
     with pytest.raises(NotImplementedError, match=f"{down}: 7-bit weights in groups of 32"):
         export_llm(folder, tmp_path / "seven.pte", max_context=64, progress=None)
     config["quantization"][down]["bits"] = 3
-    config["quantization"]["mode"] = "mxfp4"
+    config["quantization"]["mode"] = "nvfp4"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match="'mxfp4' quantization is not read yet"):
+    with pytest.raises(NotImplementedError, match="'nvfp4' quantization is not read yet"):
         export_llm(folder, tmp_path / "fp4.pte", max_context=64, progress=None)

@@ -19,8 +19,8 @@ from harness import lower, node_types, run, undelegated_ops
 from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
-from executorch_mlx.custom_kernel_ops.quantized import dequantize
-from executorch_mlx.llm.quantize import QuantizedTable, quantize_model, quantize_weight
+from executorch_mlx.custom_kernel_ops.quantized import QuantFormat, dequantize
+from executorch_mlx.llm.quantize import QuantizedTable, quantize_format, quantize_model, quantize_weight
 
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 
@@ -34,9 +34,9 @@ def to_torch(a: mx.array, dtype: torch.dtype) -> torch.Tensor:
 
 
 class QLinear(torch.nn.Module):
-    def __init__(self, weight, bias, group_size, bits):
+    def __init__(self, weight, bias, group_size, bits, mode="affine"):
         super().__init__()
-        self.table = QuantizedTable(weight, group_size, bits)
+        self.table = QuantizedTable(weight, QuantFormat(bits, group_size, mode))
         self.bias = bias
 
     def forward(self, x):
@@ -44,9 +44,9 @@ class QLinear(torch.nn.Module):
 
 
 class QEmbedding(torch.nn.Module):
-    def __init__(self, weight, group_size, bits):
+    def __init__(self, weight, group_size, bits, mode="affine"):
         super().__init__()
-        self.table = QuantizedTable(weight, group_size, bits)
+        self.table = QuantizedTable(weight, QuantFormat(bits, group_size, mode))
 
     def forward(self, ids):
         return self.table(ids)
@@ -81,23 +81,23 @@ def integer_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def codes_times_scales(table: QuantizedTable) -> torch.Tensor:
     """q * scale of a quantized weight: the part of w that meets rounded x."""
     return dequantize(table.qweight, table.scales.float(), torch.zeros_like(table.biases, dtype=torch.float32),
-                      table.group_size, table.bits)
+                      table.fmt.group_size, table.fmt.bits)
 
 
 def integer_linear(table: QuantizedTable, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What our CPU kernel computes, in float32: rounded x meets q * scale,
     the exact x meets the biases."""
     biases = dequantize(table.qweight, torch.zeros_like(table.scales, dtype=torch.float32), table.biases.float(),
-                        table.group_size, table.bits)
+                        table.fmt.group_size, table.fmt.bits)
     xf = x.float()
-    y = integer_rows(xf, table.group_size) @ codes_times_scales(table).T + xf @ biases.T
+    y = integer_rows(xf, table.fmt.group_size) @ codes_times_scales(table).T + xf @ biases.T
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def assert_close_to_integer_rows(got, want, x, table, dtype):
     """got within the float tolerance plus what rounding x to integers can
     move each output: half a step of its group per value, times |q * scale|."""
-    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, table.group_size)
+    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, table.fmt.group_size)
     half_step = (g.abs().amax(-1, keepdim=True) / 32767 / 2).expand_as(g).reshape(x.shape)
     bound = half_step @ codes_times_scales(table).abs().T
     tol = TOL[dtype]
@@ -109,7 +109,7 @@ def assert_close_to_integer_rows(got, want, x, table, dtype):
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_packing_is_mlx_quantize_and_dequantize_inverts_it(bits, group_size):
     w = torch.randn(24, 256)
-    packed, scales, biases = quantize_weight(w, group_size, bits)
+    packed, scales, biases = quantize_weight(w, QuantFormat(bits, group_size))
     ref = mx.quantize(to_mx(w), group_size=group_size, bits=bits)
     assert np.array_equal(packed.numpy().view(np.uint32), np.array(ref[0]))
     want = to_torch(mx.dequantize(*ref, group_size=group_size, bits=bits), torch.float32)
@@ -143,9 +143,9 @@ def test_quantizing_in_chunks_of_rows_changes_nothing(monkeypatch, dtype):
     from executorch_mlx.llm import quantize
 
     w = torch.randn(37, 256).to(dtype)
-    whole = quantize_weight(w, 64, 4)
+    whole = quantize_weight(w, QuantFormat(4, 64))
     monkeypatch.setattr(quantize, "CHUNK_BYTES", 5 * 256 * w.element_size())  # 5 rows a chunk
-    for got, want in zip(quantize_weight(w, 64, 4), whole):
+    for got, want in zip(quantize_weight(w, QuantFormat(4, 64)), whole):
         assert torch.equal(got, want)
     ref = mx.quantize(to_mx(w), group_size=64, bits=4)
     assert np.array_equal(whole[0].numpy().view(np.uint32), np.array(ref[0]))
@@ -223,7 +223,7 @@ def test_one_row_kernel_rounds_x_to_integers_and_nothing_else(bits, group_size):
     x = rand((1, 256), torch.float32) * torch.logspace(-3, 3, 256)  # groups of very different scales
     model = QLinear(weight, None, group_size, bits).eval()
     got = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
-    w, s, z = quantize_weight(weight, group_size, bits)
+    w, s, z = quantize_weight(weight, QuantFormat(bits, group_size))
     exact = x.double() @ dequantize(w, s, z, group_size, bits).double().T
     rounding = (integer_rows(x, group_size) - x).double() @ codes_times_scales(model.table).double().T
     # float32 sums: error relative to the sum of |terms|, not to the (cancelling) result
@@ -243,6 +243,35 @@ def test_quantized_embedding_equals_mlx_dequantize(bits):
     w, s, b = mx.quantize(to_mx(weight), group_size=64, bits=bits)
     want = to_torch(mx.dequantize(w, s, b, group_size=64, bits=bits), torch.float32)[ids]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_is_mlx_mxfp4(dtype):
+    """MXFP4 (4-bit E2M1 values, a power-of-two scale per 32): the packing
+    is mlx.core.quantize's, the reference dequantizes as mlx.core.dequantize
+    (every scale exponent, 0 to 255), and a linear layer with a bias and an
+    embedding lowered and run equal MLX's quantized_matmul / dequantize."""
+    mxfp4 = QuantFormat(4, 32, "mxfp4")
+    weight, b, x = torch.randn(37, 320).to(dtype), torch.randn(37).to(dtype), rand((5, 320), dtype)
+    packed, scales, biases = quantize_weight(weight, mxfp4)
+    w, s = mx.quantize(to_mx(weight), group_size=32, bits=4, mode="mxfp4")
+    assert biases is None and scales.dtype == torch.uint8
+    assert np.array_equal(packed.numpy().view(np.uint32), np.array(w)) and np.array_equal(scales.numpy(), np.array(s))
+    every = torch.arange(37 * 10, dtype=torch.int32).reshape(37, 10).remainder(256).to(torch.uint8)
+    want = mx.dequantize(w, mx.array(every.numpy()), None, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32)
+    torch.testing.assert_close(dequantize(packed, every, None, 32, 4, "mxfp4"), to_torch(want, torch.float32),
+                               atol=0, rtol=0, equal_nan=True)  # (exponent 255 is 2^128: 0 * inf)
+
+    edge = lower(QLinear(weight, b, 32, 4, "mxfp4").eval(), (x,))
+    assert undelegated_ops(edge) == [] and "QuantizedLinearNode" in node_types(edge)
+    want = mx.quantized_matmul(to_mx(x), w, s, None, transpose=True, group_size=32, bits=4, mode="mxfp4") + to_mx(b)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    torch.testing.assert_close(run(edge.to_executorch().buffer, [x])[0], to_torch(want, dtype), **tol)
+    ids = torch.tensor([[0, 36, 7, 7]])
+    edge = lower(QEmbedding(weight, 32, 4, "mxfp4").eval(), (ids,))
+    got = run(edge.to_executorch().buffer, [ids])[0]
+    want = to_torch(mx.dequantize(w, s, None, group_size=32, bits=4, mode="mxfp4", dtype=mx.float32), dtype)[ids]
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 KERNEL_CASES = {
@@ -324,7 +353,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def logits_program(folder, tmp_path_factory):
     """(quantize, quantize_embedding) -> the folder exported logits-only at
-    max context 32, group size 64; each built once."""
+    max context 32, group size 64 (mxfp4: 32); each built once."""
     from executorch_mlx.llm.hf_export import export_llm
 
     root, built = tmp_path_factory.mktemp("qprograms"), {}
@@ -332,7 +361,7 @@ def logits_program(folder, tmp_path_factory):
     def get(mode: str | None, embedding: bool):
         if (mode, embedding) not in built:
             built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte", max_context=32,
-                                                sampling=False, quantize=mode, group_size=64,
+                                                sampling=False, quantize=mode,
                                                 quantize_embedding=embedding, progress=None)
         return built[mode, embedding]
 
@@ -359,7 +388,7 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
 
     pte = logits_program(mode, embedding)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    layers = quantize_model(model, bits=int(mode[3:]), group_size=64, embedding=embedding)
+    layers = quantize_model(model, QuantFormat(int(mode[3:]), 64), embedding=embedding)
     assert ("model.embed_tokens" in layers) == embedding
     # tied weights: the head follows the embedding (quantized with it, else full precision)
     assert isinstance(model.lm_head, torch.nn.Linear) != embedding
@@ -367,16 +396,16 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
     assert_program_near_quantized_model(pte, model)
 
 
-@pytest.mark.parametrize("mode", ["int3"])
+@pytest.mark.parametrize("mode", ["int3", "mxfp4"])
 def test_other_widths_model_logits_equal_the_reference(folder, logits_program, mode):
-    """A whole model at 3 bits (MLX's quantized_matmul, x not rounded; every
-    width per layer above):
+    """A whole model at 3 bits and in MXFP4 (MLX's quantized_matmul, x not
+    rounded; every width per layer above):
     its logits are the same model's, quantized the same way, run eagerly
     (the ops' references dequantize exactly as mlx.core.dequantize)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantize_model(model, bits=int(mode[3:]), group_size=64)
+    quantize_model(model, quantize_format(mode))
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     program = Runtime.get().load_program(logits_program(mode, False).read_bytes())
     with torch.no_grad():
@@ -427,14 +456,16 @@ def test_quantized_pte_sizes(folder, logits_program):
 def test_bad_bits_or_group_size(folder, tmp_path):
     from executorch_mlx.llm.hf_export import export_llm
 
-    with pytest.raises(ValueError, match=r"quantize must be one of int2, int3, int4, int5, int6, int8, got 'int7'"):
+    with pytest.raises(ValueError, match=r"quantize must be one of int2, int3, int4, int5, int6, int8, mxfp4, got 'int7'"):
         export_llm(folder, tmp_path / "x.pte", quantize="int7", progress=None)
     with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128, got 16"):
         export_llm(folder, tmp_path / "x.pte", quantize="int4", group_size=16, progress=None)
     with pytest.raises(ValueError, match=r"quantize_embedding needs quantize"):
         export_llm(folder, tmp_path / "x.pte", quantize_embedding=True, progress=None)
     with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
-        quantize_model(torch.nn.Linear(64, 8), bits=7)
+        QuantFormat(7, 64)
+    with pytest.raises(ValueError, match=r"mxfp4 is 4-bit in groups of 32, got 4 bits in groups of 64"):
+        export_llm(folder, tmp_path / "x.pte", quantize="mxfp4", group_size=64, progress=None)
     assert not (tmp_path / "x.pte").exists()
 
 

@@ -144,12 +144,13 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     reference), on a prefill and on the decode step after it."""
     from test_quantized import assert_program_near_quantized_model, integer_linear
 
+    from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
     from executorch_mlx.llm.quantize import QuantizedTable, quantize_model
 
     folder, _ = hybrids["qwen3_5_text"]
     pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, sampling=False, quantize="int4", group_size=64,
                      progress=None)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantize_model(model, bits=4, group_size=64)
+    quantize_model(model, QuantFormat(4, 64))
     monkeypatch.setattr(QuantizedTable, "linear", integer_linear)
     assert_program_near_quantized_model(pte, model)

@@ -223,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32", help="weights and compute type")
     p.add_argument("--no-sampling", action="store_true",
                    help="return logits (runs in ExecuTorch's TextLLMRunner) instead of sampled token ids")
-    p.add_argument("--quantize", metavar="int2..int8", default=None,
-                   help="store linear weights 2-, 3-, 4-, 5-, 6- or 8-bit (int2 ... int8) in MLX's affine layout "
-                        "(default: not quantized)")
-    p.add_argument("--group-size", type=int, default=64, metavar="32|64|128",
-                   help="values per scale and bias when quantizing (default 64)")
+    p.add_argument("--quantize", metavar="int2..int8|mxfp4", default=None,
+                   help="store linear weights 2-, 3-, 4-, 5-, 6- or 8-bit (int2 ... int8) in MLX's affine layout, "
+                        "or as MXFP4 (4-bit floats, a power-of-two scale per 32) (default: not quantized)")
+    p.add_argument("--group-size", type=int, default=None, metavar="32|64|128",
+                   help="values per scale and bias when quantizing (default 64; mxfp4: 32, its only size)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="quantize the input embedding table too (with --quantize)")
     p.add_argument("--history-size", type=int, default=64,

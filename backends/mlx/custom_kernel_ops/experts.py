@@ -2,13 +2,13 @@
 
     torch.ops.mlx.gather_linear(x, weight, indices, bias=None) -> [T, k, N]
     torch.ops.mlx.gather_quantized_linear(x, weight, scales, biases, indices, bias=None,
-                                          group_size, bits) -> [T, k, N]
+                                          group_size, bits, mode="affine") -> [T, k, N]
 
 `indices` (integer [T, k]) names row t's k experts; `x` is [T, K] (each of
 a row's experts sees the row) or [T, k, K] (expert j of row t sees x[t, j]);
 `weight` is [E, N, K], one nn.Linear weight per expert (quantized: MLX's
 packed layout per expert, as custom_kernel_ops/quantized.py, with scales
-and biases [E, N, K / group_size]); `bias` is [E, N]:
+(and biases) [E, N, K / group_size]); `bias` is [E, N]:
 
     out[t, j] = x[t (, j)] @ weight[indices[t, j]]^T + bias[indices[t, j]]
 
@@ -26,8 +26,8 @@ from .quantized import dequantize
 torch.library.define("mlx::gather_linear", "(Tensor x, Tensor weight, Tensor indices, Tensor? bias) -> Tensor")
 torch.library.define(
     "mlx::gather_quantized_linear",
-    "(Tensor x, Tensor weight, Tensor scales, Tensor biases, Tensor indices, Tensor? bias, int group_size, "
-    "int bits) -> Tensor",
+    "(Tensor x, Tensor weight, Tensor scales, Tensor? biases, Tensor indices, Tensor? bias, int group_size, "
+    "int bits, str mode=\"affine\") -> Tensor",
 )
 
 
@@ -49,11 +49,13 @@ def _gather_linear_fake(x, weight, indices, bias):
 
 
 @torch.library.impl("mlx::gather_quantized_linear", "CompositeExplicitAutograd")
-def gather_quantized_linear_reference(x, weight, scales, biases, indices, bias, group_size, bits):
+def gather_quantized_linear_reference(x, weight, scales, biases, indices, bias, group_size, bits, mode="affine"):
     # only the experts the rows use are dequantized
-    return _gathered(x, dequantize(weight[indices], scales[indices], biases[indices], group_size, bits), indices, bias)
+    rows = dequantize(weight[indices], scales[indices], None if biases is None else biases[indices], group_size, bits,
+                      mode, x.dtype)
+    return _gathered(x, rows, indices, bias)
 
 
 @torch.library.register_fake("mlx::gather_quantized_linear")
-def _gather_quantized_linear_fake(x, weight, scales, biases, indices, bias, group_size, bits):
+def _gather_quantized_linear_fake(x, weight, scales, biases, indices, bias, group_size, bits, mode="affine"):
     return x.new_empty((x.shape[0], indices.shape[1], weight.shape[1]))

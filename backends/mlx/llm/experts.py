@@ -25,9 +25,10 @@ from ..lowering.weight_files import keep
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
-    """A transformers experts module (what `@use_experts_implementation` sets up)."""
+    """A transformers experts module (what `@use_experts_implementation` sets
+    up), its weights in full precision or quantized (llm/quantize.py)."""
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and \
-        isinstance(getattr(module, "down_proj", None), torch.Tensor)
+        (isinstance(getattr(module, "down_proj", None), torch.Tensor) or hasattr(module, "down_proj_quantized"))
 
 
 def projections(module: torch.nn.Module) -> tuple[str, str]:
@@ -157,8 +158,9 @@ def check_experts_routed(model: torch.nn.Module, routed: list[str]) -> None:
     modules or weights of its own, run in a loop over the experts a batch
     hits) is an error naming it; layers that pick experts with static shapes
     (Doge's, embedding rows per expert) lower as ordinary ops."""
+    inside = tuple(f"{r}." for r in routed)  # a routed module's own parts (its quantized weights)
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("Experts") and name not in routed:
+        if type(module).__name__.endswith("Experts") and name not in routed and not name.startswith(inside):
             raise NotImplementedError(f"{type(module).__name__} ({name}) runs its experts in a loop over the ones "
                                       "a batch hits (not transformers' experts modules), which export does not "
                                       "lower yet")

@@ -266,9 +266,13 @@ def load_weights(model_dir: str | Path, dtype):
     model_dir = Path(model_dir)
     _check_safetensors_headers(model_dir)
     from .mlx_folders import load_mlx_quantized, mlx_quantization
+    from .mxfp4_folders import is_mxfp4_folder, load_mxfp4_folder
 
-    if mlx_quantization(json.loads((model_dir / "config.json").read_text())) is not None:
+    config = json.loads((model_dir / "config.json").read_text())
+    if mlx_quantization(config) is not None:
         return load_mlx_quantized(model_dir, dtype)
+    if is_mxfp4_folder(config):
+        return load_mxfp4_folder(model_dir, dtype)
     from transformers import AutoModelForCausalLM
 
     from .streamed_load import streamed_load

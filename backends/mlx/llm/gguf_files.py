@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..custom_kernel_ops.quantized import QuantFormat
 from ..lowering.weight_files import keep
 from .mlx_folders import parameters_on_meta, replace_module
 from .quantize import QuantizedLinear, QuantizedTable
@@ -151,7 +152,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, say=lambda _: None):
         fix = (lambda a: _halves(a, permute)) if permute else (lambda a: a)
         if qtype in ("Q8_0", "Q4_0") and attr == "weight" and isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             packed, scales, biases, bits = _repacked(qtype, np.asarray(tensor.data), rows, width)
-            table = QuantizedTable(None, GROUP, bits, tables=(
+            table = QuantizedTable(None, QuantFormat(bits, GROUP), tables=(
                 keep(torch.from_numpy(fix(packed).view(np.int32).copy())), to_torch(fix(scales)), to_torch(fix(biases))))
         elif qtype in ("F32", "F16", "BF16"):
             values = np.asarray(tensor.data)
@@ -168,7 +169,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, say=lambda _: None):
             bits = REQUANTIZED_BITS.get(qtype, 8)
             values = quants.dequantize(np.asarray(tensor.data), GGMLQuantizationType[qtype]).reshape(rows, width)
             requantized[qtype] = bits
-            table = QuantizedTable(torch.from_numpy(fix(values).astype(np.float32)).to(dtype), GROUP, bits)
+            table = QuantizedTable(torch.from_numpy(fix(values).astype(np.float32)).to(dtype), QuantFormat(bits, GROUP))
         else:
             raise NotImplementedError(f"{path}: {tensor.name} is {qtype}, which export reads for linear layers only")
         tables[module_name] = table

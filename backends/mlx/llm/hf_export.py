@@ -34,7 +34,6 @@ from typing import Callable
 
 import torch
 
-from ..custom_kernel_ops.quantized import GROUP_SIZES
 from ..lowering.weight_files import weight_files
 from ..progress import CountingWriter, counter
 from ..serialization.sampler_params import ROW_PARAMS
@@ -45,7 +44,8 @@ from .export_checks import check_architecture, with_standard_names
 from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
 from .local_attention import position_local_attention
 from .mlx_folders import describe as mlx_types, mlx_quantization
-from .quantize import QUANTIZE_MODES, quantize_model
+from .mxfp4_folders import is_mxfp4_folder
+from .quantize import quantize_format, quantize_model
 from .ring_cache import ring_chunk, use_rings
 from . import program_contract
 from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
@@ -302,7 +302,7 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
-               sampling: bool = True, quantize: str | None = None, group_size: int = 64,
+               sampling: bool = True, quantize: str | None = None, group_size: int | None = None,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False, max_draft_tokens: int | None = None) -> Path:
@@ -310,10 +310,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
     `max_context` is the KV cache length: prompt plus generated tokens never
     exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
-    `quantize` ("int2", "int3", "int4", "int5", "int6" or "int8") stores
-    every linear weight (and, with `quantize_embedding`, the input
+    `quantize` ("int2", "int3", "int4", "int5", "int6", "int8" or "mxfp4")
+    stores every linear weight (and, with `quantize_embedding`, the input
     embedding) in MLX's affine layout with `group_size` values per scale and
-    bias (see llm/quantize.py).
+    bias (default 64), or as MXFP4 (groups of 32; see llm/quantize.py).
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
@@ -345,10 +345,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if not 2 <= max_context <= 1 << 20:
         raise ValueError(f"max_context must be in [2, 2**20], got {max_context}")
     check_context(config, model_dir, max_context, allow_longer_context, DTYPES[dtype].itemsize)
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+    fmt = None if quantize is None else quantize_format(quantize, group_size)
     if quantize is None and quantize_embedding:
-        raise ValueError("quantize_embedding needs quantize (int2 ... int8)")
+        raise ValueError("quantize_embedding needs quantize (int2 ... int8, mxfp4)")
     if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
         raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
                          f"{logit_bias_size}")
@@ -360,16 +359,15 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                          f"fits in the context with the token before the drafts), got {max_draft_tokens!r}")
     if not sampling:
         max_draft_tokens = 0  # a logits program returns the last position only
-    if quantize is not None and group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {group_size}")
     output_path = check_output_path(model_dir, output_path)
-    quantization = "none" if quantize is None else (
-        f"{quantize} group {group_size}" + (" +embedding" if quantize_embedding else ""))
+    quantization = "none" if fmt is None else f"{fmt}" + (" +embedding" if quantize_embedding else "")
     if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
         if quantize is not None or quantize_embedding:
             raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
                              "keeps its weights as they are; leave out quantize")
         quantization = mlx_types(mlx_quantization(config))
+    if is_mxfp4_folder(config):  # gpt-oss: its MXFP4 experts as they are, the rest as asked
+        quantization = "mxfp4 experts" + ("" if quantize is None else f", then {quantization}")
     if is_gguf(model_dir):
         quantization = gguf_types(model_dir) + ("" if quantize is None else f", then {quantization}")
     say = progress or (lambda _: None)
@@ -389,9 +387,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         if experts:
             stage(f"{len(experts)} mixture-of-experts layers")
         if quantize is not None:
-            layers = quantize_model(model, bits=QUANTIZE_MODES[quantize], group_size=group_size,
-                                    embedding=quantize_embedding)
-            stage(f"quantized {len(layers)} layers to {quantize}, group size {group_size}")
+            layers = quantize_model(model, fmt, embedding=quantize_embedding)
+            stage(f"quantized {len(layers)} layers to {fmt}")
         # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
         chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
         max_chunk = chunk or max_context - 1

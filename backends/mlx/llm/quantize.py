@@ -1,8 +1,8 @@
-"""Weight-only 2- to 8-bit quantization of a model before export.
+"""Weight-only 2- to 8-bit and MXFP4 quantization of a model before export.
 
 `quantize_model` replaces every `nn.Linear` of a model (and, when asked,
-its input embedding) with modules that hold MLX's affine quantized layout,
-computed by `mlx.core.quantize` itself, and call `mlx::quantized_linear` /
+its input embedding) with modules that hold MLX's quantized layout (affine
+intN, or mxfp4), computed by `mlx.core.quantize` itself, and call `mlx::quantized_linear` /
 `mlx::quantized_embedding` (custom_kernel_ops/quantized.py); the expert
 weights of mixture-of-experts layers (llm/experts.py) are quantized per
 expert and run with `mlx::gather_quantized_linear`. A layer whose
@@ -21,12 +21,22 @@ import collections
 import numpy as np
 import torch
 
-from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES
+from ..custom_kernel_ops.quantized import BITS, QuantFormat
 from ..lowering.weight_files import keep, trim_heap
 from ..progress import counter
 from .experts import projections, route_experts
 
-QUANTIZE_MODES = {f"int{bits}": bits for bits in BITS}  # int2 .. int8 (no 7 bits in MLX)
+# export's --quantize names: int2 .. int8 (no 7 bits in MLX) and mxfp4
+QUANTIZE_MODES = (*(f"int{bits}" for bits in BITS), "mxfp4")
+
+
+def quantize_format(name: str, group_size: int | None = None) -> QuantFormat:
+    """The format of a --quantize name; group_size defaults to 64 (intN), 32 (mxfp4, its only size)."""
+    if name not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {name!r}")
+    if name == "mxfp4":
+        return QuantFormat(4, group_size or 32, "mxfp4")
+    return QuantFormat(int(name[3:]), group_size or 64)
 
 
 # Rows quantized at once: MLX's copies of a few of them, not of a whole
@@ -34,10 +44,11 @@ QUANTIZE_MODES = {f"int{bits}": bits for bits in BITS}  # int2 .. int8 (no 7 bit
 CHUNK_BYTES = 64 << 20
 
 
-def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
+def quantize_weight(weight: torch.Tensor, fmt: QuantFormat):
     """(packed int32 [N, K*bits/32], scales [N, K/g], biases [N, K/g]) of a [N, K]
     weight, computed by mlx.core.quantize in the weight's dtype, a chunk of
-    rows at a time (each row is quantized on its own)."""
+    rows at a time (each row is quantized on its own). mxfp4: uint8 scales,
+    biases None."""
     import mlx.core as mx
 
     def to_mx(rows: torch.Tensor) -> mx.array:
@@ -52,38 +63,45 @@ def quantize_weight(weight: torch.Tensor, group_size: int, bits: int):
     step = max(1, CHUNK_BYTES // max(1, weight.shape[1] * weight.element_size()))
     parts = []
     for start in range(0, weight.shape[0], step):
-        packed, scales, biases = mx.quantize(to_mx(weight[start:start + step]), group_size=group_size, bits=bits)
-        parts.append((torch.from_numpy(np.array(packed).view(np.int32)), to_torch(scales), to_torch(biases)))
+        packed, scales, *biases = mx.quantize(to_mx(weight[start:start + step]), group_size=fmt.group_size,
+                                              bits=fmt.bits, mode=fmt.mode)
+        if fmt.mode == "affine":
+            parts.append((torch.from_numpy(np.array(packed).view(np.int32)), to_torch(scales), to_torch(biases[0])))
+        else:  # E8M0 exponents, as they are
+            parts.append((torch.from_numpy(np.array(packed).view(np.int32)), torch.from_numpy(np.array(scales))))
     mx.clear_cache()  # MLX keeps freed buffers for reuse: give them back, and the heap's
     trim_heap()
     # in files while export runs (lowering/weight_files.py): one weight at a time in memory
-    return tuple(keep(torch.cat([part[i] for part in parts])) for i in range(3))
+    tables = tuple(keep(torch.cat([part[i] for part in parts])) for i in range(len(parts[0])))
+    return tables if len(tables) == 3 else (*tables, None)
 
 
 class QuantizedTable(torch.nn.Module):
     """A quantized [N, K] matrix: as a linear layer (x @ W^T) and as an embedding (rows of W)."""
 
-    def __init__(self, weight: torch.Tensor | None, group_size: int, bits: int,
-                 embed_scale: torch.Tensor | None = None, tables: tuple | None = None):
+    def __init__(self, weight: torch.Tensor | None, fmt: QuantFormat, embed_scale: torch.Tensor | None = None,
+                 tables: tuple | None = None, dtype: torch.dtype | None = None):
         """Quantizes `weight`, or holds `tables` (packed, scales, biases: an
-        mlx-lm folder's, llm/mlx_folders.py) as they are."""
+        mlx-lm folder's, llm/mlx_folders.py) as they are; as an embedding its
+        rows come out in `dtype` (default: the weight's, or the scales')."""
         super().__init__()
-        packed, scales, biases = tables if tables is not None else quantize_weight(weight, group_size, bits)
+        packed, scales, biases = tables if tables is not None else quantize_weight(weight, fmt)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("biases", biases)
-        self.group_size, self.bits = group_size, bits
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 32 // bits
+        self.fmt = fmt
+        self.out_dtype = dtype or (weight.dtype if weight is not None else scales.dtype)
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 32 // fmt.bits
         # Gemma3's scaled word embedding multiplies its output by this.
         self.embed_scale = None if embed_scale is None else float(embed_scale)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mlx.quantized_linear(x, self.qweight, self.scales, self.biases, bias,
-                                              self.group_size, self.bits)
+                                              self.fmt.group_size, self.fmt.bits, self.fmt.mode)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = torch.ops.mlx.quantized_embedding(ids, self.qweight, self.scales, self.biases,
-                                                 self.group_size, self.bits)
+        rows = torch.ops.mlx.quantized_embedding(ids, self.qweight, self.scales, self.biases, self.fmt.group_size,
+                                                 self.fmt.bits, self.fmt.mode, self.out_dtype)
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 
@@ -103,24 +121,20 @@ class QuantizedExperts(torch.nn.Module):
     """A mixture-of-experts projection's [E, N, K] weights, each expert's
     [N, K] quantized as a linear layer's."""
 
-    def __init__(self, weight: torch.Tensor, group_size: int, bits: int):
+    def __init__(self, weight: torch.Tensor | None, fmt: QuantFormat, tables: tuple | None = None):
+        """Quantizes `weight`, or holds `tables` ([E, N, ...] each: a checkpoint's, as they are)."""
         super().__init__()
-        experts, out_features, in_features = weight.shape
-        tables = quantize_weight(weight.reshape(experts * out_features, in_features), group_size, bits)
+        if tables is None:
+            experts, out_features, in_features = weight.shape
+            tables = quantize_weight(weight.reshape(experts * out_features, in_features), fmt)
+            tables = tuple(None if t is None else t.reshape(experts, out_features, -1) for t in tables)
         for name, t in zip(("qweight", "scales", "biases"), tables):
-            self.register_buffer(name, t.reshape(experts, out_features, -1))
-        self.group_size, self.bits = group_size, bits
+            self.register_buffer(name, t)
+        self.fmt = fmt
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mlx.gather_quantized_linear(x, self.qweight, self.scales, self.biases, indices, bias,
-                                                     self.group_size, self.bits)
-
-
-def _check_mode(bits: int, group_size: int) -> None:
-    if bits not in BITS:
-        raise ValueError(f"quantization bits must be one of {BITS}, got {bits}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+                                                     self.fmt.group_size, self.fmt.bits, self.fmt.mode)
 
 
 def embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
@@ -136,11 +150,10 @@ def embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
     return scale
 
 
-def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
-                   embedding: bool = False) -> list[str]:
+def quantize_model(model: torch.nn.Module, fmt: QuantFormat, *, embedding: bool = False) -> list[str]:
     """Replaces the model's linear layers (and input embedding if `embedding`)
     in place; returns the names of the layers it quantized."""
-    _check_mode(bits, group_size)
+    group_size = fmt.group_size
     module_names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -152,7 +165,8 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
     if embedding and embed is not None:
         targets.append((module_names[id(embed)], embed))
     experts = [(f"{n}.{p}", model.get_submodule(n), p) for n in route_experts(model)
-               for p in projections(model.get_submodule(n))]
+               for p in projections(model.get_submodule(n))
+               if not hasattr(model.get_submodule(n), f"{p}_quantized")]  # a checkpoint's MXFP4 stays
     bad = [f"{n} (input width {m.weight.shape[1]})" for n, m in targets if m.weight.shape[1] % group_size]
     bad += [f"{n} (input width {getattr(m, p).shape[2]})" for n, m, p in experts if getattr(m, p).shape[2] % group_size]
     if bad:
@@ -167,12 +181,12 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
     names = [name for name, _ in targets]
     embed_name = names[-1] if embedding and embed is not None else None
     del targets, embed, head
-    with counter(f"quantizing to {bits} bits", len(names) + len(experts)) as count:
+    with counter(f"quantizing to {fmt}", len(names) + len(experts)) as count:
         for name in names:
             module = model.get_submodule(name)
             scale = embedding_scale(name, module) if name == embed_name else None
             key = id(module.weight)
-            table = tables.get(key) or QuantizedTable(module.weight, group_size, bits, scale)
+            table = tables.get(key) or QuantizedTable(module.weight, fmt, scale)
             if name == embed_name:
                 table.embed_scale = None if scale is None else float(scale)
             users[key] -= 1
@@ -186,7 +200,7 @@ def quantize_model(model: torch.nn.Module, *, bits: int, group_size: int = 64,
             setattr(model.get_submodule(parent) if parent else model, child, new)
             count.advance()
         for _, module, weight in experts:  # llm/experts.py reads `<weight>_quantized`
-            setattr(module, f"{weight}_quantized", QuantizedExperts(getattr(module, weight), group_size, bits))
+            setattr(module, f"{weight}_quantized", QuantizedExperts(getattr(module, weight), fmt))
             delattr(module, weight)
             count.advance()
     return names + [name for name, _, _ in experts]

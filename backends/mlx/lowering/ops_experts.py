@@ -9,6 +9,7 @@ import torch
 from ..custom_kernel_ops import experts  # noqa: F401  (defines the ops)
 from ..serialization import ir
 from .builder import GraphBuilder, meta_val, node_arg
+from .ops_quantized import quantized_tables
 from .registry import handles
 
 
@@ -28,8 +29,7 @@ def lower_gather_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(torch.ops.mlx.gather_quantized_linear.default)
 def lower_gather_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    x, weight, scales, biases, indices = (b.get(a) for a in node.args[:5])
-    b.bind(node, b.emit(ir.GatherQuantizedLinearNode, out.dtype, out.shape, x=b.cast(x, out.dtype).tid,
-                        weight=weight.tid, scales=b.cast(scales, out.dtype).tid, biases=b.cast(biases, out.dtype).tid,
-                        indices=indices.tid, group_size=node.args[6], bits=node.args[7],
-                        **_bias(b, node, 5, out.dtype)))
+    x = b.cast(b.get(node.args[0]), out.dtype)
+    b.bind(node, b.emit(ir.GatherQuantizedLinearNode, out.dtype, out.shape, x=x.tid,
+                        indices=b.get(node.args[4]).tid, group_size=node.args[6], bits=node.args[7],
+                        **quantized_tables(b, node, 1, out.dtype, 8), **_bias(b, node, 5, out.dtype)))

@@ -7,16 +7,28 @@ import torch
 
 from ..custom_kernel_ops import quantized  # noqa: F401  (defines the ops)
 from ..serialization import ir
-from .builder import GraphBuilder, meta_val, node_arg
+from .builder import GraphBuilder, ir_dtype, meta_val, node_arg
 from .registry import handles
+
+
+def quantized_tables(b: GraphBuilder, node: torch.fx.Node, first: int, dtype: torch.dtype, mode_index: int) -> dict:
+    """The node fields of a quantized table: weight, scales, biases (args
+    `first`.. `first + 2`) and the mode; affine's scales and biases in `dtype`."""
+    mode = node_arg(node, mode_index, "mode", "affine")
+    weight, scales, biases = (node.args[first + i] for i in range(3))
+    fields = dict(weight=b.get(weight).tid, mode=ir.QuantMode[mode])
+    if mode == "affine":
+        fields.update(scales=b.cast(b.get(scales), dtype).tid, biases=b.cast(b.get(biases), dtype).tid)
+    else:  # the microscaling formats: uint8 exponents as they are, no biases
+        fields["scales"] = b.get(scales).tid
+    return fields
 
 
 @handles(torch.ops.mlx.quantized_linear.default)
 def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    x, weight, scales, biases = (b.get(a) for a in node.args[:4])
-    fields = dict(x=b.cast(x, out.dtype).tid, weight=weight.tid, scales=b.cast(scales, out.dtype).tid,
-                  biases=b.cast(biases, out.dtype).tid, group_size=node.args[5], bits=node.args[6])
+    fields = dict(x=b.cast(b.get(node.args[0]), out.dtype).tid, group_size=node.args[5], bits=node.args[6],
+                  **quantized_tables(b, node, 1, out.dtype, 7))
     bias = node_arg(node, 4, "bias")
     if bias is not None:
         fields["bias"] = b.cast(b.get(bias), out.dtype).tid
@@ -26,6 +38,6 @@ def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(torch.ops.mlx.quantized_embedding.default)
 def lower_quantized_embedding(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    ids, weight, scales, biases = (b.get(a) for a in node.args[:4])
-    b.bind(node, b.emit(ir.QuantizedEmbeddingNode, out.dtype, out.shape, indices=ids.tid, weight=weight.tid,
-                        scales=scales.tid, biases=biases.tid, group_size=node.args[4], bits=node.args[5]))
+    tables = quantized_tables(b, node, 1, node.args[2].meta["val"].dtype, 6)  # affine: rows in the scales' type
+    b.bind(node, b.emit(ir.QuantizedEmbeddingNode, out.dtype, out.shape, indices=b.get(node.args[0]).tid,
+                        group_size=node.args[4], bits=node.args[5], dtype=ir_dtype(out.dtype), **tables))

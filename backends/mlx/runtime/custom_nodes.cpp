@@ -246,18 +246,34 @@ void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
   st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), st.get_optional(n->bias())));
 }
 
+namespace {
+// A quantized node's table (QuantizedLinearNode, QuantizedEmbeddingNode, GatherQuantizedLinearNode).
+template <typename Node>
+QuantizedMatrix quantized_matrix(Interpreter& st, const Node* n) {
+  const char* mode = nullptr;
+  switch (n->mode()) {
+    case ir::QuantMode::affine: mode = "affine"; break;
+    case ir::QuantMode::mxfp4: mode = "mxfp4"; break;
+  }
+  if (!mode) throw std::invalid_argument("quantized node: unknown mode " + std::to_string(static_cast<int>(n->mode())));
+  return {st.get(n->weight()), st.get(n->scales()), st.get_optional(n->biases()), n->group_size(), n->bits(), mode};
+}
+}  // namespace
+
 void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
-  st.set(n->out(), quantized_linear(st.get(n->x()), st.get(n->weight()), st.get(n->scales()), st.get(n->biases()),
-                                    st.get_optional(n->bias()), n->group_size(), n->bits()));
+  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n), st.get_optional(n->bias())));
 }
 
 void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {
-  const auto &w = st.get(n->weight()), &scales = st.get(n->scales()), &biases = st.get(n->biases());
-  const int K = w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(w.shape(1)) * 32 / std::max(n->bits(), 1)) : 0;
-  check_quantization("QuantizedEmbeddingNode", w, scales, biases, n->group_size(), n->bits(), K);
-  auto ids = in_range(st.get(n->indices()), w.shape(0), "QuantizedEmbeddingNode");
-  st.set(n->out(), mx::dequantize(mx::view(mx::take(w, ids, 0), mx::uint32), mx::take(scales, ids, 0),
-                                  mx::take(biases, ids, 0), n->group_size(), n->bits()));
+  const auto q = quantized_matrix(st, n);
+  const int K = q.w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(q.w.shape(1)) * 32 / std::max(q.bits, 1)) : 0;
+  check_quantization("QuantizedEmbeddingNode", q, K);
+  auto ids = in_range(st.get(n->indices()), q.w.shape(0), "QuantizedEmbeddingNode");
+  auto biases = q.biases ? std::optional<mx::array>(mx::take(*q.biases, ids, 0)) : std::nullopt;
+  // affine rows come out in the scales' type; the microscaling formats' in the node's dtype
+  auto dtype = q.mode == "affine" ? std::nullopt : std::optional<mx::Dtype>(to_mlx_dtype(n->dtype()));
+  st.set(n->out(), mx::dequantize(mx::view(mx::take(q.w, ids, 0), mx::uint32), mx::take(q.scales, ids, 0), biases,
+                                  q.group_size, q.bits, q.mode, std::nullopt, dtype));
 }
 
 namespace {
@@ -326,24 +342,27 @@ void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
 }
 
 void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLinearNode* n) {
-  const auto &w = st.get(n->weight()), &scales = st.get(n->scales()), &biases = st.get(n->biases());
+  auto q = quantized_matrix(st, n);
   const char* node = "GatherQuantizedLinearNode";
-  if (w.ndim() != 3 || scales.ndim() != 3 || biases.ndim() != 3) {
+  if (q.w.ndim() != 3 || q.scales.ndim() != 3 || (q.biases && q.biases->ndim() != 3)) {
     throw std::invalid_argument(std::string(node) + ": weight, scales and biases must be [E, N, ...]");
   }
-  const int E = w.shape(0), N = w.shape(1);
-  const int K = static_cast<int>(static_cast<int64_t>(w.shape(2)) * 32 / std::max(n->bits(), 1));
-  if (scales.shape(0) != E || biases.shape(0) != E) {
+  const int E = q.w.shape(0), N = q.w.shape(1);
+  const int K = static_cast<int>(static_cast<int64_t>(q.w.shape(2)) * 32 / std::max(q.bits, 1));
+  if (q.scales.shape(0) != E || (q.biases && q.biases->shape(0) != E)) {
     throw std::invalid_argument(std::string(node) + ": scales and biases must have one row block per expert");
   }
   // the per-expert layout is QuantizedLinearNode's: check it as one [E * N, ...] table
-  check_quantization(node, mx::reshape(w, {E * N, w.shape(2)}), mx::reshape(scales, {E * N, scales.shape(2)}),
-                     mx::reshape(biases, {E * N, biases.shape(2)}), n->group_size(), n->bits(), K);
+  auto flat = [E, N](const mx::array& a) { return mx::reshape(a, {E * N, a.shape(2)}); };
+  check_quantization(node, {flat(q.w), flat(q.scales), q.biases ? std::optional(flat(*q.biases)) : std::nullopt,
+                            q.group_size, q.bits, q.mode}, K);
   const auto& indices = st.get(n->indices());
   auto x = expert_rows(st.get(n->x()), indices, K, node);
   auto ids = in_bounds(indices, E, node);
-  auto y = mx::gather_qmm(mx::astype(x, scales.dtype()), mx::view(w, mx::uint32), scales, biases, std::nullopt, ids,
-                          /*transpose=*/true, n->group_size(), n->bits());
+  // affine computes in the scales' type (the lowering gives x that type too)
+  auto dtype = q.mode == "affine" ? q.scales.dtype() : x.dtype();
+  auto y = mx::gather_qmm(mx::astype(x, dtype), mx::view(q.w, mx::uint32), q.scales, q.biases, std::nullopt, ids,
+                          /*transpose=*/true, q.group_size, q.bits, q.mode);
   st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, E, N, node));
 }
 

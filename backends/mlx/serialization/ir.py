@@ -37,6 +37,11 @@ class IOKind(enum.IntEnum):
     bool_scalar = 3
 
 
+class QuantMode(enum.IntEnum):
+    affine = 0
+    mxfp4 = 1
+
+
 class SymIntOp(enum.IntEnum):
     push = 0
     symbol = 1
@@ -312,6 +317,7 @@ class GatherQuantizedLinearNode:
     group_size: int = 0
     bits: int = 0
     out: Tid | None = None
+    mode: QuantMode = QuantMode.affine
 
 
 @dataclass
@@ -564,6 +570,8 @@ class QuantizedEmbeddingNode:
     group_size: int = 0
     bits: int = 0
     out: Tid | None = None
+    mode: QuantMode = QuantMode.affine
+    dtype: DType = DType.float32
 
 
 @dataclass
@@ -576,6 +584,7 @@ class QuantizedLinearNode:
     group_size: int = 0
     bits: int = 0
     out: Tid | None = None
+    mode: QuantMode = QuantMode.affine
 
 
 @dataclass
@@ -877,7 +886,7 @@ FIELD_TYPES = {
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
     'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
     'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
-    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
+    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -908,8 +917,8 @@ FIELD_TYPES = {
     'Node': {'op': 'Union required'},
     'NotEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'PowerNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
-    'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
-    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required'},
+    'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'dtype': 'DType'},
+    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode'},
     'RandomBitsNode': {'shape': '[IntOrSlot] required', 'seed': 'Tid', 'position': 'Tid', 'width': 'Int', 'out': 'Tid required'},
     'RemainderNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
@@ -1492,11 +1501,12 @@ def _pack_GatherQuantizedLinearNode(b, v):
     fb.GatherQuantizedLinearNodeAddBits(b, v.bits)
     if v.out is not None:
         fb.GatherQuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.GatherQuantizedLinearNodeAddMode(b, int(v.mode))
     return fb.GatherQuantizedLinearNodeEnd(b)
 
 
 def _unpack_GatherQuantizedLinearNode(r):
-    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
+    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()))
 
 
 def _pack_Graph(b, v):
@@ -2046,11 +2056,13 @@ def _pack_QuantizedEmbeddingNode(b, v):
     fb.QuantizedEmbeddingNodeAddBits(b, v.bits)
     if v.out is not None:
         fb.QuantizedEmbeddingNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.QuantizedEmbeddingNodeAddMode(b, int(v.mode))
+    fb.QuantizedEmbeddingNodeAddDtype(b, int(v.dtype))
     return fb.QuantizedEmbeddingNodeEnd(b)
 
 
 def _unpack_QuantizedEmbeddingNode(r):
-    return QuantizedEmbeddingNode(indices=_opt(_unpack_Tid, r.Indices()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
+    return QuantizedEmbeddingNode(indices=_opt(_unpack_Tid, r.Indices()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), dtype=DType(r.Dtype()))
 
 
 def _pack_QuantizedLinearNode(b, v):
@@ -2069,11 +2081,12 @@ def _pack_QuantizedLinearNode(b, v):
     fb.QuantizedLinearNodeAddBits(b, v.bits)
     if v.out is not None:
         fb.QuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.QuantizedLinearNodeAddMode(b, int(v.mode))
     return fb.QuantizedLinearNodeEnd(b)
 
 
 def _unpack_QuantizedLinearNode(r):
-    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()))
+    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()))
 
 
 def _pack_RandomBitsNode(b, v):

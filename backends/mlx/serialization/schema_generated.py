@@ -21,6 +21,15 @@ class DType(object):
     uint64 = 10
 
 
+# How a quantized node's packed 32-bit words decode (mlx::core::quantize's modes):
+# affine: `bits`-bit integers q, w = q * scale + bias per group, scales and
+# biases in the activations' float type; mxfp4: 4-bit E2M1 floats in groups
+# of 32, w = fp4 * 2^(scale - 127), scales uint8 (E8M0), no biases.
+class QuantMode(object):
+    affine = 0
+    mxfp4 = 1
+
+
 # A tensor or scalar crossing the delegate boundary.
 class IOKind(object):
     tensor = 0
@@ -6528,7 +6537,7 @@ def GatherLinearNodeEnd(builder):
 
 
 # GatherLinearNode on weights in QuantizedLinearNode's layout, one per
-# expert: weight [E, N, K * bits / 32], scales and biases [E, N, K / group_size].
+# expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
 # Runs mlx::core::gather_qmm.
 class GatherQuantizedLinearNode(object):
     __slots__ = ['_tab']
@@ -6636,8 +6645,15 @@ class GatherQuantizedLinearNode(object):
             return obj
         return None
 
+    # GatherQuantizedLinearNode
+    def Mode(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
+        return 0
+
 def GatherQuantizedLinearNodeStart(builder):
-    builder.StartObject(9)
+    builder.StartObject(10)
 
 def GatherQuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6665,6 +6681,9 @@ def GatherQuantizedLinearNodeAddBits(builder, bits):
 
 def GatherQuantizedLinearNodeAddOut(builder, out):
     builder.PrependStructSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def GatherQuantizedLinearNodeAddMode(builder, mode):
+    builder.PrependInt8Slot(9, mode, 0)
 
 def GatherQuantizedLinearNodeEnd(builder):
     return builder.EndObject()
@@ -6756,9 +6775,10 @@ def RopeNodeEnd(builder):
 
 
 
-# Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
-# weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
-# w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs, 4 and 8 bits).
+# Linear layer on weights in MLX's quantized layout (mlx::core::quantize):
+# weight [N, K * bits / 32] packed 32-bit words, scales (and, affine, biases)
+# [N, K / group_size], decoded as `mode` says. Runs mlx::core::quantized_matmul
+# (our CPU kernel on CPUs for affine 4 and 8 bits).
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6855,8 +6875,15 @@ class QuantizedLinearNode(object):
             return obj
         return None
 
+    # QuantizedLinearNode
+    def Mode(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
+        return 0
+
 def QuantizedLinearNodeStart(builder):
-    builder.StartObject(8)
+    builder.StartObject(9)
 
 def QuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6882,12 +6909,16 @@ def QuantizedLinearNodeAddBits(builder, bits):
 def QuantizedLinearNodeAddOut(builder, out):
     builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
+def QuantizedLinearNodeAddMode(builder, mode):
+    builder.PrependInt8Slot(8, mode, 0)
+
 def QuantizedLinearNodeEnd(builder):
     return builder.EndObject()
 
 
 
-# Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized.
+# Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized
+# to `dtype` (affine: the scales' type).
 class QuantizedEmbeddingNode(object):
     __slots__ = ['_tab']
 
@@ -6974,8 +7005,22 @@ class QuantizedEmbeddingNode(object):
             return obj
         return None
 
+    # QuantizedEmbeddingNode
+    def Mode(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
+        return 0
+
+    # QuantizedEmbeddingNode
+    def Dtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
+        return 0
+
 def QuantizedEmbeddingNodeStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(9)
 
 def QuantizedEmbeddingNodeAddIndices(builder, indices):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(indices), 0)
@@ -6997,6 +7042,12 @@ def QuantizedEmbeddingNodeAddBits(builder, bits):
 
 def QuantizedEmbeddingNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def QuantizedEmbeddingNodeAddMode(builder, mode):
+    builder.PrependInt8Slot(7, mode, 0)
+
+def QuantizedEmbeddingNodeAddDtype(builder, dtype):
+    builder.PrependInt8Slot(8, dtype, 0)
 
 def QuantizedEmbeddingNodeEnd(builder):
     return builder.EndObject()

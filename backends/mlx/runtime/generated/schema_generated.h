@@ -353,6 +353,40 @@ inline const char *EnumNameDType(DType e) {
   return EnumNamesDType()[index];
 }
 
+/// How a quantized node's packed 32-bit words decode (mlx::core::quantize's modes):
+/// affine: `bits`-bit integers q, w = q * scale + bias per group, scales and
+/// biases in the activations' float type; mxfp4: 4-bit E2M1 floats in groups
+/// of 32, w = fp4 * 2^(scale - 127), scales uint8 (E8M0), no biases.
+enum class QuantMode : int8_t {
+  affine = 0,
+  mxfp4 = 1,
+  MIN = affine,
+  MAX = mxfp4
+};
+
+inline const QuantMode (&EnumValuesQuantMode())[2] {
+  static const QuantMode values[] = {
+    QuantMode::affine,
+    QuantMode::mxfp4
+  };
+  return values;
+}
+
+inline const char * const *EnumNamesQuantMode() {
+  static const char * const names[3] = {
+    "affine",
+    "mxfp4",
+    nullptr
+  };
+  return names;
+}
+
+inline const char *EnumNameQuantMode(QuantMode e) {
+  if (::flatbuffers::IsOutRange(e, QuantMode::affine, QuantMode::mxfp4)) return "";
+  const size_t index = static_cast<size_t>(e);
+  return EnumNamesQuantMode()[index];
+}
+
 /// A tensor or scalar crossing the delegate boundary.
 enum class IOKind : int8_t {
   tensor = 0,
@@ -7502,7 +7536,7 @@ struct GatherLinearNode::Traits {
 };
 
 /// GatherLinearNode on weights in QuantizedLinearNode's layout, one per
-/// expert: weight [E, N, K * bits / 32], scales and biases [E, N, K / group_size].
+/// expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
 /// Runs mlx::core::gather_qmm.
 struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatherQuantizedLinearNodeBuilder Builder;
@@ -7516,7 +7550,8 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
     VT_BIAS = 14,
     VT_GROUP_SIZE = 16,
     VT_BITS = 18,
-    VT_OUT = 20
+    VT_OUT = 20,
+    VT_MODE = 22
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7545,18 +7580,22 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  emlx::ir::QuantMode mode() const {
+    return static_cast<emlx::ir::QuantMode>(GetField<int8_t>(VT_MODE, 0));
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
-           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
            VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
            VerifyField<int32_t>(verifier, VT_BITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<int8_t>(verifier, VT_MODE, 1) &&
            verifier.EndTable();
   }
 };
@@ -7592,6 +7631,9 @@ struct GatherQuantizedLinearNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(GatherQuantizedLinearNode::VT_OUT, out);
   }
+  void add_mode(emlx::ir::QuantMode mode) {
+    fbb_.AddElement<int8_t>(GatherQuantizedLinearNode::VT_MODE, static_cast<int8_t>(mode), 0);
+  }
   explicit GatherQuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7602,7 +7644,6 @@ struct GatherQuantizedLinearNodeBuilder {
     fbb_.Required(o, GatherQuantizedLinearNode::VT_X);
     fbb_.Required(o, GatherQuantizedLinearNode::VT_WEIGHT);
     fbb_.Required(o, GatherQuantizedLinearNode::VT_SCALES);
-    fbb_.Required(o, GatherQuantizedLinearNode::VT_BIASES);
     fbb_.Required(o, GatherQuantizedLinearNode::VT_INDICES);
     fbb_.Required(o, GatherQuantizedLinearNode::VT_OUT);
     return o;
@@ -7619,7 +7660,8 @@ inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLin
     const emlx::ir::Tid *bias = nullptr,
     int32_t group_size = 0,
     int32_t bits = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine) {
   GatherQuantizedLinearNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -7630,6 +7672,7 @@ inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLin
   builder_.add_scales(scales);
   builder_.add_weight(weight);
   builder_.add_x(x);
+  builder_.add_mode(mode);
   return builder_.Finish();
 }
 
@@ -7723,9 +7766,10 @@ struct RopeNode::Traits {
   static auto constexpr Create = CreateRopeNode;
 };
 
-/// Linear layer on weights in MLX's affine quantized layout (mlx::core::quantize):
-/// weight [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size];
-/// w = q * scale + bias per group. Runs mlx::core::quantized_matmul (our CPU kernel on CPUs, 4 and 8 bits).
+/// Linear layer on weights in MLX's quantized layout (mlx::core::quantize):
+/// weight [N, K * bits / 32] packed 32-bit words, scales (and, affine, biases)
+/// [N, K / group_size], decoded as `mode` says. Runs mlx::core::quantized_matmul
+/// (our CPU kernel on CPUs for affine 4 and 8 bits).
 struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7737,7 +7781,8 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
     VT_BIAS = 12,
     VT_GROUP_SIZE = 14,
     VT_BITS = 16,
-    VT_OUT = 18
+    VT_OUT = 18,
+    VT_MODE = 20
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7763,17 +7808,21 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  emlx::ir::QuantMode mode() const {
+    return static_cast<emlx::ir::QuantMode>(GetField<int8_t>(VT_MODE, 0));
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
-           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
            VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
            VerifyField<int32_t>(verifier, VT_BITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<int8_t>(verifier, VT_MODE, 1) &&
            verifier.EndTable();
   }
 };
@@ -7806,6 +7855,9 @@ struct QuantizedLinearNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(QuantizedLinearNode::VT_OUT, out);
   }
+  void add_mode(emlx::ir::QuantMode mode) {
+    fbb_.AddElement<int8_t>(QuantizedLinearNode::VT_MODE, static_cast<int8_t>(mode), 0);
+  }
   explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7816,7 +7868,6 @@ struct QuantizedLinearNodeBuilder {
     fbb_.Required(o, QuantizedLinearNode::VT_X);
     fbb_.Required(o, QuantizedLinearNode::VT_WEIGHT);
     fbb_.Required(o, QuantizedLinearNode::VT_SCALES);
-    fbb_.Required(o, QuantizedLinearNode::VT_BIASES);
     fbb_.Required(o, QuantizedLinearNode::VT_OUT);
     return o;
   }
@@ -7831,7 +7882,8 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
     const emlx::ir::Tid *bias = nullptr,
     int32_t group_size = 0,
     int32_t bits = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine) {
   QuantizedLinearNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -7841,6 +7893,7 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
   builder_.add_scales(scales);
   builder_.add_weight(weight);
   builder_.add_x(x);
+  builder_.add_mode(mode);
   return builder_.Finish();
 }
 
@@ -7849,7 +7902,8 @@ struct QuantizedLinearNode::Traits {
   static auto constexpr Create = CreateQuantizedLinearNode;
 };
 
-/// Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized.
+/// Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized
+/// to `dtype` (affine: the scales' type).
 struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedEmbeddingNodeBuilder Builder;
   struct Traits;
@@ -7860,7 +7914,9 @@ struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::T
     VT_BIASES = 10,
     VT_GROUP_SIZE = 12,
     VT_BITS = 14,
-    VT_OUT = 16
+    VT_OUT = 16,
+    VT_MODE = 18,
+    VT_DTYPE = 20
   };
   const emlx::ir::Tid *indices() const {
     return GetStruct<const emlx::ir::Tid *>(VT_INDICES);
@@ -7883,16 +7939,24 @@ struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::T
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  emlx::ir::QuantMode mode() const {
+    return static_cast<emlx::ir::QuantMode>(GetField<int8_t>(VT_MODE, 0));
+  }
+  emlx::ir::DType dtype() const {
+    return static_cast<emlx::ir::DType>(GetField<int8_t>(VT_DTYPE, 0));
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SCALES, 4) &&
-           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_BIASES, 4) &&
            VerifyField<int32_t>(verifier, VT_GROUP_SIZE, 4) &&
            VerifyField<int32_t>(verifier, VT_BITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<int8_t>(verifier, VT_MODE, 1) &&
+           VerifyField<int8_t>(verifier, VT_DTYPE, 1) &&
            verifier.EndTable();
   }
 };
@@ -7922,6 +7986,12 @@ struct QuantizedEmbeddingNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(QuantizedEmbeddingNode::VT_OUT, out);
   }
+  void add_mode(emlx::ir::QuantMode mode) {
+    fbb_.AddElement<int8_t>(QuantizedEmbeddingNode::VT_MODE, static_cast<int8_t>(mode), 0);
+  }
+  void add_dtype(emlx::ir::DType dtype) {
+    fbb_.AddElement<int8_t>(QuantizedEmbeddingNode::VT_DTYPE, static_cast<int8_t>(dtype), 0);
+  }
   explicit QuantizedEmbeddingNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7932,7 +8002,6 @@ struct QuantizedEmbeddingNodeBuilder {
     fbb_.Required(o, QuantizedEmbeddingNode::VT_INDICES);
     fbb_.Required(o, QuantizedEmbeddingNode::VT_WEIGHT);
     fbb_.Required(o, QuantizedEmbeddingNode::VT_SCALES);
-    fbb_.Required(o, QuantizedEmbeddingNode::VT_BIASES);
     fbb_.Required(o, QuantizedEmbeddingNode::VT_OUT);
     return o;
   }
@@ -7946,7 +8015,9 @@ inline ::flatbuffers::Offset<QuantizedEmbeddingNode> CreateQuantizedEmbeddingNod
     const emlx::ir::Tid *biases = nullptr,
     int32_t group_size = 0,
     int32_t bits = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
+    emlx::ir::DType dtype = emlx::ir::DType::float32) {
   QuantizedEmbeddingNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -7955,6 +8026,8 @@ inline ::flatbuffers::Offset<QuantizedEmbeddingNode> CreateQuantizedEmbeddingNod
   builder_.add_scales(scales);
   builder_.add_weight(weight);
   builder_.add_indices(indices);
+  builder_.add_dtype(dtype);
+  builder_.add_mode(mode);
   return builder_.Finish();
 }
 

@@ -363,13 +363,17 @@ mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::v
 
 }  // namespace
 
-void check_quantization(const char* node, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                        int group_size, int bits, int K) {
+void check_quantization(const char* node, const QuantizedMatrix& q, int K) {
   const std::string name(node);
+  const auto& w = q.w;
+  const int group_size = q.group_size, bits = q.bits;
+  const bool affine = q.mode == "affine";
+  if (!affine && q.mode != "mxfp4") throw std::invalid_argument(name + ": unknown quantization mode " + q.mode);
   if (bits < 2 || bits > 8 || bits == 7) throw std::invalid_argument(name + ": bits must be 2, 3, 4, 5, 6 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(name + ": group_size must be 32, 64 or 128");
   }
+  if (!affine && (group_size != 32 || bits != 4)) throw std::invalid_argument(name + ": mxfp4 is 4 bits in groups of 32");
   if (w.ndim() != 2 || (w.dtype() != mx::uint32 && w.dtype() != mx::int32)) {
     throw std::invalid_argument(name + ": packed weight must be a 2-D 32-bit integer array");
   }
@@ -377,10 +381,16 @@ void check_quantization(const char* node, const mx::array& w, const mx::array& s
     throw std::invalid_argument(name + ": packed weight width does not match K, bits and group_size");
   }
   const mx::Shape params = {w.shape(0), K / group_size};
-  if (scales.shape() != params || biases.shape() != params) {
+  if (q.scales.shape() != params || (q.biases && q.biases->shape() != params)) {
     throw std::invalid_argument(name + ": scales and biases must be [N, K / group_size]");
   }
-  if (!float_activation(scales.dtype()) || scales.dtype() != biases.dtype()) {
+  if (!affine) {
+    if (q.biases || q.scales.dtype() != mx::uint8) {
+      throw std::invalid_argument(name + ": mxfp4 takes uint8 scales and no biases");
+    }
+    return;
+  }
+  if (!q.biases || !float_activation(q.scales.dtype()) || q.scales.dtype() != q.biases->dtype()) {
     throw std::invalid_argument(name + ": scales and biases must both be float32 or both bfloat16");
   }
 }
@@ -401,28 +411,35 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
   return build(s, supported, x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, fallback);
 }
 
-mx::array quantized_linear(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           const std::optional<mx::array>& bias, int group_size, int bits, mx::StreamOrDevice s) {
+mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const std::optional<mx::array>& bias,
+                           mx::StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
   const int K = x.shape(-1);
-  check_quantization("QuantizedLinearNode", w, scales, biases, group_size, bits, K);
-  if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
+  check_quantization("QuantizedLinearNode", q, K);
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != q.w.shape(0))) {
     throw std::invalid_argument("QuantizedLinearNode: bias must be [N]");
   }
   if (x.size() == 0) {  // no rows (MLX's quantized_matmul divides by their count)
     mx::Shape out = x.shape();
-    out.back() = w.shape(0);
+    out.back() = q.w.shape(0);
     return mx::zeros(out, x.dtype(), s);
   }
+  const int group_size = q.group_size, bits = q.bits;
+  if (q.mode != "affine") {  // MLX's own kernels read the microscaling formats
+    auto y = mx::quantized_matmul(x, mx::view(q.w, mx::uint32, s), q.scales, std::nullopt, /*transpose=*/true,
+                                  group_size, bits, q.mode, s);
+    return bias ? mx::add(y, *bias, s) : y;
+  }
   // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
-  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && scales.dtype() == x.dtype() &&
+  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && q.scales.dtype() == x.dtype() &&
                          (!bias || bias->dtype() == x.dtype());
   auto fallback = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
     auto y = mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
                                   bits, "affine", s);
     return in.size() > 4 ? mx::add(y, in[4], s) : y;
   };
-  return build(s, supported, x, {w, scales, biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size, fallback);
+  return build(s, supported, x, {q.w, q.scales, *q.biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size,
+               fallback);
 }
 
 }  // namespace emlx

@@ -11,6 +11,7 @@
 #include <mlx/mlx.h>
 
 #include <optional>
+#include <string>
 
 namespace emlx {
 
@@ -21,18 +22,24 @@ namespace emlx {
 mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w,
                         const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
 
-// The same with w in MLX's affine quantized layout (mlx::core::quantize):
-// w [N, K * bits / 32] packed 32-bit words, scales and biases [N, K / group_size].
-// Our kernel on a CPU stream when x, scales (and bias) share a float32 or
-// bfloat16 dtype; mlx::core::quantized_matmul otherwise.
-mlx::core::array quantized_linear(const mlx::core::array& x, const mlx::core::array& w,
-                                  const mlx::core::array& scales, const mlx::core::array& biases,
-                                  const std::optional<mlx::core::array>& bias, int group_size, int bits,
-                                  mlx::core::StreamOrDevice s = {});
+// A matrix in one of MLX's quantized layouts (mlx::core::quantize): w
+// [N, K * bits / 32] packed 32-bit words, scales [N, K / group_size] and, for
+// mode "affine" only, biases of the same shape (mode "mxfp4": uint8 scales).
+struct QuantizedMatrix {
+  mlx::core::array w, scales;
+  std::optional<mlx::core::array> biases;
+  int group_size, bits;
+  std::string mode;
+};
 
-// Throws std::invalid_argument naming `node` unless (w, scales, biases) is a
-// valid quantization of an [N, K] matrix with these bits and group size.
-void check_quantization(const char* node, const mlx::core::array& w, const mlx::core::array& scales,
-                        const mlx::core::array& biases, int group_size, int bits, int K);
+// The same as linear with w quantized. Our kernel on a CPU stream for affine
+// 4 and 8 bits when x, scales (and bias) share a float32 or bfloat16 dtype;
+// mlx::core::quantized_matmul otherwise.
+mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q,
+                                  const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
+
+// Throws std::invalid_argument naming `node` unless `q` is a valid
+// quantization of an [N, K] matrix (N: w's rows).
+void check_quantization(const char* node, const QuantizedMatrix& q, int K);
 
 }  // namespace emlx
