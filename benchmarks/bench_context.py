@@ -13,7 +13,7 @@ against max context 256 (decode at the same position) and against the
 64-token prompt's per-token rate (prefill).
 
 --baseline adds every program exported the previous way, attending over
-the whole static cache (llm/attention.py's rewrite off), measured in the
+the whole static cache (llm/export/attention.py's rewrite off), measured in the
 same run: the before/after of that change.
 """
 
@@ -35,7 +35,7 @@ from bench_llm import GROUP_SIZE, load_average, machine, write_folder  # noqa: E
 
 
 def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache: bool) -> Path:
-    from executorch_mlx.llm import hf_export
+    from executorch_mlx.llm.export import hf_export
 
     options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
     name = f"{variant}-{max_context}{'-whole' if whole_cache else ''}.pte"
@@ -50,7 +50,7 @@ def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache:
 
 def greedy_caller(pte: Path):
     """call(ids, start) -> the greedy next token, through the sampling program."""
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
     from executorch_mlx.llm.sampler_inputs import program_inputs
 
     runner = LLMRunner(pte)

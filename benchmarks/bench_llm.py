@@ -90,8 +90,8 @@ GROUP_SIZE = 64
 
 
 def ours(folder: Path, out: Path, max_context: int, variant: str):
-    from executorch_mlx.llm.hf_export import export_llm
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     t0 = time.perf_counter()
     options = dict(dtype="bf16") if variant == "bf16" else dict(
@@ -158,7 +158,7 @@ def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
     from executorch.runtime import Runtime
     from transformers import AutoModelForCausalLM
 
-    from executorch_mlx.llm.hf_export import CachedLM
+    from executorch_mlx.llm.export.hf_export import CachedLM
 
     t0 = time.perf_counter()
     lm = CachedLM(AutoModelForCausalLM.from_pretrained(folder).eval(), max_context)

@@ -35,7 +35,7 @@ import torch
 
 import executorch_mlx  # noqa: F401  (registers the backend)
 from executorch.runtime import Runtime
-from executorch_mlx.llm.sampling import export_greedy_head, export_sampling_head
+from executorch_mlx.llm.export.sampling import export_greedy_head, export_sampling_head
 
 from bench_llm import load_average  # beside this script
 

@@ -125,8 +125,8 @@ def main() -> int:
     if not (1 <= args.clients <= 16 and 1 <= args.requests <= 64 and 2 <= args.max_tokens <= 512):
         ap.error("--clients must be in [1, 16], --requests in [1, 64], --max-tokens in [2, 512]")
 
-    from executorch_mlx.llm.hf_export import export_llm
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
     folder, pte = args.folder, args.pte

@@ -44,8 +44,8 @@ TEMPERATURE = 0.8
 
 
 def export(folder: Path, out: Path, variant: str, max_context: int, drafts: int):
-    from executorch_mlx.llm.hf_export import export_llm
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def draft_folder(target: Path, path: Path, layers: int, seed: int | None = None)
 
 def call_seconds(runner, fed: list[int], position: int, reps: int) -> float:
     """The median seconds of one call feeding `fed` (the last len(fed) - 1 drafts)."""
-    from executorch_mlx.llm.runner import history_rows
+    from executorch_mlx.llm.run.runner import history_rows
 
     given = {"temperature": torch.tensor(TEMPERATURE), "seed": torch.tensor(1), "position": torch.tensor(0),
              "history": history_rows([], fed[1:], 0)}

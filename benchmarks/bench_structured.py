@@ -54,9 +54,9 @@ def main() -> int:
     args = ap.parse_args()
     print(f"machine: {machine()}; load average at start {load_average()}", flush=True)
 
-    from executorch_mlx.llm import grammar
-    from executorch_mlx.llm.hf_export import export_llm
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run import grammar
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folder(Path(tmp) / "model", small=False, layers=None, hidden=None)

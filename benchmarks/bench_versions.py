@@ -34,7 +34,7 @@ PROMPT = [(31 * i + 7) % 32000 for i in range(64)]
 
 
 def child_export(out: Path, folder: Path, variants: list[str]) -> None:
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
 
     for v in variants:
         options = {} if v == "fp32" else dict(quantize=v, group_size=64, quantize_embedding=True)
@@ -42,7 +42,7 @@ def child_export(out: Path, folder: Path, variants: list[str]) -> None:
 
 
 def child_time(out: Path, variants: list[str]) -> dict:
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     torch.set_num_threads(1)
     result = {}

@@ -6,7 +6,7 @@
 A Gemma 3 text folder with random weights (Gemma 3 1B's attention shapes:
 4 query heads, 1 key/value head of 256; 6 layers, 5 sliding to 1 full as in
 Gemma 3; hidden 256) is exported at each max context twice: as export does
-now, the sliding-window layers on ring buffers (llm/ring_cache.py), and with
+now, the sliding-window layers on ring buffers (llm/export/ring_cache.py), and with
 the rings off (every layer a full-length cache, as before). Each program then
 runs in a fresh process: load, prefill a prompt to `--position`, decode
 `--decode` greedy steps. Printed per program: the bytes of its key/value
@@ -50,7 +50,7 @@ def write_folder(path: Path, window: int) -> Path:
 
 
 def export(folder: Path, out: Path, max_context: int, rings: bool) -> Path:
-    from executorch_mlx.llm import hf_export
+    from executorch_mlx.llm.export import hf_export
 
     off = nullcontext() if rings else mock.patch.object(hf_export, "ring_chunk", lambda *a: None)
     t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def rss() -> int:
 def measure(pte: Path, position: int, decode: int) -> dict:
     """In this process: resident memory growth of loading and running the program, and decode speed."""
     import executorch_mlx  # noqa: F401  (the runtime plugin)
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     before = rss()
     runner = LLMRunner(pte)

@@ -52,9 +52,9 @@ def main() -> int:
     from mlx_lm.convert import convert
     from safetensors.numpy import load_file
 
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     failed = False
     with tempfile.TemporaryDirectory() as tmp:

@@ -107,7 +107,7 @@ def real_program_templates() -> dict[str, Template]:
     parameter on (their blobs are what byte_cases mutates)."""
     from executorch.exir import to_edge_transform_and_lower
 
-    from executorch_mlx.llm.sampling import export_sampling_head, sampler_examples
+    from executorch_mlx.llm.export.sampling import export_sampling_head, sampler_examples
     from executorch_mlx.partitioner import MLXPartitioner
 
     with torch.random.fork_rng():  # the same weights, so the same blobs (constant names hash them), every run

@@ -184,9 +184,9 @@ def probe(family: str, work: Path, row: dict) -> None:
     from executorch.exir._serialize._program import deserialize_pte_binary
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import BOS, EOS
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     row["stage"] = "config"
     folder = work / family

@@ -51,7 +51,7 @@ def export_program(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
     text splits UTF-8) exported at max context 64: (the .pte, the folder).
     tests/test_hardening.py uses the same program. Run this in a process that
     forks no cases (export starts torch's thread pools; see run_python)."""
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
 
     root = Path(root)
@@ -181,7 +181,7 @@ def run_emlx(cases_: list[Case], workdir: Path, timeout: float = 10.0) -> Report
 def _python_target(target: str, pte: str, folder: str) -> int:
     """One case, in the forked child: the exit code it gives."""
     if target == "LLMRunner":
-        from executorch_mlx.llm.runner import LLMRunner
+        from executorch_mlx.llm.run.runner import LLMRunner
 
         try:
             LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=int(NEW_TOKENS))
@@ -203,7 +203,7 @@ def _spawn_command(target: str, pte: str, folder: str) -> list[str]:
         return cli + ["generate", pte, "--tokenizer", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS]
     if target == "inspect":
         return cli + ["inspect", pte]
-    code = ("import sys\nfrom executorch_mlx.llm.runner import LLMRunner\n"
+    code = ("import sys\nfrom executorch_mlx.llm.run.runner import LLMRunner\n"
             "try:\n    LLMRunner(sys.argv[1], sys.argv[2]).generate(%r, max_new_tokens=%s)\n"
             "except (ValueError, RuntimeError, OSError) as e:\n    sys.exit(f'{type(e).__name__}: {e}')\n"
             % (PROMPT, NEW_TOKENS))
@@ -260,7 +260,7 @@ def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, tim
     if not spawn:
         import executorch_mlx  # noqa: F401  imported once, before any fork
         from executorch_mlx import cli, inspector  # noqa: F401
-        from executorch_mlx.llm import runner  # noqa: F401
+        from executorch_mlx.llm.run import runner  # noqa: F401
 
         if target == "inspect":  # it reads a .pte with ExecuTorch's export-side parser
             from executorch.exir._serialize._program import deserialize_pte_binary  # noqa: F401

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
 
 MAX_CONTEXT = 128

@@ -152,7 +152,7 @@ def write_programs(folder) -> None:
 def all_parameters_pte(rows: int = ROWS, vocab: int = VOCAB) -> bytes:
     if (rows, vocab) in EXPORTED:
         return EXPORTED[rows, vocab]
-    from executorch_mlx.llm.sampling import export_sampling_head
+    from executorch_mlx.llm.export.sampling import export_sampling_head
 
     class Logits(torch.nn.Module):
         def forward(self, logits):

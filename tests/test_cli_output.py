@@ -13,7 +13,7 @@ import torch
 
 from executorch_mlx import cli, third_party_warnings
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
-from executorch_mlx.llm.quantize import quantize_model
+from executorch_mlx.llm.export.quantize import quantize_model
 from executorch_mlx.progress import CountingWriter, TerminalProgress, counter, shown_by
 
 LEAF_SPEC = ("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
@@ -59,7 +59,7 @@ def test_known_warnings_are_hidden_by_category_module_and_message(hidden):
     warnings.warn_explicit(LEAF_SPEC, FutureWarning, "copyreg.py", 105, module="copyreg")
     warnings.warn_explicit(LEAF_SPEC, FutureWarning, "_pytree.py", 1, module="torch.utils._pytree")
     # the same texts from our own modules, another category, or another message still show
-    warnings.warn_explicit(LEAF_SPEC, FutureWarning, "hf_export.py", 1, module="executorch_mlx.llm.hf_export")
+    warnings.warn_explicit(LEAF_SPEC, FutureWarning, "hf_export.py", 1, module="executorch_mlx.llm.export.hf_export")
     warnings.warn_explicit(LEAF_SPEC, DeprecationWarning, "copyreg.py", 105, module="copyreg")
     warnings.warn_explicit("something else is deprecated", FutureWarning, "copyreg.py", 105, module="copyreg")
     assert [(w.category, w.filename) for w in seen] == [
@@ -90,7 +90,7 @@ def test_verbose_hides_nothing_and_errors_stay_one_line(monkeypatch, capsys, arg
 
 @pytest.mark.parametrize("argv", [["--quiet", "export", "m", "-o", "x.pte"], ["export", "m", "-o", "x.pte", "--quiet"]])
 def test_quiet_export_shows_no_progress(monkeypatch, capsys, argv):
-    from executorch_mlx.llm import hf_export
+    from executorch_mlx.llm.export import hf_export
 
     def fake_export(*args, progress, **kwargs):
         assert progress is None

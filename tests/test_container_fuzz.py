@@ -21,8 +21,8 @@ import pytest
 from flatbuffers.table import Table
 
 import executorch_mlx
-from executorch_mlx.llm.program_runner import _named_error
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.program_runner import _named_error
+from executorch_mlx.llm.run.runner import LLMRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = 8847360  # the index a one-byte change gave (mutation seed 188 of the first trial)

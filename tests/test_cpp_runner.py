@@ -10,7 +10,7 @@ import pytest
 from llm_programs import MAX_CONTEXT, family_program
 
 import executorch_mlx
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = [5, 17, 42, 8, 99, 3, 61]
 

@@ -15,9 +15,9 @@ from test_llm import non_delegated_ops
 from test_ops import Fn, check, rand
 
 from executorch_mlx.custom_kernel_ops import experts  # noqa: F401  (defines the ops)
-from executorch_mlx.llm.experts import check_experts_routed, route_experts
+from executorch_mlx.llm.export.experts import check_experts_routed, route_experts
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
-from executorch_mlx.llm.quantize import QuantizedExperts, quantize_model
+from executorch_mlx.llm.export.quantize import QuantizedExperts, quantize_model
 
 E, N, K, T, TOP = 5, 12, 64, 7, 2
 
@@ -127,9 +127,9 @@ def test_int4_experts_export_whole_and_match_the_quantized_model(shared, tmp_pat
     greedy ids of the quantized model run eagerly (our ops' references)."""
     from transformers import AutoModelForCausalLM
 
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
-    from executorch_mlx.llm.runner import LLMRunner
+    from executorch_mlx.llm.run.runner import LLMRunner
 
     folder = shared.get("qwen3_moe", lambda r: write_model_folder(r / "qwen3_moe", "qwen3_moe", layers=1))
     pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, quantize="int4", group_size=32, progress=None)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from executorch_mlx.llm.hf_export import CachedLM, export_llm
+from executorch_mlx.llm.export.hf_export import CachedLM, export_llm
 from executorch_mlx.llm.model_folders import BOS, EOS, train_tokenizer
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=230,
             bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.2)

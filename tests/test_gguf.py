@@ -1,8 +1,10 @@
-"""GGUF files in (llm/gguf_files.py): a tiny Llama folder written as GGUF
-with the gguf package (benchmarks/gguf_folder.py: llama.cpp's names, its
-interleaved rotary rows, Q8_0/Q4_0 by gguf's own quantizer), exported, and
-held to the same model run by transformers on the GGUF's values
-(dequantized by the gguf package): Q8_0 and Q4_0 are repacked exactly."""
+"""GGUF files in (llm/export/gguf_files.py): tiny Llama and Qwen3 folders
+written as GGUF with the gguf package (benchmarks/gguf_folder.py: llama.cpp's
+names, Llama's interleaved rotary rows, Q8_0/Q4_0 by gguf's own quantizer,
+the folder's vocabulary), exported, and held to the same model run by
+transformers on the GGUF's values (dequantized by the gguf package): Q8_0
+and Q4_0 are repacked exactly; the file's vocabulary is the folder's
+tokenizer (llm/run/gguf_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = "The quick brown fox"
 _spec = importlib.util.spec_from_file_location("gguf_folder", Path(__file__).parents[1] / "benchmarks/gguf_folder.py")
@@ -36,14 +38,15 @@ def gguf_values_folder(folder: Path, gguf_path: Path, out: Path) -> Path:
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from executorch_mlx.llm.gguf_files import _halves, _hf_name
+    from executorch_mlx.llm.export.gguf_files import _halves, _hf_name
 
     config = json.loads((folder / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     state = model.state_dict()
+    interleaved = config["model_type"] == "llama"  # (llama.cpp's rotary rows: Llama's only)
     for t in gguf.GGUFReader(gguf_path).tensors:
         values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") and interleaved else ""
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind)
         state[_hf_name(t.name)].copy_(torch.from_numpy(np.array(_halves(values, heads) if heads else values)))
     model.save_pretrained(out)
@@ -66,15 +69,35 @@ def test_a_gguf_file_exports_and_generates_its_values(llama, tmp_path, quant):
     assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
 
 
+def test_a_qwen3_file_with_its_vocabulary(tmp_path):
+    """Qwen3 (its own head size, query and key norms, no interleaved rows)
+    in Q8_0, run with the tokenizer read from the file itself."""
+    folder = write_model_folder(tmp_path / "qwen3", "qwen3", layers=1, hidden=64, intermediate=128)
+    path = gguf_folder.write_gguf(folder, tmp_path / "qwen3.gguf", "Q8_0")
+    pte = export_llm(path, tmp_path / "qwen3.pte", max_context=64, progress=None)
+    runner = LLMRunner(pte, path)
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
+    assert runner.tokenizer.encode(PROMPT).ids == ids and len(ids) > 3
+    assert runner.eos_ids == LLMRunner(pte, folder).eos_ids
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_values_folder(folder, path, tmp_path / "values")).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16)[0, len(ids):].tolist()
+    assert runner.generate(PROMPT, max_new_tokens=16, temperature=0).token_ids == want
+
+
 def test_other_types_are_quantized_again_and_said_so(llama, tmp_path):
     """Q5_0 (not MLX's layout): dequantized, then quantized by MLX at 5 bits
     in groups of 32 (the tables --quantize int5 --group-size 32 makes of the
     dequantized values), and the loader says it is not exact."""
     import gguf
 
-    from executorch_mlx.llm.gguf_files import load_gguf
+    from executorch_mlx.llm.export.gguf_files import load_gguf
     from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
-    from executorch_mlx.llm.quantize import quantize_weight
+    from executorch_mlx.llm.export.quantize import quantize_weight
 
     path = gguf_folder.write_gguf(llama, tmp_path / "model.gguf", "Q5_0")
     said = []

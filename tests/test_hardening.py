@@ -20,8 +20,8 @@ from container_fuzz import MAX_CONTEXT, export_program
 from llm_programs import family_program
 
 import executorch_mlx
-from executorch_mlx.llm.hf_export import export_llm
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = "Once upon a time"
 
@@ -252,7 +252,7 @@ def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path, capfd)
 
 
 def test_export_to_an_unwritable_folder_is_refused_before_any_work(llm, tmp_path, monkeypatch):
-    from executorch_mlx.llm import export_checks
+    from executorch_mlx.llm.export import export_checks
 
     loaded = []
     monkeypatch.setattr(export_checks, "load_weights", lambda *a: loaded.append(a))
@@ -285,7 +285,7 @@ def test_failed_export_leaves_the_old_file_and_reexport_under_a_loaded_program(l
     """Out of space mid-write: the old .pte byte-identical, no partial file.
     A successful re-export replaces the file under a runner that has it
     loaded, which keeps working (it used to be truncated in place: SIGSEGV)."""
-    from executorch_mlx.llm import export_checks
+    from executorch_mlx.llm.export import export_checks
 
     folder, pte = llm
     target = tmp_path / "model.pte"
@@ -418,8 +418,8 @@ def test_config_that_is_not_json_names_the_file(folder_copy, tmp_path):
 
 
 def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_path, capfd):
-    from executorch_mlx.llm.export_checks import check_context
-    from executorch_mlx.llm.hf_export import read_config
+    from executorch_mlx.llm.export.export_checks import check_context
+    from executorch_mlx.llm.export.hf_export import read_config
 
     _edit_config(folder_copy, max_position_embeddings=32)
     with pytest.raises(ValueError, match=r"max_context 64 exceeds the model's max_position_embeddings 32 .*"
@@ -431,7 +431,7 @@ def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_pa
 
 
 def test_control_flow_on_a_run_time_value_is_a_named_refusal():
-    from executorch_mlx.llm.hf_export import trace
+    from executorch_mlx.llm.export.hf_export import trace
 
     class Branches(torch.nn.Module):
         def forward(self, x):
@@ -457,7 +457,7 @@ def test_kv_cache_over_the_memory_budget_is_refused_at_export(llm, tmp_path):
 @pytest.fixture(scope="module")
 def bad_files(llm, tmp_path_factory):
     """Files a careless user or an attacker hands the runners."""
-    from executorch_mlx.llm.sampling import export_greedy_head
+    from executorch_mlx.llm.export.sampling import export_greedy_head
 
     _, pte = llm
     root = tmp_path_factory.mktemp("bad")

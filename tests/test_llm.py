@@ -14,9 +14,9 @@ from cli_runs import cli
 from llm_programs import SAMPLED, family_program
 from transformers import AutoModelForCausalLM
 
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import FAMILIES, write_model_folder
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = "Once upon a time"
 
@@ -277,7 +277,7 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
     files themselves (lowering/weight_files.py): with every tensor counted as
     large, every weight goes that way, the .pte is the same file byte for
     byte, and no file is left behind."""
-    from executorch_mlx.llm.export_checks import load_weights
+    from executorch_mlx.llm.export.export_checks import load_weights
     from executorch_mlx.lowering import weight_files
 
     files = []

@@ -458,12 +458,12 @@ class StaticCacheAttention(torch.nn.Module):
 
 
 def test_written_attention_attends_the_written_prefix_only():
-    """llm/attention.py's rewrite: the same outputs as attention over the whole
+    """llm/export/attention.py's rewrite: the same outputs as attention over the whole
     cache, at every position (prefill chunks and decode steps, up to the last
     slot), with the attended keys sliced to the last written slot."""
     from executorch.exir import to_edge_transform_and_lower
 
-    from executorch_mlx.llm.attention import attend_written_prefix
+    from executorch_mlx.llm.export.attention import attend_written_prefix
 
     slots = 24
     eager = StaticCacheAttention(slots)

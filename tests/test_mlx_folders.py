@@ -1,4 +1,4 @@
-"""mlx-lm's quantized folders (llm/mlx_folders.py): written here as
+"""mlx-lm's quantized folders (llm/export/mlx_folders.py): written here as
 `mlx_lm.convert -q` writes them (mx.quantize of every linear layer and of
 the embedding, uint32 packed weights, config.json's "quantization"), then
 exported as they are: the packed bytes in the .pte are the folder's, and
@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = "The quick brown fox"
 
@@ -77,7 +77,7 @@ def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
     quantize_model and run eagerly (the ops' references)."""
     from transformers import AutoModelForCausalLM
 
-    from executorch_mlx.llm.quantize import quantize_format, quantize_model
+    from executorch_mlx.llm.export.quantize import quantize_format, quantize_model
 
     folder = write_mlx_folder(llama, tmp_path / "mxfp4", 4, 32, mode="mxfp4")
     pte = export_llm(folder, tmp_path / "mxfp4.pte", max_context=64, progress=None)

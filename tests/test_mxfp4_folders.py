@@ -1,5 +1,5 @@
 """Hugging Face folders with MXFP4 experts (gpt-oss's checkpoints,
-llm/mxfp4_folders.py): written here as OpenAI's are (each experts
+llm/export/mxfp4_folders.py): written here as OpenAI's are (each experts
 projection as `_blocks` and `_scales`, config.json's quantization_config),
 then exported as they are: the blocks' bytes are in the .pte, and the
 program generates what transformers' own dequantization of the folder
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = [3, 17, 42, 5, 99, 7]
 

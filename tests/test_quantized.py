@@ -20,7 +20,7 @@ from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat, dequantize
-from executorch_mlx.llm.quantize import QuantizedTable, quantize_format, quantize_model, quantize_weight
+from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_format, quantize_model, quantize_weight
 
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 
@@ -140,7 +140,7 @@ def test_quantized_linear_equals_mlx_quantized_matmul(bits, dtype, m, bias):
 def test_quantizing_in_chunks_of_rows_changes_nothing(monkeypatch, dtype):
     """quantize_weight hands MLX a few rows at a time (a [vocab, hidden]
     output layer is not copied whole): the same tables as one call."""
-    from executorch_mlx.llm import quantize
+    from executorch_mlx.llm.export import quantize
 
     w = torch.randn(37, 256).to(dtype)
     whole = quantize_weight(w, QuantFormat(4, 64))
@@ -354,7 +354,7 @@ def folder(tmp_path_factory):
 def logits_program(folder, tmp_path_factory):
     """(quantize, quantize_embedding) -> the folder exported logits-only at
     max context 32, group size 64 (mxfp4: 32); each built once."""
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
 
     root, built = tmp_path_factory.mktemp("qprograms"), {}
 
@@ -454,7 +454,7 @@ def test_quantized_pte_sizes(folder, logits_program):
 
 # ------------------------------------------------------------------ errors --
 def test_bad_bits_or_group_size(folder, tmp_path):
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
 
     with pytest.raises(ValueError, match=r"quantize must be one of int2, int3, int4, int5, int6, int8, mxfp4, got 'int7'"):
         export_llm(folder, tmp_path / "x.pte", quantize="int7", progress=None)
@@ -470,7 +470,7 @@ def test_bad_bits_or_group_size(folder, tmp_path):
 
 
 def test_layer_not_divisible_by_group_size_is_named(tmp_path):
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
 
     folder = write_model_folder(tmp_path / "m", "llama", hidden=64, intermediate=96)

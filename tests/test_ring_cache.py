@@ -1,4 +1,4 @@
-"""Sliding-window layers on ring buffers (llm/ring_cache.py), on the family
+"""Sliding-window layers on ring buffers (llm/export/ring_cache.py), on the family
 programs of Gemma 3 (sdpa attention; window 8, one sliding and one full layer)
 and gpt-oss (its own eager attention with sinks; one sliding layer), max
 context 128: the ring's size, logits equal to transformers' far past the
@@ -13,7 +13,7 @@ from llm_programs import MAX_CONTEXT, family_program
 from transformers import AutoModelForCausalLM
 
 from executorch_mlx.inspector import delegate_graphs
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 
 WINDOW, CHUNK = 8, 16  # the family's sliding window; calls of a ring program take at most max(window, 16)
 SLOTS = WINDOW - 1 + CHUNK

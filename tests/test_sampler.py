@@ -16,9 +16,9 @@ from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB
                            oracle, reference_tokens, shared_word_draws, write_programs)
 from scipy.stats import chisquare
 
-from executorch_mlx.llm.decode import SampledDecoder
+from executorch_mlx.llm.run.decode import SampledDecoder
 from executorch_mlx.llm.sampler_inputs import sampling_inputs
-from executorch_mlx.llm.sampling import SamplingHead, export_sampling_head
+from executorch_mlx.llm.export.sampling import SamplingHead, export_sampling_head
 
 P_MIN = 1e-3
 

@@ -12,8 +12,8 @@ from scipy.stats import chisquare
 
 from executorch_mlx.inspector import delegate_graphs as pte_delegate_graphs
 from executorch_mlx.inspector import describe_graph
-from executorch_mlx.llm.decode import SampledDecoder
-from executorch_mlx.llm.sampling import GreedyHead, SamplingHead, export_greedy_head, export_sampling_head
+from executorch_mlx.llm.run.decode import SampledDecoder
+from executorch_mlx.llm.export.sampling import GreedyHead, SamplingHead, export_greedy_head, export_sampling_head
 from executorch_mlx.serialization import ir
 
 P_MIN = 1e-3  # chi-square p-value threshold (docs/sampling.md)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from executorch_mlx.llm.chat import StopText
+from executorch_mlx.llm.run.chat import StopText
 from executorch_mlx.llm.model_folders import CHAT_TOKENS
 from llm_programs import chat_program
 from test_documented_commands import README, runnable

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from executorch_mlx.cli import main as cli_main
-from executorch_mlx.llm.drafting import DraftLength, PromptLookup
-from executorch_mlx.llm.runner import LLMRunner, history_rows
+from executorch_mlx.llm.run.drafting import DraftLength, PromptLookup
+from executorch_mlx.llm.run.runner import LLMRunner, history_rows
 from llm_programs import MAX_CONTEXT, chat_program, draft_program, family_program
 
 # A prompt that repeats itself: prompt lookup finds drafts in it.
@@ -126,7 +126,7 @@ def test_draft_options_are_checked(programs, shared):
 
 
 def test_export_checks_the_draft_count(shared, tmp_path):
-    from executorch_mlx.llm.hf_export import export_llm
+    from executorch_mlx.llm.export.hf_export import export_llm
 
     folder, _ = family_program(shared, "llama")
     for bad in (16, -1, True):  # refused before any work

@@ -1,4 +1,4 @@
-"""State layers (llm/state_cache.py): the recurrences against their float64
+"""State layers (llm/export/state_cache.py): the recurrences against their float64
 references at every length a call may have (step and chunked forms), long
 prompts equal to transformers, and the rings of snapshots that let drafted
 generation, a runner that served another prompt and a second chat turn give
@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from executorch_mlx.custom_kernel_ops import state  # noqa: F401  (defines the ops)
-from executorch_mlx.llm.hf_export import export_llm
+from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.run.runner import LLMRunner
 from harness import lower, node_types, run
 from llm_programs import HYBRIDS, MAX_CONTEXT, draft_program, family_program
 
@@ -145,7 +145,7 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     from test_quantized import assert_program_near_quantized_model, integer_linear
 
     from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
-    from executorch_mlx.llm.quantize import QuantizedTable, quantize_model
+    from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_model
 
     folder, _ = hybrids["qwen3_5_text"]
     pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, sampling=False, quantize="int4", group_size=64,

@@ -142,6 +142,18 @@ def test_no_import_cycle_between_subpackages():
     assert "lowering" not in edges.get("custom_kernel_ops", set())  # handlers live in lowering/
 
 
+def test_the_llm_rooms_meet_only_in_the_contract():
+    """llm/run/ reads what a program holds from its contract and llm/export/
+    writes it: neither imports the other, so a new layer kind touches
+    llm/export/ and the kernels only."""
+    for room, other in (("run", "export"), ("export", "run")):
+        paths = sorted((PACKAGE / "llm" / room).glob("*.py"))
+        assert len(paths) > 5
+        for path in paths:
+            crossing = sorted(m for m in _imports(path) if m.startswith(f"executorch_mlx.llm.{other}"))
+            assert crossing == [], f"llm/{room}/{path.name} imports {crossing}"
+
+
 def test_no_library_module_assigns_to_another_modules_globals():
     """Nor the fuzzing harness (tests use explicit hooks: backend.rewrite_blobs)."""
     offenders = []

@@ -1,4 +1,4 @@
-"""Structured output (llm/grammar.py): a grammar's mask applied by the
+"""Structured output (llm/run/grammar.py): a grammar's mask applied by the
 program's sampler. The model has random weights, so any output that parses
 is a property of the mask, not of the model; many seeds at T = 1 say so.
 The mask's exactness on each device path is in test_sampler.py."""
@@ -15,8 +15,8 @@ from cli_runs import cli
 from container_fuzz import MAX_CONTEXT, export_program
 from llm_programs import family_program
 
-from executorch_mlx.llm.hf_export import metadata
-from executorch_mlx.llm.runner import LLMRunner
+from executorch_mlx.llm.export.hf_export import metadata
+from executorch_mlx.llm.run.runner import LLMRunner
 
 SCHEMA = {
     "type": "object",

@@ -86,7 +86,7 @@ def clear_last_error() -> None:
 
 
 # Counts reset_state() calls: a runner that remembers what its cache holds
-# (llm/runner.py) forgets it when this changes.
+# (llm/run/runner.py) forgets it when this changes.
 reset_count = 0
 
 

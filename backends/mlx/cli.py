@@ -31,7 +31,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .llm.hf_export import export_llm
+    from .llm.export.hf_export import export_llm
     from .progress import TerminalProgress, shown_by
 
     display = None if args.quiet else TerminalProgress(sys.stderr)
@@ -55,8 +55,8 @@ def sampler_kwargs(args) -> dict:
 def draft_kwargs(args, runner) -> dict:
     """generate()'s speculative-decoding keywords from the draft flags,
     checked against the target `runner` now (before any prompt runs)."""
-    from .llm.drafting import PromptLookup
-    from .llm.runner import LLMRunner
+    from .llm.run.drafting import PromptLookup
+    from .llm.run.runner import LLMRunner
 
     if args.draft_model and args.prompt_lookup:
         raise ValueError("--draft-model and --prompt-lookup are two drafters: give one")
@@ -68,7 +68,7 @@ def draft_kwargs(args, runner) -> dict:
 
 
 def cmd_generate(args) -> int:
-    from .llm.runner import LLMRunner
+    from .llm.run.runner import LLMRunner
 
     runner = LLMRunner(args.pte, args.tokenizer)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -98,8 +98,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .llm.chat_loop import chat_loop
-    from .llm.runner import LLMRunner
+    from .llm.run.chat_loop import chat_loop
+    from .llm.run.runner import LLMRunner
 
     runner = LLMRunner(args.pte, args.tokenizer)
     return chat_loop(runner, args.system_prompt, args.max_new_tokens,
@@ -118,9 +118,9 @@ def cmd_demo(args) -> int:
     import tempfile
 
     from .inspector import delegate_blobs
-    from .llm.hf_export import export_llm
+    from .llm.export.hf_export import export_llm
     from .llm.model_folders import write_model_folder
-    from .llm.runner import LLMRunner
+    from .llm.run.runner import LLMRunner
     from .serialization import ir
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("generate", help="generate text with a .pte made by `executorch-mlx export`")
     p.add_argument("pte")
-    p.add_argument("--tokenizer", required=True, help="the model folder (its tokenizer.json)")
+    p.add_argument("--tokenizer", required=True, help="the model folder (its tokenizer.json), or the .gguf file")
     p.add_argument("--prompt", required=True,
                    help="the prompt text (a user message under the folder's chat template, if it has one)")
     p.add_argument("--system-prompt", default=None, help="a system message before the prompt (chat template)")
@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("chat", help="an interactive chat (streamed, multi-turn, the KV cache reused)")
     p.add_argument("pte")
-    p.add_argument("--tokenizer", required=True, help="the model folder (tokenizer.json and a chat template)")
+    p.add_argument("--tokenizer", required=True,
+                   help="the model folder (tokenizer.json and a chat template), or the .gguf file")
     p.add_argument("--system-prompt", default=None, help="a system message at the start of the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
     _add_sampler_flags(p)
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
     p.add_argument("pte")
-    p.add_argument("--tokenizer", required=True, help="the model folder (tokenizer.json, a chat template)")
+    p.add_argument("--tokenizer", required=True, help="the model folder (tokenizer.json, a chat template) or .gguf")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--model-name", default=None, help="the model's id in requests and /v1/models "

@@ -24,7 +24,7 @@ LOG_RECORDS = [
     ("torch.utils._pytree", r".* is an Enum subclass .*register_constant\(\) on Enum subclasses is deprecated"),
     # torchao's optional CUDA/MX kernels, absent from a CPU install
     ("torchao", r"Failed to load \S*torchao/_C\S*\.so"),
-    # state layers' kernels run once eagerly at export (llm/state_cache.py); the program runs ours
+    # state layers' kernels run once eagerly at export (llm/export/state_cache.py); the program runs ours
     ("transformers.integrations.hub_kernels", r"`\S+` is falling back to its reference PyTorch implementation"),
 ]
 

@@ -8,7 +8,7 @@ slots 0 .. n-1, where n = max(written) + 1 (clamped into [1, T]): `written`
 holds the cache slots this call wrote. In a causal decoder every slot after
 the last written one is masked anyway, so the result is the same as over the
 whole cache; what changes is the cost, which follows the position instead of
-the exported maximum context. The export of an LLM (llm/attention.py) puts
+the exported maximum context. The export of an LLM (llm/export/attention.py) puts
 this op where transformers attends over its static cache; the lowering is in
 `lowering/ops_attention.py`.
 """

@@ -17,7 +17,7 @@ from S = state. The result packs the outputs and the states a runner may come
 back to along axis 2: rows 0 .. L-1 are o_0 .. o_{L-1}; then `snapshots`
 blocks of Dk rows, block i the state after position L - snapshots + i (the
 initial state where that is before the call). Packing keeps it one node with
-one output (the IR's nodes have one); llm/state_cache.py unpacks it.
+one output (the IR's nodes have one); llm/export/state_cache.py unpacks it.
 
     torch.ops.mlx.ssd_scan(x[B, H, L, P], dt[B, H, L], a[H], b[B, H, L, N],
                            c[B, H, L, N], state[B, H, P, N],

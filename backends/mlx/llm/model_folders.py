@@ -106,7 +106,7 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
                                    qk_rope_head_dim=8, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
                                    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate // 4,
                                    n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0)
-    # State layers (llm/state_cache.py): the layer kinds alternate, state first, an attention layer last
+    # State layers (llm/export/state_cache.py): the layer kinds alternate, state first, an attention layer last
     kinds = [("linear_attention" if i < layers - 1 or layers == 1 else "full_attention") for i in range(layers)]
     if family == "qwen3_5_text":  # gated delta linear attention (two value heads per key head) and full attention
         return tf.Qwen3_5TextConfig(**common, head_dim=head_dim, linear_num_key_heads=2, linear_num_value_heads=4,

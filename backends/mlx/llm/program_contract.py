@@ -11,7 +11,7 @@ Two kinds of program carry it:
   table (serialization/sampler_params.py) in its order. They return the
   next token id [1] (and its logprob) or, exported without sampling, the
   last position's logits. A history of R rows verifies R - 1 drafts fed
-  last (llm/speculative.py): out come R tokens, -1 after the accepted ones.
+  last (llm/export/speculative.py): out come R tokens, -1 after the accepted ones.
 * sampling heads (`export_sampling_head`, `export_greedy_head`): the model's
   inputs (the first a token window [B, S]), then the sampler inputs they
   were exported with. They return token ids [B] (and logprobs).
@@ -36,10 +36,10 @@ SAMPLES = "emlx_samples"  # bool: the first output is token ids (else logits)
 LOGPROBS = "emlx_logprobs"  # bool: the second output is their log-probabilities
 MODEL_TYPE = "emlx_model_type"
 QUANTIZATION = "emlx_quantization"
-MAX_DRAFT_TOKENS = "emlx_max_draft_tokens"  # int: drafts one call verifies (llm/speculative.py)
+MAX_DRAFT_TOKENS = "emlx_max_draft_tokens"  # int: drafts one call verifies (llm/export/speculative.py)
 CACHE_WRAPS = "emlx_cache_wraps"  # bool: a sliding-window cache shorter than the context (it wraps around)
 # int: with CACHE_WRAPS, how many positions before the end of what the cache
-# was written a call may start (rewind) without losing its window (llm/ring_cache.py)
+# was written a call may start (rewind) without losing its window (llm/export/ring_cache.py)
 CACHE_REWIND = "emlx_cache_rewind"
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")

@@ -1,7 +1,7 @@
 """Sampler inputs on the host: the checks of every sampling parameter
 (TypeError/ValueError naming it, before anything runs) and the assembly of a
 program's sampler inputs in its order. Runners need only this, not the export
-stack that llm/sampling.py pulls in."""
+stack that llm/export/sampling.py pulls in."""
 
 from __future__ import annotations
 

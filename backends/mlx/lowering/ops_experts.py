@@ -1,6 +1,6 @@
 """`mlx::gather_linear` / `mlx::gather_quantized_linear` -> GatherLinearNode /
 GatherQuantizedLinearNode (mixture-of-experts projections: the ops are in
-custom_kernel_ops/experts.py, their use in llm/experts.py)."""
+custom_kernel_ops/experts.py, their use in llm/export/experts.py)."""
 
 from __future__ import annotations
 

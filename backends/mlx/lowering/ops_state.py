@@ -1,7 +1,7 @@
 """`mlx::gated_delta` / `mlx::ssd_scan` / `mlx::selective_scan` -> GatedDeltaNode /
 SsdScanNode / SelectiveScanNode (the
 recurrences of state layers: the ops are in custom_kernel_ops/state.py, their
-use in llm/state_cache.py)."""
+use in llm/export/state_cache.py)."""
 
 from __future__ import annotations
 

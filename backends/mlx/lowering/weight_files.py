@@ -4,8 +4,8 @@ Within `weight_files(folder)`, `keep(tensor)` writes a large tensor's bytes to
 a file in `folder` and returns the same values mapped from that file
 (copy-on-write, so nothing can change the file): the tensor reads like any
 other, but its pages are on disk until something reads them, and the kernel
-can drop them again. Export loads every weight this way (llm/streamed_load.py)
-and quantizes one weight at a time into kept tensors (llm/quantize.py), so
+can drop them again. Export loads every weight this way (llm/export/streamed_load.py)
+and quantizes one weight at a time into kept tensors (llm/export/quantize.py), so
 that what it holds in memory does not grow with the model. When the builder
 stores a constant that is a kept tensor, the named data store takes the file
 itself: the bytes reach the .pte without another copy in memory.

@@ -12,8 +12,8 @@
 // the example a C++ app copies: load the program (memory-mapped), read its
 // metadata (constant methods), find the inputs by name, prefill in chunks,
 // decode one token per call, or verify drafts in one call (speculative
-// decoding, llm/speculative.py: the ids are plain decoding's). It mirrors the Python
-// LLMRunner (backends/mlx/llm/runner.py) exactly, so both give the same ids;
+// decoding, llm/export/speculative.py: the ids are plain decoding's). It mirrors the Python
+// LLMRunner (backends/mlx/llm/run/runner.py) exactly, so both give the same ids;
 // both read the program contract (generated/program_contract.h) and the
 // sampler table (generated/sampler_params.h) generated from one source.
 
@@ -476,7 +476,7 @@ class Generator {
   std::map<std::string, TensorPtr> inputs_;
 };
 
-// Drafters (llm/drafting.py has the same): the tokens after `context`, at most k.
+// Drafters (llm/run/drafting.py has the same): the tokens after `context`, at most k.
 struct Drafter {
   virtual ~Drafter() = default;
   // `position`: the decode step of the token after `context`.
@@ -558,7 +558,7 @@ struct DraftModel : Drafter {
   std::vector<int64_t> cached_;  // the ids its cache holds, from position 0
 };
 
-// How many tokens to draft next (llm/drafting.py's DraftLength).
+// How many tokens to draft next (llm/run/drafting.py's DraftLength).
 struct DraftLength {
   int64_t most, k, pause = 0, backoff = 4;
   bool adaptive;

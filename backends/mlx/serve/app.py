@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..llm.runner import GenerationResult, LLMRunner
+from ..llm.run.runner import GenerationResult, LLMRunner
 from .requests import Plan, RequestError, parse
 
 # (the grammar allowing nothing more ends the answer as the model's end would)

@@ -13,8 +13,8 @@ import math
 import secrets
 from dataclasses import dataclass, field
 
-from ..llm.chat import check_messages, check_stop
-from ..llm.runner import LLMRunner
+from ..llm.run.chat import check_messages, check_stop
+from ..llm.run.runner import LLMRunner
 from ..llm.sampler_inputs import PENALTIES, logit_bias_tensors, sampling_inputs
 from ..serialization.sampler_params import BY_NAME, ROW_PARAMS, SAMPLER_INPUTS
 

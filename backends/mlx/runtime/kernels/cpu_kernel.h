@@ -20,7 +20,7 @@ namespace emlx {
 
 // Up to this many rows of x (or queries), the linear and attention kernels
 // compute each row exactly as a one-row call does: a verify call of
-// speculative decoding (1 + the drafts, llm/speculative.py; export caps the
+// speculative decoding (1 + the drafts, llm/export/speculative.py; export caps the
 // drafts at kDotRows - 1) gives bit for bit the logits of decode steps.
 // More rows (prefill) take OpenBLAS's sgemm for float weights and attention
 // (quantized weights stay on their integer kernel for any number of rows).

@@ -33,12 +33,13 @@ from typing import Callable
 
 import torch
 
-from . import program_contract
+from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
 from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
+from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .program_runner import ProgramRunner
-from ..serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
-from .sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
+from ...serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
+from ..sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
 
 
 @dataclass
@@ -73,6 +74,8 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
 class LLMRunner(ProgramRunner):
     def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None):
+        """`tokenizer_dir`: the model's Hugging Face folder (tokenizer.json,
+        its chat template and eos tokens), or the .gguf file it came from."""
         super().__init__(pte)
         one = self.contract.one
         self.samples = self.contract.samples
@@ -94,6 +97,9 @@ class LLMRunner(ProgramRunner):
             if len(self.input_shapes.get(name, (1, 0))) != 2:
                 raise ValueError(f"this .pte's input '{name}' has shape {list(self.input_shapes[name])}, not "
                                  f"[batch, size]: export it with executorch-mlx export")
+        if tokenizer_dir is not None and is_gguf_file(tokenizer_dir):  # llama.cpp's file: its own vocabulary
+            self._gguf_tokenizer = gguf_tokenizer_folder(tokenizer_dir)  # (the folder lives with the runner)
+            tokenizer_dir = Path(self._gguf_tokenizer.name)
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         self.tokenizer_dir = tokenizer_dir
         if tokenizer_dir is not None:
@@ -102,10 +108,10 @@ class LLMRunner(ProgramRunner):
         self._grammar_tokenizer = None  # built on the first structured generation
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does),
-        # except within the last `cache_rewind` positions written (llm/ring_cache.py).
+        # except within the last `cache_rewind` positions written (llm/export/ring_cache.py).
         self.cache_wraps = self.contract.one(program_contract.CACHE_WRAPS, bool, True)
         self.cache_rewind = self.contract.one(program_contract.CACHE_REWIND, int, 0) if self.cache_wraps else None
-        # Drafts one call verifies (llm/speculative.py); 0 for programs exported before.
+        # Drafts one call verifies (llm/export/speculative.py); 0 for programs exported before.
         self.max_draft_tokens = self.contract.one(program_contract.MAX_DRAFT_TOKENS, int, 0)
         if self.max_draft_tokens and "history" in self.input_shapes:
             # Its size reads as the most rows it takes; a call samples as many
@@ -227,15 +233,15 @@ class LLMRunner(ProgramRunner):
         ends the generation there ("cancelled").
         Structured output: `json_schema` (a dict, JSON text or a .json path),
         `regex` or `grammar` (Lark text or a .lark path) constrains every
-        generated token on the device (llm/grammar.py); the generation ends
+        generated token on the device (llm/run/grammar.py); the generation ends
         when the model ends it where the grammar accepts ("eos") or when the
         grammar allows nothing more ("grammar"). JSON comes out compact.
         Speculative decoding: `draft` ("prompt-lookup", or an LLMRunner of a
         smaller program of the same tokenizer) proposes up to
         `num_draft_tokens` tokens (default: the most the program verifies),
-        which the program verifies in one call (llm/speculative.py): the
+        which the program verifies in one call (llm/export/speculative.py): the
         output is exactly plain decoding's. `adaptive_drafting` drafts fewer
-        (or none for a while) when few are accepted (llm/drafting.py).
+        (or none for a while) when few are accepted (llm/run/drafting.py).
         Calls from several threads run one at a time."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:

@@ -127,7 +127,7 @@ def with_standard_names(config: dict) -> dict:
 
 
 # Layer kinds with a key/value cache, and those that keep a state instead
-# (llm/state_cache.py) or nothing (a layer of MLP or experts only).
+# (llm/export/state_cache.py) or nothing (a layer of MLP or experts only).
 # (chunks: Llama 4's; hybrid: attention beside a state in one layer, Falcon-H1's;
 # indexed: DeepSeek-V3.2's sparse attention, its keys picked by a scorer with a cache of its own)
 ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "indexed_attention"}
@@ -139,7 +139,7 @@ def check_architecture(config: dict, model_dir: str | Path) -> None:
     """Any decoder-only causal LM of transformers whose layers attend with a
     key/value cache; what export does not build yet (state layers) is an
     error naming it. Mixture-of-experts layers are checked once
-    the model is built (llm/experts.py)."""
+    the model is built (llm/export/experts.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = Path(model_dir) / "config.json"
@@ -212,7 +212,7 @@ def check_context(config: dict, model_dir: str | Path, max_context: int, allow_l
         raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings {trained} "
                          f"({Path(model_dir) / 'config.json'}): positions beyond it were never trained; pass "
                          f"allow_longer_context=True (--allow-longer-context) to export anyway")
-    from .. import memory_budget
+    from ... import memory_budget
 
     if not attends(config):
         return  # no KV cache

@@ -13,12 +13,12 @@ Why R = W - 1 + max_chunk is enough:
 - the write of position q + i overwrites position q + i - R, which no query of
   the call needs (it is below q - W + 1 for every i < max_chunk);
 - the caller may rewind: start again at a position up to `max_chunk` before
-  the end of what it wrote (rejected draft tokens, llm/speculative.py), and
+  the end of what it wrote (rejected draft tokens, llm/export/speculative.py), and
   the window of the new start is still there; stale slots of the positions
   after it hold positions above the query's, masked as any future one.
   A longer rewind (a conversation that changes an old turn) must prefill
   again from the start: `CACHE_REWIND` in the program's metadata says how far
-  it may go (llm/runner.py).
+  it may go (llm/run/runner.py).
 
 The layers use transformers' attention through an attention function of
 ours (registered with transformers, one per kind the family uses): with
@@ -34,7 +34,7 @@ import inspect
 
 import torch
 
-from ..custom_kernel_ops import attention as _attention_op  # noqa: F401  (defines mlx::written_attention)
+from ...custom_kernel_ops import attention as _attention_op  # noqa: F401  (defines mlx::written_attention)
 
 # Our attention function's name with transformers, per the family's attention.
 RING_ATTENTION = {"sdpa": "executorch_mlx_ring", "eager": "executorch_mlx_ring_eager"}

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..custom_kernel_ops.sample import mask_words
+from ...custom_kernel_ops.sample import mask_words
 
 # No free whitespace: {"a":1,"b":[2,3]}
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..custom_kernel_ops.quantized import QuantFormat
+from ...custom_kernel_ops.quantized import QuantFormat
 from .experts import is_experts_module, projections
 from .mlx_folders import check_none_missing, meta_model, read_other_tensors, tensor_files, tensor_reader
 from .quantize import QuantizedExperts

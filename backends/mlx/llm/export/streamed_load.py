@@ -18,7 +18,7 @@ import ctypes
 import os
 from pathlib import Path
 
-from ..lowering import weight_files
+from ...lowering import weight_files
 from .module_globals import replaced
 
 MADV_DONTNEED = 4  # Linux: drop the pages; a shared file mapping reads them again from the file if touched

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .program_contract import NoContract
+from ..program_contract import NoContract
 from .program_runner import ProgramRunner
-from .sampler_inputs import SAMPLER_INPUTS, sampling_inputs
+from ..sampler_inputs import SAMPLER_INPUTS, sampling_inputs
 
 
 @dataclass

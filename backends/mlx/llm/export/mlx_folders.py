@@ -4,7 +4,7 @@
 `"quantization": {"group_size": G, "bits": B, "mode": "affine", <layer>: ...}`
 and whose quantized layers hold `weight` (uint32, B-bit values packed along
 the input), `scales` and `biases` ([N, K/G] each): MLX's affine layout, the
-one our int4/int8 programs store (llm/quantize.py). Export keeps those
+one our int4/int8 programs store (llm/export/quantize.py). Export keeps those
 tensors as they are (no requantization: the packed bytes in the .pte are the
 folder's), reads the other tensors of the folder into the model, one tensor
 at a time (lowering/weight_files.py), and ties the output layer to the
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..custom_kernel_ops.quantized import BITS, GROUP_SIZES, MODES, QuantFormat
-from ..lowering.weight_files import keep
+from ...custom_kernel_ops.quantized import BITS, GROUP_SIZES, MODES, QuantFormat
+from ...lowering.weight_files import keep
 from .module_globals import replaced
 from .quantize import QuantizedLinear, QuantizedTable, embedding_scale
 from .streamed_load import release_mapped_pages

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS
-from . import program_contract
-from .sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK, mask_words, param_dtype
+from ...serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS
+from .. import program_contract
+from ..sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK, mask_words, param_dtype
 
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
@@ -188,7 +188,7 @@ def _lower(ep: torch.export.ExportedProgram, logprobs: bool) -> ExecutorchProgra
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    from ..partitioner import MLXPartitioner
+    from ...partitioner import MLXPartitioner
 
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     meta = program_contract.head_metadata(names, logprobs)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..serialization.sampler_params import PARAMS
-from .sampler_inputs import TABLE_PARAMS
+from ...serialization.sampler_params import PARAMS
+from ..sampler_inputs import TABLE_PARAMS
 from .sampling import token_logprobs
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from ..custom_kernel_ops import experts as _experts_ops  # noqa: F401  (defines the ops)
-from ..lowering.weight_files import keep
+from ...custom_kernel_ops import experts as _experts_ops  # noqa: F401  (defines the ops)
+from ...lowering.weight_files import keep
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
     """A transformers experts module (what `@use_experts_implementation` sets
-    up), its weights in full precision or quantized (llm/quantize.py)."""
+    up), its weights in full precision or quantized (llm/export/quantize.py)."""
     return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and \
         (isinstance(getattr(module, "down_proj", None), torch.Tensor) or hasattr(module, "down_proj_quantized"))
 
@@ -38,7 +38,7 @@ def projections(module: torch.nn.Module) -> tuple[str, str]:
 
 def _project(module: torch.nn.Module, name: str, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     bias = getattr(module, f"{name}_bias") if module.has_bias else None
-    quantized = getattr(module, f"{name}_quantized", None)  # llm/quantize.py
+    quantized = getattr(module, f"{name}_quantized", None)  # llm/export/quantize.py
     if quantized is not None:
         return quantized(x, indices, bias)
     return torch.ops.mlx.gather_linear(x, getattr(module, name), indices, bias)

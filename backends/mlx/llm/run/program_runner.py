@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from . import program_contract
-from .sampler_inputs import program_inputs
+from .. import program_contract
+from ..sampler_inputs import program_inputs
 
 # ExecuTorch's load errors reach Python as a bare code ("error: 0x:23"); its
 # reason goes to its log (stderr).

@@ -1,5 +1,5 @@
 """Drafters for speculative decoding: they propose the next tokens; the
-target program verifies them (llm/speculative.py), so whatever a drafter
+target program verifies them (llm/export/speculative.py), so whatever a drafter
 proposes, the output is the output of plain decoding.
 
 * `PromptLookup`: the tokens that followed the latest earlier occurrence of
@@ -23,7 +23,7 @@ from __future__ import annotations
 from array import array
 from typing import Callable
 
-from . import program_contract
+from .. import program_contract
 
 # sampler inputs of `runner` for (decode step, context): built by the target's generation
 SamplerFor = Callable[[object, int, list], list]

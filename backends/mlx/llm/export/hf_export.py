@@ -14,7 +14,7 @@ pads) and logit_bias_values (float32 [1, logit_bias_size]).
 A sampling program (the default) returns the next token id, int64 [1] (and,
 exported with `logprobs=True`, its float32 [1] log-probability); it also
 verifies draft tokens fed after the last one, a history row for each
-(speculative decoding, llm/speculative.py), and then returns the tokens it
+(speculative decoding, llm/export/speculative.py), and then returns the tokens it
 accepts and the next one, -1 padded. A
 `sampling=False` program returns the last position's logits [1, 1, vocab]
 (what ExecuTorch's own TextLLMRunner expects). Metadata are constant methods
@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-from ..lowering.weight_files import weight_files
-from ..progress import CountingWriter, counter
-from ..serialization.sampler_params import ROW_PARAMS
+from ...lowering.weight_files import weight_files
+from ...progress import CountingWriter, counter
+from ...serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
@@ -47,8 +47,8 @@ from .mlx_folders import describe as mlx_types, mlx_quantization
 from .mxfp4_folders import is_mxfp4_folder
 from .quantize import quantize_format, quantize_model
 from .ring_cache import ring_chunk, use_rings
-from . import program_contract
-from .sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
+from .. import program_contract
+from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
 from .sampling import sampler_examples
 from .speculative import verify
 from .state_cache import StateCachedModel, find_state_layers, one_token_cache
@@ -84,7 +84,7 @@ def refuse_ops_outside(partitioner, model_dir: str | Path) -> None:
     run on ExecuTorch's portable kernels (with the cache copied to the host
     each step), so it is an error naming the op and its module instead.
     Size bookkeeping may stay outside."""
-    from ..partitioner import SIZE_OUTSIDE
+    from ...partitioner import SIZE_OUTSIDE
 
     def module(op: str, why: str) -> str:
         # the Hugging Face model's own path, without our wrappers around it
@@ -159,8 +159,8 @@ class CachedLM(torch.nn.Module):
 
     def __init__(self, model, max_context: int, ring_chunk: int | None = None, snapshots: int = 1):
         """`ring_chunk`: put the sliding-window layers on ring buffers for
-        calls of at most that many tokens (llm/ring_cache.py). `snapshots`:
-        the states each state layer keeps (llm/state_cache.py)."""
+        calls of at most that many tokens (llm/export/ring_cache.py). `snapshots`:
+        the states each state layer keeps (llm/export/state_cache.py)."""
         super().__init__()
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
@@ -228,7 +228,7 @@ class CachedLM(torch.nn.Module):
 
 
 class SampledLM(torch.nn.Module):
-    """CachedLM with the sampler and draft verification (llm/speculative.py),
+    """CachedLM with the sampler and draft verification (llm/export/speculative.py),
     taking every sampler input by position (the program contract's order)
     for export; the token mask comes last and may be left out (a program
     without a grammar input)."""
@@ -313,7 +313,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     `quantize` ("int2", "int3", "int4", "int5", "int6", "int8" or "mxfp4")
     stores every linear weight (and, with `quantize_embedding`, the input
     embedding) in MLX's affine layout with `group_size` values per scale and
-    bias (default 64), or as MXFP4 (groups of 32; see llm/quantize.py).
+    bias (default 64), or as MXFP4 (groups of 32; see llm/export/quantize.py).
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
@@ -322,10 +322,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
     the model's max_position_embeddings needs `allow_longer_context`.
     A sampling program verifies up to `max_draft_tokens` draft tokens per
-    call (speculative decoding, llm/speculative.py; 0: none; default 8, or
+    call (speculative decoding, llm/export/speculative.py; 0: none; default 8, or
     what a small context leaves room for).
 
-    Checked before any work (llm/export_checks.py): the output path (not a
+    Checked before any work (llm/export/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
     config; the weights load from safetensors only, all of them used, none
     missing. The file is written atomically: a failed export leaves an
@@ -334,7 +334,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     from .export_checks import (check_config, check_context, check_output_path, load_weights, read_config_json,
                                 write_atomically)
 
-    if is_gguf(model_dir):  # llama.cpp's file: config from its metadata (llm/gguf_files.py)
+    if is_gguf(model_dir):  # llama.cpp's file: config from its metadata (llm/export/gguf_files.py)
         config = gguf_config(model_dir)
     else:
         read_config_json(model_dir)
@@ -389,12 +389,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         if quantize is not None:
             layers = quantize_model(model, fmt, embedding=quantize_embedding)
             stage(f"quantized {len(layers)} layers to {fmt}")
-        # sliding-window layers on rings take calls of at most a window (llm/ring_cache.py)
+        # sliding-window layers on rings take calls of at most a window (llm/export/ring_cache.py)
         chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
         max_chunk = chunk or max_context - 1
         lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
         rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
-        if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/state_cache.py)
+        if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/export/state_cache.py)
             chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
             stage(f"{len(lm.states.states)} state layers, states kept after each of the last {max_draft_tokens + 1} "
                   "positions")
@@ -420,8 +420,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         # the export stack is imported after every check (weights included): a refused export is quick
         from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
-        from ..lowering.unused_constants import drop_unused_constants
-        from ..partitioner import MLXPartitioner
+        from ...lowering.unused_constants import drop_unused_constants
+        from ...partitioner import MLXPartitioner
 
         ep = trace(module, example, dynamic, model_dir)
         attend_written_prefix(ep, max_context)

@@ -4,7 +4,7 @@
 its input embedding) with modules that hold MLX's quantized layout (affine
 intN, or mxfp4), computed by `mlx.core.quantize` itself, and call `mlx::quantized_linear` /
 `mlx::quantized_embedding` (custom_kernel_ops/quantized.py); the expert
-weights of mixture-of-experts layers (llm/experts.py) are quantized per
+weights of mixture-of-experts layers (llm/export/experts.py) are quantized per
 expert and run with `mlx::gather_quantized_linear`. A layer whose
 input width does not divide by the group size is an error naming the layer,
 never silently left in full precision.
@@ -21,9 +21,9 @@ import collections
 import numpy as np
 import torch
 
-from ..custom_kernel_ops.quantized import BITS, QuantFormat
-from ..lowering.weight_files import keep, trim_heap
-from ..progress import counter
+from ...custom_kernel_ops.quantized import BITS, QuantFormat
+from ...lowering.weight_files import keep, trim_heap
+from ...progress import counter
 from .experts import projections, route_experts
 
 # export's --quantize names: int2 .. int8 (no 7 bits in MLX) and mxfp4
@@ -82,7 +82,7 @@ class QuantizedTable(torch.nn.Module):
     def __init__(self, weight: torch.Tensor | None, fmt: QuantFormat, embed_scale: torch.Tensor | None = None,
                  tables: tuple | None = None, dtype: torch.dtype | None = None):
         """Quantizes `weight`, or holds `tables` (packed, scales, biases: an
-        mlx-lm folder's, llm/mlx_folders.py) as they are; as an embedding its
+        mlx-lm folder's, llm/export/mlx_folders.py) as they are; as an embedding its
         rows come out in `dtype` (default: the weight's, or the scales')."""
         super().__init__()
         packed, scales, biases = tables if tables is not None else quantize_weight(weight, fmt)
@@ -199,7 +199,7 @@ def quantize_model(model: torch.nn.Module, fmt: QuantFormat, *, embedding: bool 
             del module
             setattr(model.get_submodule(parent) if parent else model, child, new)
             count.advance()
-        for _, module, weight in experts:  # llm/experts.py reads `<weight>_quantized`
+        for _, module, weight in experts:  # llm/export/experts.py reads `<weight>_quantized`
             setattr(module, f"{weight}_quantized", QuantizedExperts(getattr(module, weight), fmt))
             delattr(module, weight)
             count.advance()

@@ -39,7 +39,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ..custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the ops)
+from ...custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the ops)
 from .module_globals import swapped
 
 # The kernels of transformers' modeling modules that read or write state, by their global name there.
@@ -50,7 +50,7 @@ KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "chunk_kimi_delta
 def one_token_cache(model):
     """transformers' own cache after one token through the model: what each
     layer keeps, as the family's code writes it. On fake tensors (shapes
-    only, no weight read: export keeps weights in files, llm/streamed_load.py)
+    only, no weight read: export keeps weights in files, llm/export/streamed_load.py)
     when the family's code allows it, else on the weights."""
     ids = torch.zeros(1, 1, dtype=torch.int64)
     try:

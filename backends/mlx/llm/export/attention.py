@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.export import ExportedProgram
 
-from ..custom_kernel_ops import attention  # noqa: F401  (defines mlx::written_attention)
+from ...custom_kernel_ops import attention  # noqa: F401  (defines mlx::written_attention)
 
 aten = torch.ops.aten
 # What transformers puts between a cache write and the attention reading it:

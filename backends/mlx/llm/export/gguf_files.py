@@ -14,11 +14,13 @@ weights, read one at a time (lowering/weight_files.py):
   Q3_K -> 3, Q4_1 and Q4_K -> 4, Q5_0, Q5_1 and Q5_K -> 5, Q6_K -> 6, anything
   else -> 8), in groups of 32: not exact, and export says so.
 
-Query and key rows are put back from llama.cpp's interleaved rotary layout
-into Hugging Face's halves (what llama.cpp's converter permuted). The
-architectures read so far: llama (general.architecture); others are
-refused by name. The vocabulary stays in the file: generate needs
---tokenizer with the model's Hugging Face tokenizer folder.
+The architectures read so far (general.architecture): llama (Llama,
+Mistral, SmolLM; llama.cpp interleaves their query and key rows for its
+rotary layout, put back here into Hugging Face's halves), qwen2 (with the
+projections' biases) and qwen3 (with its query and key norms); others are
+refused by name. The vocabulary stays in the file: runners read it from
+there (`--tokenizer MODEL.gguf`, llm/run/gguf_tokenizer.py) or from a
+Hugging Face tokenizer folder.
 """
 
 from __future__ import annotations
@@ -28,17 +30,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..custom_kernel_ops.quantized import QuantFormat
-from ..lowering.weight_files import keep
+from ...custom_kernel_ops.quantized import QuantFormat
+from ...lowering.weight_files import keep
 from .mlx_folders import parameters_on_meta, replace_module
 from .quantize import QuantizedLinear, QuantizedTable
 from .streamed_load import release_mapped_pages
 
-ARCHITECTURES = ("llama",)
-# llama.cpp's per-layer names -> transformers' Llama names
+# general.architecture -> (transformers' model type and class, whether llama.cpp interleaved q/k rows)
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM", True), "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM", False)}
+# llama.cpp's per-layer names -> transformers' names (Llama's layout, and Qwen3's norms)
 LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 REQUANTIZED_BITS = {"Q2_K": 2, "Q3_K": 3, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
 GROUP = 32
@@ -79,19 +84,25 @@ def gguf_config(path: str | Path, reader=None) -> dict:
         raise ValueError(f"{path}: no token_embd.weight tensor")
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    model_type, architecture, _ = ARCHITECTURES[arch]
     config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type, "architectures": [architecture],
         "vocab_size": int(embed.shape[1]), "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
+        # (llama.cpp writes key_length where the head size is not hidden / heads, as in Qwen3)
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length",
+                               _field(reader, f"{arch}.rope.dimension_count", hidden // heads))),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "tie_word_embeddings": "output.weight" not in names,
     }
+    if arch != "qwen2":  # (Qwen2's projections always have biases)
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
     for key in ("bos", "eos", "padding"):
         token = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if token is not None:
@@ -105,7 +116,7 @@ def _hf_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in NAMES:
         return f"{NAMES[parts[0]]}.{parts[1]}"
-    raise NotImplementedError(f"GGUF tensor {name} has no Llama counterpart")
+    raise NotImplementedError(f"GGUF tensor {name} has no transformers counterpart")
 
 
 def _halves(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -128,17 +139,18 @@ def _repacked(qtype: str, data: np.ndarray, rows: int, width: int):
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, say=lambda _: None):
-    """The Llama model of a GGUF file, its Q8_0/Q4_0 layers repacked (and
-    other quantized types requantized) as QuantizedTable/QuantizedLinear."""
+    """The model of a GGUF file, its Q8_0/Q4_0 layers repacked (and other
+    quantized types requantized) as QuantizedTable/QuantizedLinear."""
     from gguf import GGMLQuantizationType, quants
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     reader = _reader(path)
     config = gguf_config(path, reader)
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=dtype).eval()
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype).eval()
+    interleaved = ARCHITECTURES[_field(reader, "general.architecture")][2]
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]} if interleaved else {}
     requantized: dict[str, int] = {}
     tables: dict[str, QuantizedTable] = {}
     to_torch = lambda a: keep(torch.from_numpy(np.ascontiguousarray(a)).to(dtype))  # noqa: E731
@@ -173,8 +185,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype, say=lambda _: None):
         else:
             raise NotImplementedError(f"{path}: {tensor.name} is {qtype}, which export reads for linear layers only")
         tables[module_name] = table
+        # (a bias read before its weight is on the module already)
+        bias = getattr(module, "bias", None)
+        bias = bias if isinstance(bias, torch.Tensor) and bias.device.type != "meta" else None
         replace_module(model, module_name, table if isinstance(module, torch.nn.Embedding)
-                       else QuantizedLinear(table, None))
+                       else QuantizedLinear(table, bias))
         release_mapped_pages(path)
     if config["tie_word_embeddings"]:
         embed = "model.embed_tokens"

@@ -1,0 +1,96 @@
+"""GGUF files written by llama.cpp's own converter and quantizer, exported
+as they are: greedy ids of our program against llama.cpp's on the same file.
+
+    PYTHONPATH=... .venv/bin/python benchmarks/check_gguf_files.py LLAMA_CPP_SRC [--tokens 32]
+
+For a random-weight Llama and Qwen3 folder (hidden 256, 4 layers, the
+folder's trained byte-level tokenizer), llama.cpp's converter
+(llama_cpp_convert.py: `convert_hf_to_gguf.py` of LLAMA_CPP_SRC) writes an
+F32 file and llama.cpp's quantizer (llama-cpp-python, the bench extra)
+makes Q8_0 and Q4_0 files of it, every tensor in that type (`pure`: by
+default llama.cpp keeps the output layer at Q6_K, which export quantizes
+again at 6 bits and says so). Each file is exported with `executorch-mlx
+export FILE.gguf` (no --quantize) and run with the tokenizer read from the
+file itself; printed per file: the prompt's ids under both tokenizers, the
+greedy tokens that agree, and where they first differ, llama.cpp's logit
+gap between its token and ours (how near a tie that step is: llama.cpp
+rounds activations to 8 bits for quantized weights, we to 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import llama_cpp  # noqa: F401  (before torch: its OpenMP build loaded after torch crashes the process)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_state_layers import greedy_tokens, llama_cpp_caller  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+QUANT = {"F32": None, "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+
+
+def convert(src: Path, folder: Path, qtype: str) -> Path:
+    import subprocess
+
+    import llama_cpp as lc
+
+    f32 = folder.with_suffix(".f32.gguf")
+    if not f32.exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("llama_cpp_convert.py")), str(src), str(folder),
+                        "--outfile", str(f32), "--outtype", "f32"], check=True, capture_output=True)
+    if QUANT[qtype] is None:
+        return f32
+    out = folder.with_suffix(f".{qtype}.gguf")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = getattr(lc, QUANT[qtype])
+    params.pure = True
+    if lc.llama_model_quantize(str(f32).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {f32} to {qtype}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", type=Path, help="a llama.cpp source tree (its converter)")
+    ap.add_argument("--tokens", type=int, default=32)
+    args = ap.parse_args()
+    import numpy as np
+
+    from executorch_mlx.llm import LLMRunner, export_llm
+    from executorch_mlx.llm.model_folders import write_model_folder
+
+    print("command: " + " ".join(sys.argv))
+    all_equal = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("llama", "qwen3"):
+            folder = write_model_folder(Path(tmp) / family, family, layers=4, hidden=256, heads=8, kv_heads=4,
+                                        intermediate=512)
+            for qtype in QUANT:
+                gguf = convert(args.src, folder, qtype)
+                pte = export_llm(gguf, Path(tmp) / f"{family}-{qtype}.pte", max_context=256, progress=None)
+                runner = LLMRunner(pte, gguf)
+                ids = runner.tokenizer.encode(PROMPT).ids
+                call = llama_cpp_caller(gguf, 256)
+                theirs_ids = call.llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
+                ours = runner.generate(ids, max_new_tokens=args.tokens, temperature=0).token_ids
+                theirs = greedy_tokens(call, ids, args.tokens)
+                same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+                line = (f"{family} {qtype}: prompt ids {'equal' if ids == theirs_ids else 'DIFFER'} "
+                        f"({len(ids)}); greedy {same}/{len(ours)} equal")
+                if same < len(ours):
+                    call(ids + theirs[:same], 0)
+                    logits = np.ctypeslib.as_array(call.llm._ctx.get_logits(), shape=(call.llm.n_vocab(),))
+                    line += f"; first difference at step {same}: llama.cpp's logit gap " \
+                            f"{logits[theirs[same]] - logits[ours[same]]:.4f}"
+                    all_equal = False
+                print(line, flush=True)
+                del call
+    return 0 if all_equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
