@@ -120,7 +120,7 @@ def _bar_output(live: bool) -> str:
 
 def test_progress_bars_on_a_terminal_only():
     shown = _bar_output(live=True)
-    assert "quantizing to 4 bits [##############################] 2/2" in shown
+    assert "quantizing to int4 group 32 [##############################] 2/2" in shown
     assert "writing [##############################] 3.0/3.0 MiB" in shown
     assert "s in this stage" in shown  # an uncounted stage shows its seconds
     assert shown.endswith("\r\x1b[K")  # the status line is erased at the end

@@ -103,7 +103,7 @@ def test_readme_export_and_generate_print_only_our_lines(workspace):
     assert [line for line in done.stderr.splitlines() if not ours.fullmatch(line)] == []
     assert "Warning" not in done.stderr and "\r" not in done.stderr
     # 7 linears of the one layer: the tied head stays with the table
-    assert "quantized 7 layers to int4, group size 64" in done.stderr
+    assert "quantized 7 layers to int4 group 64" in done.stderr
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(tmp / "model.pte"))

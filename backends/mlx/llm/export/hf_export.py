@@ -418,7 +418,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
             module = lm
         stage("exporting (torch.export)")
         # the export stack is imported after every check (weights included): a refused export is quick
-        from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+        from executorch.exir import EdgeCompileConfig, to_edge
 
         from ...lowering.unused_constants import drop_unused_constants
         from ...partitioner import MLXPartitioner
@@ -427,14 +427,18 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         attend_written_prefix(ep, max_context)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
         partitioner = MLXPartitioner()
-        # ExecuTorch re-validates every edge op's dtypes against its portable
-        # kernels after each pass (about a tenth of the lowering); an LLM lowers
-        # whole into our delegate, whose handlers check what they accept.
-        edge = to_edge_transform_and_lower(ep, partitioner=[partitioner],
-                                           compile_config=EdgeCompileConfig(_check_ir_validity=False),
-                                           constant_methods=metadata(config, max_context, max_chunk, sampling,
-                                                                     quantization, logprobs and sampling, token_mask,
-                                                                     max_draft_tokens, rewind))
+        # What to_edge_transform_and_lower makes, in one decomposition pass:
+        # it functionalizes with an empty table, then decomposes, each a full
+        # retrace (together a third of the lowering); to_edge does both at
+        # once and keeps the partitioner's whole ops the same way. ExecuTorch
+        # re-validates every edge op's dtypes against its portable kernels
+        # after each pass (about a tenth of the lowering): off, since an LLM
+        # lowers whole into our delegate, whose handlers check what they accept.
+        keep_whole, _ = partitioner.ops_to_not_decompose(ep)
+        meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
+                        max_draft_tokens, rewind)
+        edge = to_edge(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=keep_whole),
+                       constant_methods=meta).to_backend(partitioner)
         del ep, module, lm, model  # the delegate's weights are in the named data store now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())
