@@ -12,9 +12,12 @@ default llama.cpp keeps the output layer at Q6_K, which export quantizes
 again at 6 bits and says so). Each file is exported with `executorch-mlx
 export FILE.gguf` (no --quantize) and run with the tokenizer read from the
 file itself; printed per file: the prompt's ids under both tokenizers, the
-greedy tokens that agree, and where they first differ, llama.cpp's logit
-gap between its token and ours (how near a tie that step is: llama.cpp
-rounds activations to 8 bits for quantized weights, we to 16).
+greedy tokens that agree with llama.cpp's, and where they first differ,
+llama.cpp's logit gap between its token and ours (how near a tie that step
+is: llama.cpp rounds activations to 8 bits for quantized weights, we to
+16); and the greedy tokens that agree with transformers run on the file's
+values (each tensor dequantized by the gguf package: what an exact reading
+of the file computes).
 """
 
 from __future__ import annotations
@@ -53,6 +56,29 @@ def convert(src: Path, folder: Path, qtype: str) -> Path:
     return out
 
 
+def file_values_greedy(folder: Path, gguf_path: Path, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of the folder's model with every weight replaced by the file's dequantized value."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.export.gguf_files import _halves, _hf_name
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    state = model.state_dict()
+    config = model.config
+    interleaved = config.model_type == "llama"
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") and interleaved else ""
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
+        state[_hf_name(t.name)].copy_(torch.from_numpy(np.array(_halves(values, heads) if heads else values)))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src", type=Path, help="a llama.cpp source tree (its converter)")
@@ -87,6 +113,10 @@ def main() -> int:
                     line += f"; first difference at step {same}: llama.cpp's logit gap " \
                             f"{logits[theirs[same]] - logits[ours[same]]:.4f}"
                     all_equal = False
+                exact = file_values_greedy(folder, gguf, ids, args.tokens)
+                agree = next((i for i, (a, b) in enumerate(zip(ours, exact)) if a != b), len(ours))
+                line += f"; against the file's values in transformers {agree}/{len(ours)} equal"
+                all_equal &= agree == len(ours)
                 print(line, flush=True)
                 del call
     return 0 if all_equal else 1
