@@ -65,13 +65,22 @@ def test_state_scans_equal_their_references_at_every_length():
             torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4, msg=f"length {length}")
 
 
-def test_snapshots_before_the_call_are_the_initial_state():
-    q, k, v, g, beta, s = scan_inputs(2)[:6]
-    out = torch.ops.mlx.gated_delta(q, k, v, g, beta, s, SNAPSHOTS)
-    states = out[:, :, 2:].reshape(1, 2, SNAPSHOTS, 8, 4)
-    for i in range(SNAPSHOTS - 2):
-        torch.testing.assert_close(states[:, :, i], s)
-    assert not torch.equal(states[:, :, -1], s)
+def test_a_call_keeps_the_states_of_its_last_positions_only():
+    """min(L, snapshots) states: a short call's own (a decode step writes
+    one state into the ring, not one per snapshot), the last `snapshots` of
+    a long one; each the state a call ending at that position leaves."""
+    args = scan_inputs(SNAPSHOTS + 3)
+    q, k, v, g, beta, s = args[:6]
+    for length in (2, SNAPSHOTS + 3):
+        out = torch.ops.mlx.gated_delta(q[:, :, :length], k[:, :, :length], v[:, :, :length], g[:, :, :length],
+                                        beta[:, :, :length], s, SNAPSHOTS)
+        kept = min(length, SNAPSHOTS)
+        assert out.shape == (1, 2, length + kept * 8, 4)
+        for j in range(kept):
+            end = length - kept + j + 1
+            alone = torch.ops.mlx.gated_delta(q[:, :, :end], k[:, :, :end], v[:, :, :end], g[:, :, :end],
+                                              beta[:, :, :end], s, 1)
+            torch.testing.assert_close(out[:, :, length + 8 * j:length + 8 * (j + 1)], alone[:, :, end:])
 
 
 @pytest.fixture(scope="module")

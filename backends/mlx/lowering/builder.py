@@ -56,7 +56,7 @@ def meta_val(node: torch.fx.Node):
 
 def symint_code(expr, symbols: dict[str, int]) -> list[int]:
     """A sympy size expression as SymIntNode's postfix code over `symbols`."""
-    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+    from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PythonMod
 
     Op = ir.SymIntOp
     if expr.is_Integer:
@@ -66,7 +66,7 @@ def symint_code(expr, symbols: dict[str, int]) -> list[int]:
             raise Unsupported(f"size {expr} is not a dimension of a delegate input")
         return [int(Op.symbol), symbols[str(expr)]]
     ops = {sympy.Add: Op.add, sympy.Mul: Op.mul, FloorDiv: Op.floor_div, Mod: Op.mod, PythonMod: Op.mod,
-           sympy.Max: Op.max, sympy.Min: Op.min}
+           sympy.Max: Op.max, sympy.Min: Op.min, Max: Op.max, Min: Op.min}  # (torch.sym_min makes torch's own)
     op = ops.get(type(expr))
     if op is None or not expr.args:
         raise Unsupported(f"size expression {expr}")

@@ -23,7 +23,8 @@ def reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
     b.bind(node, b.reshape(b.get(node.args[0]), tuple(meta_val(node).shape)))
 
 
-@handles(operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg)
+@handles(operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg, torch.sym_min,
+         torch.sym_max)
 def size_arithmetic(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Arithmetic on sizes (seq - rows): a 0-d int64 value computed from
     the delegate's input sizes, like the sizes themselves."""

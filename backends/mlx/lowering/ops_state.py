@@ -20,7 +20,8 @@ def _lower_scan(b: GraphBuilder, node: torch.fx.Node, node_cls, fields: tuple[st
     state = values["state"]
     if any(isinstance(d, torch.SymInt) for d in (*values[fields[0]].shape[3:], *state.shape[1:])):
         raise Unsupported(f"{node.target} with dynamic heads or state sizes")
-    b.bind(node, b.emit(node_cls, out.dtype, out.shape, snapshots=int(node.args[6]),
+    # (the states of the call's last positions only: what the op's reference returns)
+    b.bind(node, b.emit(node_cls, out.dtype, out.shape, snapshots=int(node.args[6]), call_states_only=True,
                         **{name: v.tid for name, v in values.items()}))
 
 

@@ -370,17 +370,17 @@ void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out()
 
 void exec_GatedDeltaNode(Interpreter& st, const ir::GatedDeltaNode* n) {
   st.set(n->out(), gated_delta(st.get(n->q()), st.get(n->k()), st.get(n->v()), st.get(n->g()), st.get(n->beta()),
-                               st.get(n->state()), n->snapshots()));
+                               st.get(n->state()), {n->snapshots(), n->call_states_only()}));
 }
 
 void exec_SsdScanNode(Interpreter& st, const ir::SsdScanNode* n) {
   st.set(n->out(), ssd_scan(st.get(n->x()), st.get(n->dt()), st.get(n->a()), st.get(n->b()), st.get(n->c()),
-                            st.get(n->state()), n->snapshots()));
+                            st.get(n->state()), {n->snapshots(), n->call_states_only()}));
 }
 
 void exec_SelectiveScanNode(Interpreter& st, const ir::SelectiveScanNode* n) {
   st.set(n->out(), selective_scan(st.get(n->x()), st.get(n->dt()), st.get(n->a()), st.get(n->b()), st.get(n->c()),
-                                  st.get(n->state()), n->snapshots()));
+                                  st.get(n->state()), {n->snapshots(), n->call_states_only()}));
 }
 
 }  // namespace emlx

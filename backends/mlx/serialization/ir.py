@@ -295,6 +295,7 @@ class GatedDeltaNode:
     state: Tid | None = None
     snapshots: int = 0
     out: Tid | None = None
+    call_states_only: bool = False
 
 
 @dataclass
@@ -692,6 +693,7 @@ class SelectiveScanNode:
     state: Tid | None = None
     snapshots: int = 0
     out: Tid | None = None
+    call_states_only: bool = False
 
 
 @dataclass
@@ -770,6 +772,7 @@ class SsdScanNode:
     state: Tid | None = None
     snapshots: int = 0
     out: Tid | None = None
+    call_states_only: bool = False
 
 
 @dataclass
@@ -884,7 +887,7 @@ FIELD_TYPES = {
     'FloorDivideNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'FloorNode': {'a': 'Tid required', 'out': 'Tid required'},
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
-    'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
+    'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
     'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
     'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
@@ -929,7 +932,7 @@ FIELD_TYPES = {
     'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required', 'token_bitmask': 'Tid'},
     'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required'},
     'ScatterNode': {'a': 'Tid required', 'indices': '[Tid] required', 'updates': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
-    'SelectiveScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
+    'SelectiveScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
     'SigmoidNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SiluNode': {'a': 'Tid required', 'b': 'Tid', 'out': 'Tid required'},
     'SinNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -938,7 +941,7 @@ FIELD_TYPES = {
     'SoftmaxNode': {'a': 'Tid required', 'axes': '[Int] required', 'precise': 'Bool', 'out': 'Tid required'},
     'SqrtNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SqueezeNode': {'a': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
-    'SsdScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required'},
+    'SsdScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
     'SubtractNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'SumNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'SymIntNode': {'code': '[Long] required', 'out': 'Tid required'},
@@ -1457,11 +1460,12 @@ def _pack_GatedDeltaNode(b, v):
     fb.GatedDeltaNodeAddSnapshots(b, v.snapshots)
     if v.out is not None:
         fb.GatedDeltaNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.GatedDeltaNodeAddCallStatesOnly(b, v.call_states_only)
     return fb.GatedDeltaNodeEnd(b)
 
 
 def _unpack_GatedDeltaNode(r):
-    return GatedDeltaNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), g=_opt(_unpack_Tid, r.G()), beta=_opt(_unpack_Tid, r.Beta()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
+    return GatedDeltaNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), g=_opt(_unpack_Tid, r.G()), beta=_opt(_unpack_Tid, r.Beta()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()), call_states_only=r.CallStatesOnly())
 
 
 def _pack_GatherLinearNode(b, v):
@@ -2320,11 +2324,12 @@ def _pack_SelectiveScanNode(b, v):
     fb.SelectiveScanNodeAddSnapshots(b, v.snapshots)
     if v.out is not None:
         fb.SelectiveScanNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.SelectiveScanNodeAddCallStatesOnly(b, v.call_states_only)
     return fb.SelectiveScanNodeEnd(b)
 
 
 def _unpack_SelectiveScanNode(r):
-    return SelectiveScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
+    return SelectiveScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()), call_states_only=r.CallStatesOnly())
 
 
 def _pack_SigmoidNode(b, v):
@@ -2517,11 +2522,12 @@ def _pack_SsdScanNode(b, v):
     fb.SsdScanNodeAddSnapshots(b, v.snapshots)
     if v.out is not None:
         fb.SsdScanNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.SsdScanNodeAddCallStatesOnly(b, v.call_states_only)
     return fb.SsdScanNodeEnd(b)
 
 
 def _unpack_SsdScanNode(r):
-    return SsdScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()))
+    return SsdScanNode(x=_opt(_unpack_Tid, r.X()), dt=_opt(_unpack_Tid, r.Dt()), a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), c=_opt(_unpack_Tid, r.C()), state=_opt(_unpack_Tid, r.State()), snapshots=r.Snapshots(), out=_opt(_unpack_Tid, r.Out()), call_states_only=r.CallStatesOnly())
 
 
 def _pack_SubtractNode(b, v):

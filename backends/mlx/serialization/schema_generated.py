@@ -7302,8 +7302,10 @@ def SampleNodeEnd(builder):
 # The gated delta rule of linear-attention layers (custom_kernel_ops/state.py):
 # q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay)
 # [B, H, L] or per key channel [B, H, L, Dk], beta [B, H, L], state
-# [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
-# the outputs, then the states after the last `snapshots` positions.
+# [B, H, Dk, Dv] -> float32 [B, H, L + S * Dk, Dv]: the outputs, then the
+# states after the last S positions: S = min(L, snapshots) with
+# `call_states_only`, else S = snapshots, the initial state standing in for
+# positions before the call (programs exported before the flag).
 class GatedDeltaNode(object):
     __slots__ = ['_tab']
 
@@ -7403,8 +7405,15 @@ class GatedDeltaNode(object):
             return obj
         return None
 
+    # GatedDeltaNode
+    def CallStatesOnly(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def GatedDeltaNodeStart(builder):
-    builder.StartObject(8)
+    builder.StartObject(9)
 
 def GatedDeltaNodeAddQ(builder, q):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(q), 0)
@@ -7430,6 +7439,9 @@ def GatedDeltaNodeAddSnapshots(builder, snapshots):
 def GatedDeltaNodeAddOut(builder, out):
     builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
+def GatedDeltaNodeAddCallStatesOnly(builder, callStatesOnly):
+    builder.PrependBoolSlot(8, callStatesOnly, 0)
+
 def GatedDeltaNodeEnd(builder):
     return builder.EndObject()
 
@@ -7437,8 +7449,8 @@ def GatedDeltaNodeEnd(builder):
 
 # Mamba-2's state-space scan (custom_kernel_ops/state.py): x [B, H, L, P],
 # dt [B, H, L], a [H], b and c [B, H, L, N], state [B, H, P, N] -> float32
-# [B, H, L + snapshots * N, P]: the outputs, then the states (transposed,
-# [N, P]) after the last `snapshots` positions.
+# [B, H, L + S * N, P]: the outputs, then the states (transposed, [N, P])
+# after the last S positions (S as in GatedDeltaNode).
 class SsdScanNode(object):
     __slots__ = ['_tab']
 
@@ -7538,8 +7550,15 @@ class SsdScanNode(object):
             return obj
         return None
 
+    # SsdScanNode
+    def CallStatesOnly(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def SsdScanNodeStart(builder):
-    builder.StartObject(8)
+    builder.StartObject(9)
 
 def SsdScanNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -7565,6 +7584,9 @@ def SsdScanNodeAddSnapshots(builder, snapshots):
 def SsdScanNodeAddOut(builder, out):
     builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
+def SsdScanNodeAddCallStatesOnly(builder, callStatesOnly):
+    builder.PrependBoolSlot(8, callStatesOnly, 0)
+
 def SsdScanNodeEnd(builder):
     return builder.EndObject()
 
@@ -7572,8 +7594,8 @@ def SsdScanNodeEnd(builder):
 
 # Mamba-1's selective scan (custom_kernel_ops/state.py): x and dt [B, D, L],
 # a [D, N], b and c [B, L, N], state [B, D, N] -> float32
-# [B, D, L + snapshots * N]: the outputs, then the states after the last
-# `snapshots` positions.
+# [B, D, L + S * N]: the outputs, then the states after the last S
+# positions (S as in GatedDeltaNode).
 class SelectiveScanNode(object):
     __slots__ = ['_tab']
 
@@ -7673,8 +7695,15 @@ class SelectiveScanNode(object):
             return obj
         return None
 
+    # SelectiveScanNode
+    def CallStatesOnly(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def SelectiveScanNodeStart(builder):
-    builder.StartObject(8)
+    builder.StartObject(9)
 
 def SelectiveScanNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -7699,6 +7728,9 @@ def SelectiveScanNodeAddSnapshots(builder, snapshots):
 
 def SelectiveScanNodeAddOut(builder, out):
     builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SelectiveScanNodeAddCallStatesOnly(builder, callStatesOnly):
+    builder.PrependBoolSlot(8, callStatesOnly, 0)
 
 def SelectiveScanNodeEnd(builder):
     return builder.EndObject()

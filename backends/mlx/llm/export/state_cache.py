@@ -39,7 +39,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ...custom_kernel_ops import state as _state_ops  # noqa: F401  (defines the ops)
+from ...custom_kernel_ops.state import kept_states  # (the module defines the ops)
 from .module_globals import swapped
 
 # The kernels of transformers' modeling modules that read or write state, by their global name there.
@@ -121,14 +121,14 @@ def read_ring(ring: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     return torch.where(start > 0, state, torch.zeros_like(state))
 
 
-def write_ring(ring: torch.Tensor, snapshots: torch.Tensor, start: torch.Tensor, length) -> torch.Tensor:
-    """`ring` with the states of a call of `length` positions from `start`:
-    `snapshots` [N, ...] holds the states after its last N positions (oldest
-    first; those before the call are never taken)."""
-    n = ring.shape[0]
-    back = torch.remainder(start + length - 1 - torch.arange(n), n)  # slot s: its newest position, this far back
-    newer = (back < length).reshape(n, *([1] * (ring.dim() - 1)))
-    return torch.where(newer, snapshots[n - 1 - back].to(ring.dtype), ring)
+def write_ring(ring: torch.Tensor, snapshots: torch.Tensor, start: torch.Tensor, length) -> None:
+    """Writes into `ring` the states of a call of `length` positions from
+    `start`: `snapshots` [m, ...] holds the states after its last m positions
+    (oldest first), each to its position's slot; the other slots keep theirs
+    (a decode step writes one state)."""
+    m = snapshots.shape[0]
+    slots = torch.remainder(start + length - m + torch.arange(m), ring.shape[0])
+    ring.index_copy_(0, slots, snapshots.to(ring.dtype))
 
 
 class StateLayers:
@@ -168,19 +168,21 @@ class StateLayers:
         ring = self.ring("conv", i)
         width = ring.shape[-1]
         joined = torch.cat([read_ring(ring, self.start).to(x.dtype), x], dim=-1)  # [B, C, K - 1 + L]
-        # the state after the call's position L - N + j is joined[..., L - N + j + 1:][:K - 1] (zeros before it)
-        padded = torch.cat([joined.new_zeros(*joined.shape[:-1], self.snapshots), joined], dim=-1)
-        index = self.length + 1 + torch.arange(self.snapshots)[:, None] + torch.arange(width)[None, :]
-        snaps = padded[..., index].permute(2, 0, 1, 3)  # [N, B, C, K - 1]
-        ring.copy_(write_ring(ring, snaps, self.start, self.length))
+        # the state after the call's position p is joined[..., p + 1:][:K - 1]; kept: the last m positions'
+        m = self.kept()
+        index = (self.length - m + 1) + torch.arange(m)[:, None] + torch.arange(width)[None, :]
+        write_ring(ring, joined[..., index].permute(2, 0, 1, 3), self.start, self.length)  # [m, B, C, K - 1]
         return joined
 
     def initial(self, i: int) -> torch.Tensor:
         return read_ring(self.ring("recurrent", i), self.start)
 
     def write_recurrent(self, snaps: torch.Tensor, i: int) -> None:
-        ring = self.ring("recurrent", i)
-        ring.copy_(write_ring(ring, snaps, self.start, self.length))
+        write_ring(self.ring("recurrent", i), snaps, self.start, self.length)
+
+    def kept(self):
+        """How many states a call keeps: those after its last min(length, snapshots) positions."""
+        return kept_states(self.length, self.snapshots)
 
     # --- the kernels swapped in while tracing ---
     def causal_conv1d_fn(self, x, weight, bias=None, activation=None, **kwargs):
@@ -217,7 +219,7 @@ class StateLayers:
         length = q.shape[2]
         out = packed[:, :, :length].transpose(1, 2).contiguous().to(dtype)
         batch, _, _, dk = k.shape
-        snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, dk, v.shape[-1]).permute(2, 0, 1, 3, 4)
+        snaps = packed[:, :, length:].reshape(batch, heads, self.kept(), dk, v.shape[-1]).permute(2, 0, 1, 3, 4)
         return out, snaps
 
     # Kimi's delta attention (KDA: Kimi-Linear, Bailing's hybrids): the same rule with g [B, L, H, Dk], a
@@ -244,7 +246,7 @@ class StateLayers:
         if D is not None:
             y = y + x * D[:, None].float()
         n = b.shape[-1]
-        snaps = packed[:, :, length:].reshape(batch, heads, self.snapshots, n, head_dim)
+        snaps = packed[:, :, length:].reshape(batch, heads, self.kept(), n, head_dim)
         snaps = snaps.permute(2, 0, 1, 4, 3)  # [N, B, H, P, state]
         return (y, snaps) if return_final_states else y
 
@@ -269,7 +271,7 @@ class StateLayers:
             y = y + x * D[None, :, None].float()
         if z is not None:
             y = y * F.silu(z.float())
-        snaps = packed[:, :, length:].reshape(batch, channels, self.snapshots, A.shape[1]).permute(2, 0, 1, 3)
+        snaps = packed[:, :, length:].reshape(batch, channels, self.kept(), A.shape[1]).permute(2, 0, 1, 3)
         return (y, snaps) if return_last_state else y
 
     def kernels(self, model: torch.nn.Module):

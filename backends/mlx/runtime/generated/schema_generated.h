@@ -8248,8 +8248,10 @@ struct SampleNode::Traits {
 /// The gated delta rule of linear-attention layers (custom_kernel_ops/state.py):
 /// q, k [B, H, L, Dk] (normalized, scaled), v [B, H, L, Dv], g (log decay)
 /// [B, H, L] or per key channel [B, H, L, Dk], beta [B, H, L], state
-/// [B, H, Dk, Dv] -> float32 [B, H, L + snapshots * Dk, Dv]:
-/// the outputs, then the states after the last `snapshots` positions.
+/// [B, H, Dk, Dv] -> float32 [B, H, L + S * Dk, Dv]: the outputs, then the
+/// states after the last S positions: S = min(L, snapshots) with
+/// `call_states_only`, else S = snapshots, the initial state standing in for
+/// positions before the call (programs exported before the flag).
 struct GatedDeltaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatedDeltaNodeBuilder Builder;
   struct Traits;
@@ -8261,7 +8263,8 @@ struct GatedDeltaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_BETA = 12,
     VT_STATE = 14,
     VT_SNAPSHOTS = 16,
-    VT_OUT = 18
+    VT_OUT = 18,
+    VT_CALL_STATES_ONLY = 20
   };
   const emlx::ir::Tid *q() const {
     return GetStruct<const emlx::ir::Tid *>(VT_Q);
@@ -8287,6 +8290,9 @@ struct GatedDeltaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  bool call_states_only() const {
+    return GetField<uint8_t>(VT_CALL_STATES_ONLY, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8298,6 +8304,7 @@ struct GatedDeltaNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
            VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_CALL_STATES_ONLY, 1) &&
            verifier.EndTable();
   }
 };
@@ -8330,6 +8337,9 @@ struct GatedDeltaNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(GatedDeltaNode::VT_OUT, out);
   }
+  void add_call_states_only(bool call_states_only) {
+    fbb_.AddElement<uint8_t>(GatedDeltaNode::VT_CALL_STATES_ONLY, static_cast<uint8_t>(call_states_only), 0);
+  }
   explicit GatedDeltaNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -8357,7 +8367,8 @@ inline ::flatbuffers::Offset<GatedDeltaNode> CreateGatedDeltaNode(
     const emlx::ir::Tid *beta = nullptr,
     const emlx::ir::Tid *state = nullptr,
     int32_t snapshots = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    bool call_states_only = false) {
   GatedDeltaNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_snapshots(snapshots);
@@ -8367,6 +8378,7 @@ inline ::flatbuffers::Offset<GatedDeltaNode> CreateGatedDeltaNode(
   builder_.add_v(v);
   builder_.add_k(k);
   builder_.add_q(q);
+  builder_.add_call_states_only(call_states_only);
   return builder_.Finish();
 }
 
@@ -8377,8 +8389,8 @@ struct GatedDeltaNode::Traits {
 
 /// Mamba-2's state-space scan (custom_kernel_ops/state.py): x [B, H, L, P],
 /// dt [B, H, L], a [H], b and c [B, H, L, N], state [B, H, P, N] -> float32
-/// [B, H, L + snapshots * N, P]: the outputs, then the states (transposed,
-/// [N, P]) after the last `snapshots` positions.
+/// [B, H, L + S * N, P]: the outputs, then the states (transposed, [N, P])
+/// after the last S positions (S as in GatedDeltaNode).
 struct SsdScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef SsdScanNodeBuilder Builder;
   struct Traits;
@@ -8390,7 +8402,8 @@ struct SsdScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_C = 12,
     VT_STATE = 14,
     VT_SNAPSHOTS = 16,
-    VT_OUT = 18
+    VT_OUT = 18,
+    VT_CALL_STATES_ONLY = 20
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -8416,6 +8429,9 @@ struct SsdScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  bool call_states_only() const {
+    return GetField<uint8_t>(VT_CALL_STATES_ONLY, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8427,6 +8443,7 @@ struct SsdScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
            VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_CALL_STATES_ONLY, 1) &&
            verifier.EndTable();
   }
 };
@@ -8459,6 +8476,9 @@ struct SsdScanNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(SsdScanNode::VT_OUT, out);
   }
+  void add_call_states_only(bool call_states_only) {
+    fbb_.AddElement<uint8_t>(SsdScanNode::VT_CALL_STATES_ONLY, static_cast<uint8_t>(call_states_only), 0);
+  }
   explicit SsdScanNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -8486,7 +8506,8 @@ inline ::flatbuffers::Offset<SsdScanNode> CreateSsdScanNode(
     const emlx::ir::Tid *c = nullptr,
     const emlx::ir::Tid *state = nullptr,
     int32_t snapshots = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    bool call_states_only = false) {
   SsdScanNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_snapshots(snapshots);
@@ -8496,6 +8517,7 @@ inline ::flatbuffers::Offset<SsdScanNode> CreateSsdScanNode(
   builder_.add_a(a);
   builder_.add_dt(dt);
   builder_.add_x(x);
+  builder_.add_call_states_only(call_states_only);
   return builder_.Finish();
 }
 
@@ -8506,8 +8528,8 @@ struct SsdScanNode::Traits {
 
 /// Mamba-1's selective scan (custom_kernel_ops/state.py): x and dt [B, D, L],
 /// a [D, N], b and c [B, L, N], state [B, D, N] -> float32
-/// [B, D, L + snapshots * N]: the outputs, then the states after the last
-/// `snapshots` positions.
+/// [B, D, L + S * N]: the outputs, then the states after the last S
+/// positions (S as in GatedDeltaNode).
 struct SelectiveScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef SelectiveScanNodeBuilder Builder;
   struct Traits;
@@ -8519,7 +8541,8 @@ struct SelectiveScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table 
     VT_C = 12,
     VT_STATE = 14,
     VT_SNAPSHOTS = 16,
-    VT_OUT = 18
+    VT_OUT = 18,
+    VT_CALL_STATES_ONLY = 20
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -8545,6 +8568,9 @@ struct SelectiveScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table 
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  bool call_states_only() const {
+    return GetField<uint8_t>(VT_CALL_STATES_ONLY, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8556,6 +8582,7 @@ struct SelectiveScanNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table 
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_STATE, 4) &&
            VerifyField<int32_t>(verifier, VT_SNAPSHOTS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_CALL_STATES_ONLY, 1) &&
            verifier.EndTable();
   }
 };
@@ -8588,6 +8615,9 @@ struct SelectiveScanNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(SelectiveScanNode::VT_OUT, out);
   }
+  void add_call_states_only(bool call_states_only) {
+    fbb_.AddElement<uint8_t>(SelectiveScanNode::VT_CALL_STATES_ONLY, static_cast<uint8_t>(call_states_only), 0);
+  }
   explicit SelectiveScanNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -8615,7 +8645,8 @@ inline ::flatbuffers::Offset<SelectiveScanNode> CreateSelectiveScanNode(
     const emlx::ir::Tid *c = nullptr,
     const emlx::ir::Tid *state = nullptr,
     int32_t snapshots = 0,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    bool call_states_only = false) {
   SelectiveScanNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_snapshots(snapshots);
@@ -8625,6 +8656,7 @@ inline ::flatbuffers::Offset<SelectiveScanNode> CreateSelectiveScanNode(
   builder_.add_a(a);
   builder_.add_dt(dt);
   builder_.add_x(x);
+  builder_.add_call_states_only(call_states_only);
   return builder_.Finish();
 }
 

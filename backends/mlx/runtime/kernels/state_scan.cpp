@@ -48,15 +48,16 @@ mx::array chunk(const mx::array& a, int i) {
 
 mx::array last_rows(const mx::array& a) { return mx::swapaxes(a, -1, -2); }
 
-// The packed result: outputs [B, H, L, R], then the snapshots (states [B, H, S, R]
-// after the last positions, preceded by `initial` where the call is shorter).
-mx::array pack(const std::vector<mx::array>& outputs, std::vector<mx::array> states, const mx::array& initial,
-               int snapshots) {
+// The packed result: outputs [B, H, L, R], then the states [B, H, S, R] kept
+// (KeptStates): after the call's last positions, `initial` standing in for
+// positions before the call where all `snapshots` are kept.
+mx::array pack(const std::vector<mx::array>& outputs, const std::vector<mx::array>& states, const mx::array& initial,
+               const KeptStates& kept) {
   std::vector<mx::array> parts = outputs;
-  const int missing = snapshots - static_cast<int>(states.size());
-  for (int i = 0; i < missing; ++i) parts.push_back(initial);
-  const int skip = std::max(-missing, 0);
-  for (size_t i = skip; i < states.size(); ++i) parts.push_back(states[i]);
+  const int count = std::max(kept.snapshots, 0);
+  const int own = std::min(static_cast<int>(states.size()), count);
+  if (!kept.call_states_only) parts.insert(parts.end(), count - own, initial);
+  parts.insert(parts.end(), states.end() - own, states.end());
   return mx::concatenate(parts, 2);
 }
 
@@ -221,23 +222,25 @@ mx::array f32(const mx::array& a) { return mx::astype(a, mx::float32); }
 // step each for those (`step(t, s)`: the output of position t, updating s)
 // so that their states can be kept, then the packed result.
 template <class Chunks, class Step>
-mx::array scan(const char* node, int L, int snapshots, mx::array s, Chunks chunks, Step step) {
-  if (snapshots < 0 || snapshots > 1024) throw std::invalid_argument(std::string(node) + ": snapshots out of range");
+mx::array scan(const char* node, int L, const KeptStates& kept, mx::array s, Chunks chunks, Step step) {
+  if (kept.snapshots < 0 || kept.snapshots > 1024) {
+    throw std::invalid_argument(std::string(node) + ": snapshots out of range");
+  }
   const auto initial = s;
-  const int stepped = std::min(L, std::max(snapshots, 1));
+  const int stepped = std::min(L, std::max(kept.snapshots, 1));
   std::vector<mx::array> outputs, states;
   if (L > stepped) outputs.push_back(chunks(L - stepped, s));
   for (int t = L - stepped; t < L; ++t) {
     outputs.push_back(step(t, s));
     states.push_back(s);
   }
-  return pack(outputs, states, initial, snapshots);
+  return pack(outputs, states, initial, kept);
 }
 
 }  // namespace
 
 mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, const mx::array& g_in,
-                      const mx::array& beta_in, const mx::array& state, int snapshots) {
+                      const mx::array& beta_in, const mx::array& state, const KeptStates& kept) {
   check_rank(q_in, 4, "GatedDeltaNode: q must be [B, H, L, Dk]");
   check_rank(state, 4, "GatedDeltaNode: state must be [B, H, Dk, Dv]");
   const int B = q_in.shape(0), H = q_in.shape(1), L = q_in.shape(2), Dk = q_in.shape(3), Dv = v_in.shape(-1);
@@ -261,11 +264,11 @@ mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::ar
     s = mx::add(s, mx::matmul(mx::swapaxes(kt, -1, -2), delta));
     return mx::matmul(rows(q, t, t + 1), s);
   };
-  return scan("GatedDeltaNode", L, snapshots, f32(state), chunks, step);
+  return scan("GatedDeltaNode", L, kept, f32(state), chunks, step);
 }
 
 mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::array& a_in, const mx::array& b_in,
-                   const mx::array& c_in, const mx::array& state, int snapshots) {
+                   const mx::array& c_in, const mx::array& state, const KeptStates& kept) {
   check_rank(x_in, 4, "SsdScanNode: x must be [B, H, L, P]");
   check_rank(state, 4, "SsdScanNode: state must be [B, H, P, N]");
   const int B = x_in.shape(0), H = x_in.shape(1), L = x_in.shape(2), P = x_in.shape(3), N = b_in.shape(-1);
@@ -284,11 +287,11 @@ mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::arra
     s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
     return mx::matmul(rows(c, t, t + 1), s);
   };
-  return scan("SsdScanNode", L, snapshots, mx::swapaxes(f32(state), -1, -2), chunks, step);  // s: [B, H, N, P]
+  return scan("SsdScanNode", L, kept, mx::swapaxes(f32(state), -1, -2), chunks, step);  // s: [B, H, N, P]
 }
 
 mx::array selective_scan(const mx::array& x_in, const mx::array& dt_in, const mx::array& a_in, const mx::array& b_in,
-                         const mx::array& c_in, const mx::array& state, int snapshots) {
+                         const mx::array& c_in, const mx::array& state, const KeptStates& kept) {
   check_rank(x_in, 3, "SelectiveScanNode: x must be [B, D, L]");
   check_rank(a_in, 2, "SelectiveScanNode: a must be [D, N]");
   const int B = x_in.shape(0), D = x_in.shape(1), L = x_in.shape(2), N = a_in.shape(1);
@@ -310,7 +313,7 @@ mx::array selective_scan(const mx::array& x_in, const mx::array& dt_in, const mx
     s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
     return mx::matmul(rows(c, t, t + 1), s);  // [B, D, 1, 1]
   };
-  auto packed = scan("SelectiveScanNode", L, snapshots, mx::expand_dims(f32(state), -1), chunks, step);
+  auto packed = scan("SelectiveScanNode", L, kept, mx::expand_dims(f32(state), -1), chunks, step);
   return mx::reshape(packed, {B, D, -1});
 }
 

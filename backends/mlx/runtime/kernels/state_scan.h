@@ -13,22 +13,28 @@
 
 namespace emlx {
 
+// Which states a scan returns after its outputs (custom_kernel_ops/state.py).
+struct KeptStates {
+  int snapshots;          // the states after the call's last positions a runner may come back to
+  bool call_states_only;  // min(L, snapshots) of them; else `snapshots`, the initial state before the call
+};
+
 // q, k [B, H, L, Dk], v [B, H, L, Dv], g, beta [B, H, L], state [B, H, Dk, Dv]
-// -> float32 [B, H, L + snapshots * Dk, Dv].
+// -> float32 [B, H, L + S * Dk, Dv] (S: the states kept).
 mlx::core::array gated_delta(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                              const mlx::core::array& g, const mlx::core::array& beta, const mlx::core::array& state,
-                             int snapshots);
+                             const KeptStates& kept);
 
 // x [B, H, L, P], dt [B, H, L], a [H], b, c [B, H, L, N], state [B, H, P, N]
-// -> float32 [B, H, L + snapshots * N, P].
+// -> float32 [B, H, L + S * N, P].
 mlx::core::array ssd_scan(const mlx::core::array& x, const mlx::core::array& dt, const mlx::core::array& a,
                           const mlx::core::array& b, const mlx::core::array& c, const mlx::core::array& state,
-                          int snapshots);
+                          const KeptStates& kept);
 
 // x, dt [B, D, L], a [D, N], b, c [B, L, N], state [B, D, N]
-// -> float32 [B, D, L + snapshots * N].
+// -> float32 [B, D, L + S * N].
 mlx::core::array selective_scan(const mlx::core::array& x, const mlx::core::array& dt, const mlx::core::array& a,
                                 const mlx::core::array& b, const mlx::core::array& c, const mlx::core::array& state,
-                                int snapshots);
+                                const KeptStates& kept);
 
 }  // namespace emlx
