@@ -28,8 +28,8 @@ and Kimi's delta attention, Mamba-2's chunked scan, Mamba-1's selective scan)
 swapped for ours while the program is traced: the convolution is K shifted
 products, the recurrences are the `mlx::gated_delta`, `mlx::ssd_scan` and
 `mlx::selective_scan` ops
-(custom_kernel_ops/state.py), which also return the states after the last N
-positions.
+(custom_kernel_ops/state.py), which also return the states after the
+call's last min(L, N) positions.
 """
 
 from __future__ import annotations
