@@ -16,7 +16,6 @@ lowers as ordinary ops.
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import torch
 
