@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_context import export, greedy_caller  # noqa: E402
-from bench_llm import load_average, machine  # noqa: E402
+from bench_llm import SETTLE_S, load_average, machine  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS = 32000, 640, 12
 
@@ -178,6 +178,7 @@ def main() -> int:
                 call(long, 0)
                 r[f"prefill {args.long}"].append(len(long) / (time.perf_counter() - t0))
                 r[f"decode at {args.far}"].append(decode(call, call(far, 0), len(far)))
+                time.sleep(SETTLE_S)  # (llama.cpp's threads spin after their work: as bench_llm, let them settle)
             print(f"repetition {rep + 1}/{args.reps} done", flush=True)
 
     print(f"\nmedians of {args.reps}, tok/s; musts (ours): decode at {args.far} >= 0.9x decode at 64, prefill of "
