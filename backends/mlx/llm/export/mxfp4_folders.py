@@ -38,7 +38,7 @@ def load_mxfp4_folder(model_dir: str | Path, dtype: torch.dtype):
     _, model = meta_model(model_dir, dtype)
     files = tensor_files(model_dir)
     read = tensor_reader(model_dir, files)
-    taken = set()
+    taken, holders = set(), {}
     for name in sorted(k[: -len("_blocks")] for k in files if k.endswith("_blocks")):
         module_name, _, proj = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -56,13 +56,11 @@ def load_mxfp4_folder(model_dir: str | Path, dtype: torch.dtype):
         setattr(module, f"{proj}_quantized", QuantizedExperts(None, MXFP4, tables=(packed, scales, None)))
         delattr(module, proj)
         taken |= {f"{name}_blocks", f"{name}_scales"}
-    for module_name, module in model.named_modules():  # the quantized projections are [E, N, ...] already
-        quantized = [hasattr(module, f"{p}_quantized") for p in projections(module)] \
-            if is_experts_module(module) else []
-        if any(quantized) and not all(quantized):
+        holders[module_name] = module
+    for module_name, module in holders.items():  # the quantized projections are [E, N, ...] already
+        if not all(hasattr(module, f"{p}_quantized") for p in projections(module)):
             raise ValueError(f"{model_dir}: {module_name} has MXFP4 blocks for some of its projections only")
-        if any(quantized):
-            module.is_transposed = False
+        module.is_transposed = False
     read_other_tensors(model, model_dir, files, read, taken, dtype)
     check_none_missing(model, model_dir)
     return model

@@ -61,19 +61,18 @@ def quantize_weight(weight: torch.Tensor, fmt: QuantFormat):
 
     weight = weight.detach()
     step = max(1, CHUNK_BYTES // max(1, weight.shape[1] * weight.element_size()))
+    affine = fmt.mode == "affine"  # else E8M0 exponents (uint8) as they are, and no biases
     parts = []
     for start in range(0, weight.shape[0], step):
         packed, scales, *biases = mx.quantize(to_mx(weight[start:start + step]), group_size=fmt.group_size,
                                               bits=fmt.bits, mode=fmt.mode)
-        if fmt.mode == "affine":
-            parts.append((torch.from_numpy(np.array(packed).view(np.int32)), to_torch(scales), to_torch(biases[0])))
-        else:  # E8M0 exponents, as they are
-            parts.append((torch.from_numpy(np.array(packed).view(np.int32)), torch.from_numpy(np.array(scales))))
+        parts.append((torch.from_numpy(np.array(packed).view(np.int32)),
+                      to_torch(scales) if affine else torch.from_numpy(np.array(scales)),
+                      to_torch(biases[0]) if affine else None))
     mx.clear_cache()  # MLX keeps freed buffers for reuse: give them back, and the heap's
     trim_heap()
     # in files while export runs (lowering/weight_files.py): one weight at a time in memory
-    tables = tuple(keep(torch.cat([part[i] for part in parts])) for i in range(len(parts[0])))
-    return tables if len(tables) == 3 else (*tables, None)
+    return tuple(None if parts[0][i] is None else keep(torch.cat([part[i] for part in parts])) for i in range(3))
 
 
 class QuantizedTable(torch.nn.Module):
