@@ -418,27 +418,17 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
             module = lm
         stage("exporting (torch.export)")
         # the export stack is imported after every check (weights included): a refused export is quick
-        from executorch.exir import EdgeCompileConfig, to_edge
-
         from ...lowering.unused_constants import drop_unused_constants
+        from ...lowering.whole_program import lower_whole
         from ...partitioner import MLXPartitioner
 
         ep = trace(module, example, dynamic, model_dir)
         attend_written_prefix(ep, max_context)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
         partitioner = MLXPartitioner()
-        # What to_edge_transform_and_lower makes, in one decomposition pass:
-        # it functionalizes with an empty table, then decomposes, each a full
-        # retrace (together a third of the lowering); to_edge does both at
-        # once and keeps the partitioner's whole ops the same way. ExecuTorch
-        # re-validates every edge op's dtypes against its portable kernels
-        # after each pass (about a tenth of the lowering): off, since an LLM
-        # lowers whole into our delegate, whose handlers check what they accept.
-        keep_whole, _ = partitioner.ops_to_not_decompose(ep)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
                         max_draft_tokens, rewind)
-        edge = to_edge(ep, compile_config=EdgeCompileConfig(_check_ir_validity=False, preserve_ops=keep_whole),
-                       constant_methods=meta).to_backend(partitioner)
+        edge = lower_whole(ep, partitioner, meta)
         del ep, module, lm, model  # the delegate's weights are in the named data store now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())
