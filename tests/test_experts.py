@@ -17,7 +17,7 @@ from test_ops import Fn, check, rand
 from executorch_mlx.custom_kernel_ops import experts  # noqa: F401  (defines the ops)
 from executorch_mlx.llm.export.experts import check_experts_routed, route_experts
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
-from executorch_mlx.llm.export.quantize import QuantizedExperts, quantize_model
+from executorch_mlx.llm.export.quantize import QuantizedExperts, QuantizedTable, quantize_model
 
 E, N, K, T, TOP = 5, 12, 64, 7, 2
 
@@ -43,12 +43,48 @@ def test_gather_linear(per_expert_x, bias):
             torch.testing.assert_close(got[t, j], want)
 
 
-@pytest.mark.parametrize("fmt", [QuantFormat(4, 32), QuantFormat(8, 32), QuantFormat(4, 32, "mxfp4")], ids=str)
-def test_gather_quantized_linear(fmt):
-    table = QuantizedExperts(rand((E, N, K)), fmt)
+def test_gather_quantized_linear_mxfp4():
+    """Microscaling experts run on MLX's gather_qmm: they equal the reference."""
+    table = QuantizedExperts(rand((E, N, K)), QuantFormat(4, 32, "mxfp4"))
     b = rand((E, N))
     check(lambda x, i: table(x, i, b), rand((T, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
     check(lambda x, i: table(x, i, None), rand((T, TOP, K)), _indices(), nodes={"GatherQuantizedLinearNode"})
+
+
+def _experts_and_dense(kind):
+    """(the experts layer, one dense layer of every expert's rows, its node)."""
+    w, b = rand((E, N, K)), rand((E, N))
+    if kind == "fp32":
+        return (lambda x, i: torch.ops.mlx.gather_linear(x, w, i, b),
+                lambda r: torch.nn.functional.linear(r, w.reshape(E * N, K), b.reshape(-1)), "GatherLinearNode")
+    table = QuantizedExperts(w, QuantFormat(kind, 32))
+    every = QuantizedTable(None, table.fmt, tables=tuple(t.reshape(E * N, -1)
+                                                         for t in (table.qweight, table.scales, table.biases)))
+    return lambda x, i: table(x, i, b), lambda r: every.linear(r, b.reshape(-1)), "GatherQuantizedLinearNode"
+
+
+@pytest.mark.parametrize("kind", ["fp32", 4, 8], ids=["fp32", "int4", "int8"])
+@pytest.mark.parametrize("per_expert_x", [False, True], ids=["x-shared", "x-per-expert"])
+def test_experts_kernel_is_the_dense_kernel_per_pair(kind, per_expert_x):
+    """Float and affine 4/8-bit experts run on our CPU kernels, which group
+    a call's rows by expert: each (row, expert) pair is bit for bit what the
+    dense kernel computes for that row against that expert's rows, and a
+    row of a many-row call is bit for bit the one-row call of that row."""
+    fn, dense_fn, node = _experts_and_dense(kind)
+    x = rand((T, TOP, K) if per_expert_x else (T, K))
+    i = torch.tensor([[t % E, (t + 2) % E] for t in range(T)])  # experts chosen by several rows
+    edge = lower(Fn(fn), (x, i))
+    assert node in node_types(edge)
+    got = run(edge.to_executorch().buffer, [x, i])[0]
+    torch.testing.assert_close(got, fn(x, i), atol=1e-2, rtol=1e-3)  # (quantized: x rounded to integers)
+    rows = x.reshape(-1, K)
+    want = run(lower(Fn(dense_fn), (rows,)).to_executorch().buffer, [rows])[0].reshape(len(rows), E, N)
+    for t in range(T):
+        for j in range(TOP):
+            assert torch.equal(got[t, j], want[t * TOP + j if per_expert_x else t, i[t, j]])
+    one_row = lower(Fn(fn), (x[:1], i[:1])).to_executorch().buffer
+    for t in range(T):
+        assert torch.equal(run(one_row, [x[t:t + 1], i[t:t + 1]])[0][0], got[t])
 
 
 def test_expert_ids_out_of_range_are_clamped():

@@ -10,6 +10,7 @@
 #include "interpreter.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
+#include "kernels/gather_linear.h"
 #include "kernels/linear.h"
 #include "kernels/norm.h"
 #include "kernels/rope.h"
@@ -282,20 +283,18 @@ mx::array in_bounds(const mx::array& indices, int size, const char* node) {
   return mx::astype(mx::maximum(in_range(indices, size, node), mx::array(0, indices.dtype())), mx::uint32);
 }
 
-// x [T, K] or [T, k, K] against indices [T, k] as gather_mm's left operand
-// [T, 1 or k, 1, K] (its batch index defaults to the position: row t, or row t's expert j).
-mx::array expert_rows(const mx::array& x, const mx::array& indices, int K, const char* node) {
+// x [T, K] (a row shared by its experts) or [T, k, K] against indices [T, k].
+void check_expert_rows(const mx::array& x, const mx::array& indices, int K, const char* node) {
   const bool shared = x.ndim() == 2;
   if (indices.ndim() != 2 || (x.ndim() != 2 && x.ndim() != 3) || x.shape(0) != indices.shape(0) ||
       (!shared && x.shape(1) != indices.shape(1)) || x.shape(-1) != K) {
     throw std::invalid_argument(std::string(node) + ": x [T, K] or [T, k, K] and indices [T, k] expected");
   }
-  return shared ? mx::expand_dims(x, {1, 2}) : mx::expand_dims(x, 2);
 }
 
+// y [T, k, N] plus each pair's expert's bias row.
 mx::array plus_expert_bias(mx::array y, const std::optional<mx::array>& bias, const mx::array& ids, int E, int N,
                            const char* node) {
-  y = mx::squeeze(y, 2);  // [T, k, N]
   if (!bias) return y;
   if (bias->shape() != mx::Shape{E, N}) throw std::invalid_argument(std::string(node) + ": bias must be [E, N]");
   return mx::add(y, mx::take(*bias, ids, 0));
@@ -335,9 +334,10 @@ void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
   const auto& w = st.get(n->weight());
   if (w.ndim() != 3) throw std::invalid_argument("GatherLinearNode: weight must be [E, N, K]");
   const auto& indices = st.get(n->indices());
-  auto x = expert_rows(st.get(n->x()), indices, w.shape(2), "GatherLinearNode");
+  const auto& x = st.get(n->x());
+  check_expert_rows(x, indices, w.shape(2), "GatherLinearNode");
   auto ids = in_bounds(indices, w.shape(0), "GatherLinearNode");
-  auto y = mx::gather_mm(mx::astype(x, w.dtype()), mx::swapaxes(w, 1, 2), std::nullopt, ids);
+  auto y = gather_linear(mx::astype(x, w.dtype()), ids, w);
   st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, w.shape(0), w.shape(1), "GatherLinearNode"));
 }
 
@@ -357,12 +357,12 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
   check_quantization(node, {flat(q.w), flat(q.scales), q.biases ? std::optional(flat(*q.biases)) : std::nullopt,
                             q.group_size, q.bits, q.mode}, K);
   const auto& indices = st.get(n->indices());
-  auto x = expert_rows(st.get(n->x()), indices, K, node);
+  const auto& x = st.get(n->x());
+  check_expert_rows(x, indices, K, node);
   auto ids = in_bounds(indices, E, node);
   // affine computes in the scales' type (the lowering gives x that type too)
   auto dtype = q.mode == "affine" ? q.scales.dtype() : x.dtype();
-  auto y = mx::gather_qmm(mx::astype(x, dtype), mx::view(q.w, mx::uint32), q.scales, q.biases, std::nullopt, ids,
-                          /*transpose=*/true, q.group_size, q.bits, q.mode);
+  auto y = gather_quantized_linear(mx::astype(x, dtype), ids, q);
   st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, E, N, node));
 }
 

@@ -259,6 +259,23 @@ void gemm(const Operands& o) {
   });
 }
 
+// out = x w^T (+ bias) for any weight format but the quantized formats'
+// integer path: sgemm from kGemmRows rows of x on, dot products below.
+void float_rows(const Operands& o) {
+  if (o.M >= kGemmRows) return gemm(o);
+  // Each 4 weight rows stay in cache while every row of x passes them,
+  // whatever the block's size.
+  const size_t rows = block_rows(o.N, 4);
+  const int blocks = static_cast<int>((o.N + rows - 1) / rows);
+  const bool avx2 = has_avx2();
+  parallel_for(blocks, [&](int b) {
+    thread_local std::vector<float> scratch;
+    if (o.format != Format::F32 && scratch.size() < 4 * o.K) scratch.resize(4 * o.K);
+    const size_t n0 = b * rows, n1 = std::min(o.N, n0 + rows);
+    (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
+  });
+}
+
 std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
   std::vector<float> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
@@ -317,20 +334,8 @@ class Linear : public CpuKernel {
             for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
           }
         });
-      } else if (M >= kGemmRows) {
-        gemm(o);
       } else {
-        // Each 4 weight rows stay in cache while every row of x passes them,
-        // whatever the block's size.
-        const size_t rows = block_rows(N, 4);
-        const int blocks = static_cast<int>((N + rows - 1) / rows);
-        const bool avx2 = has_avx2();
-        parallel_for(blocks, [&](int b) {
-          thread_local std::vector<float> scratch;
-          if (format != Format::F32 && scratch.size() < 4 * K) scratch.resize(4 * K);
-          const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
-          (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
-        });
+        float_rows(o);
       }
       if (o.params_bf16) {
         // float32 -> bfloat16, rounding to nearest even (as MLX does)
@@ -440,6 +445,14 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const s
   };
   return build(s, supported, x, {q.w, q.scales, *q.biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size,
                fallback);
+}
+
+void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {
+  Operands o{};
+  o.format = w_bf16 ? Format::BF16 : Format::F32;
+  o.x = x, o.w = w, o.out = out;
+  o.M = M, o.N = N, o.K = K;
+  float_rows(o);
 }
 
 }  // namespace emlx

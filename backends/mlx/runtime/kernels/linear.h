@@ -42,4 +42,10 @@ mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatr
 // quantization of an [N, K] matrix (N: w's rows).
 void check_quantization(const char* node, const QuantizedMatrix& q, int K);
 
+// out [M, N] = x [M, K] w^T for a row-major w [N, K] of float32 (or
+// bfloat16, w_bf16), x and out float32: LinearNode's kernel (each row as a
+// one-row call computes it up to kDotRows rows, sgemm beyond), for other
+// kernels of ours. Runs on the calling thread and our pool.
+void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out);
+
 }  // namespace emlx

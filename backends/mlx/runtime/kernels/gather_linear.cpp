@@ -1,0 +1,237 @@
+#include "gather_linear.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpu_arrays.h"
+#include "cpu_kernel.h"
+#include "quantized_dot.h"
+#include "thread_pool.h"
+
+namespace emlx {
+
+namespace mx = mlx::core;
+
+namespace {
+
+// The experts a call chose, each with the (row, expert) pairs routed to it
+// (as t * k + j, in call order).
+std::vector<std::pair<size_t, std::vector<size_t>>> experts_of(const uint32_t* ids, size_t pairs, size_t E) {
+  std::vector<std::vector<size_t>> of(E);
+  for (size_t p = 0; p < pairs; ++p) of[ids[p]].push_back(p);
+  std::vector<std::pair<size_t, std::vector<size_t>>> chosen;
+  for (size_t e = 0; e < E; ++e) {
+    if (!of[e].empty()) chosen.emplace_back(e, std::move(of[e]));
+  }
+  return chosen;
+}
+
+// x's rows as float32 (a copy when bfloat16 or strided, else x's own memory).
+const float* float_rows_of(const mx::array& x, std::vector<uint8_t>& packed, std::vector<float>& converted) {
+  const void* data = row_major_data<void>(x, packed);
+  if (x.dtype() != mx::bfloat16) return static_cast<const float*>(data);
+  converted.resize(x.size());
+  const auto* h = static_cast<const uint16_t*>(data);
+  for (size_t i = 0; i < converted.size(); ++i) converted[i] = bf16_to_f32(h[i]);
+  return converted.data();
+}
+
+// out [pairs, N] (float32 or bfloat16) row p = `rows` row i.
+void write_row(mx::array& out, size_t p, const float* row, size_t N) {
+  if (out.dtype() == mx::bfloat16) {
+    uint16_t* dst = out.data<uint16_t>() + p * N;
+    for (size_t n = 0; n < N; ++n) dst[n] = f32_to_bf16(row[n]);
+  } else {
+    std::memcpy(out.data<float>() + p * N, row, N * sizeof(float));
+  }
+}
+
+// Rows `rows` of `all` as one IntRows (each row's integers, scales and sums
+// are its own: quantize_rows quantizes every row alone).
+IntRows pick_rows(const IntRows& all, const std::vector<size_t>& rows) {
+  IntRows out;
+  out.M = rows.size(), out.K = all.K, out.group = all.group, out.bits = all.bits;
+  const size_t G = all.K / all.group;
+  out.q.resize(out.M * all.K);
+  out.scale.resize(out.M * G);
+  out.sum.resize(out.M * G);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(&out.q[i * all.K], &all.q[rows[i] * all.K], all.K * sizeof(int16_t));
+    std::memcpy(&out.scale[i * G], &all.scale[rows[i] * G], G * sizeof(float));
+    std::memcpy(&out.sum[i * G], &all.sum[rows[i] * G], G * sizeof(float));
+  }
+  return out;
+}
+
+// MLX primitive: inputs x [T, K] (shared by a row's experts) or [T, k, K],
+// ids uint32 [T, k] in [0, E) (clamped by the caller), w [E, N, K * bits / 32]
+// words, scales and biases [E, N, K / group], row-contiguous; output
+// [T, k, N] in x's dtype (float32 or bfloat16, the scales' dtype).
+class GatherQuantizedLinear : public CpuKernel {
+ public:
+  GatherQuantizedLinear(mx::Stream s, int group, int bits) : CpuKernel(s), group_(group), bits_(bits) {}
+
+  const char* name() const override { return "EmlxGatherQuantizedLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatherQuantizedLinear&>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  CpuTask task() const override {
+    return [group = group_, bits = bits_](const std::vector<mx::array>& inputs, mx::array& out) {
+      const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
+      const bool bf16 = x.dtype() == mx::bfloat16;
+      const bool shared = x.ndim() == 2;
+      const size_t T = ids_array.shape(0), k = ids_array.shape(1), K = x.shape(-1), N = out.shape(-1);
+      const size_t E = w.shape(0), row_bytes = K * bits / 8, G = K / group;
+      const size_t pairs = T * k;
+      std::vector<uint8_t> packed;
+      std::vector<float> converted;
+      const float* xf = float_rows_of(x, packed, converted);
+      const auto* ids = ids_array.data<uint32_t>();
+      const auto* wq = w.data<uint8_t>();
+      const auto* scales = inputs[3].data<uint8_t>();
+      const auto* biases = inputs[4].data<uint8_t>();
+      const size_t param_bytes = bf16 ? 2 : 4;
+      auto x_row = [&](size_t p) { return shared ? p / k : p; };
+
+      IntRows xq;
+      if (!quantize_rows(xf, shared ? T : pairs, K, group, bits, xq)) {
+        // x holds a NaN or an infinity: float products propagate them as
+        // gather_qmm does (a scalar loop; no model reaches it twice).
+        std::vector<float> row_out(N);
+        for (size_t p = 0; p < pairs; ++p) {
+          const float* row = xf + x_row(p) * K;
+          const size_t e = ids[p];
+          for (size_t n = 0; n < N; ++n) {
+            const uint8_t* wr = wq + (e * N + n) * row_bytes;
+            float acc = 0;
+            for (size_t c = 0; c < K; ++c) {
+              const size_t bit = c * bits;
+              const int code = (wr[bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
+              const size_t at = (e * N + n) * G + c / group;
+              acc += row[c] * (code * float_at(scales, at, bf16) + float_at(biases, at, bf16));
+            }
+            row_out[n] = acc;
+          }
+          write_row(out, p, row_out.data(), N);
+        }
+        return;
+      }
+      // Each chosen expert's weights are read once per call, for all the
+      // rows that chose it (a prefill's tokens share experts), and no other
+      // expert's at all.
+      struct Work {
+        size_t expert;
+        std::vector<size_t> pairs;
+        IntRows x;
+        std::vector<float> out;  // [pairs, N]
+      };
+      std::vector<Work> work;
+      for (auto& [e, chosen] : experts_of(ids, pairs, E)) {
+        std::vector<size_t> rows;
+        for (size_t p : chosen) rows.push_back(x_row(p));
+        work.push_back({e, std::move(chosen), pick_rows(xq, rows), std::vector<float>(rows.size() * N)});
+      }
+      // blocks of 16 weight rows or more, about 8 tasks a thread over all the chosen experts
+      const size_t target = std::max<size_t>(1, 8 * pool_size() / work.size());
+      const size_t block = std::max<size_t>(16, (N / target + 15) / 16 * 16);
+      const int blocks = static_cast<int>((N + block - 1) / block);
+      parallel_for(static_cast<int>(work.size()) * blocks, [&](int task) {
+        Work& ew = work[task / blocks];
+        const size_t n0 = (task % blocks) * block, n1 = std::min(N, n0 + block);
+        const size_t at = ew.expert * N;
+        quantized_dots(ew.x, wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes, bf16,
+                       n0, n1, ew.out.data(), N);
+      });
+      for (const auto& ew : work) {
+        for (size_t i = 0; i < ew.pairs.size(); ++i) write_row(out, ew.pairs[i], &ew.out[i * N], N);
+      }
+    };
+  }
+
+  int group_, bits_;
+};
+
+// MLX primitive: inputs x [T, K] or [T, k, K], ids uint32 [T, k] in [0, E),
+// w [E, N, K] (float32 or bfloat16, x's dtype), row-contiguous; output
+// [T, k, N] in x's dtype.
+class GatherLinear : public CpuKernel {
+ public:
+  using CpuKernel::CpuKernel;
+
+  const char* name() const override { return "EmlxGatherLinear"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+ private:
+  CpuTask task() const override {
+    return [](const std::vector<mx::array>& inputs, mx::array& out) {
+      const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
+      const bool shared = x.ndim() == 2, bf16 = w.dtype() == mx::bfloat16;
+      const size_t T = ids_array.shape(0), k = ids_array.shape(1), K = x.shape(-1), N = out.shape(-1);
+      std::vector<uint8_t> packed;
+      std::vector<float> converted;
+      const float* xf = float_rows_of(x, packed, converted);
+      const auto* wb = w.data<uint8_t>();
+      const size_t expert_bytes = N * K * (bf16 ? 2 : 4);
+      // an expert at a time, its rows in one call of the dense float kernel
+      for (auto& [e, pairs] : experts_of(ids_array.data<uint32_t>(), T * k, w.shape(0))) {
+        std::vector<float> rows(pairs.size() * K), y(pairs.size() * N);
+        for (size_t i = 0; i < pairs.size(); ++i) {
+          std::memcpy(&rows[i * K], xf + (shared ? pairs[i] / k : pairs[i]) * K, K * sizeof(float));
+        }
+        float_linear_rows(rows.data(), pairs.size(), K, wb + e * expert_bytes, bf16, N, y.data());
+        for (size_t i = 0; i < pairs.size(); ++i) write_row(out, pairs[i], &y[i * N], N);
+      }
+    };
+  }
+};
+
+}  // namespace
+
+mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, const QuantizedMatrix& q,
+                                  mx::StreamOrDevice s) {
+  const int T = ids.shape(0), k = ids.shape(1), N = q.w.shape(1);
+  // Our kernel for what the dense one takes (affine 4 and 8 bits, x in the
+  // scales' float type); MLX's gather_qmm for the rest.
+  const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases &&
+                         (x.dtype() == mx::float32 || x.dtype() == mx::bfloat16) && q.scales.dtype() == x.dtype();
+  auto fallback = [q](const std::vector<mx::array>& in, mx::Stream s) {
+    const auto &x = in[0], &ids = in[1];
+    // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
+    auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
+    auto y = mx::gather_qmm(left, mx::view(q.w, mx::uint32, s), q.scales, q.biases, std::nullopt, ids,
+                            /*transpose=*/true, q.group_size, q.bits, q.mode, std::nullopt, false, s);
+    return mx::squeeze(y, 2, s);
+  };
+  std::vector<mx::array> in = {x, supported ? row_contiguous(ids) : ids};
+  if (supported) {
+    in.push_back(row_contiguous(q.w));
+    in.push_back(row_contiguous(q.scales));
+    in.push_back(row_contiguous(*q.biases));
+  }
+  return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback, [&](mx::Stream s) {
+    return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits);
+  });
+}
+
+mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::array& w, mx::StreamOrDevice s) {
+  const int T = ids.shape(0), k = ids.shape(1), N = w.shape(1);
+  const bool supported = (w.dtype() == mx::float32 || w.dtype() == mx::bfloat16) && x.dtype() == w.dtype();
+  auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
+    const auto &x = in[0], &ids = in[1], &w = in[2];
+    auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
+    return mx::squeeze(mx::gather_mm(left, mx::swapaxes(w, 1, 2, s), std::nullopt, ids, false, s), 2, s);
+  };
+  std::vector<mx::array> in = {x, supported ? row_contiguous(ids) : ids, supported ? row_contiguous(w) : w};
+  return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback,
+                          [](mx::Stream s) { return std::make_shared<GatherLinear>(s); });
+}
+
+}  // namespace emlx

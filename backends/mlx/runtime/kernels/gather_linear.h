@@ -1,0 +1,29 @@
+// Mixture-of-experts layers: each row of a call against the weights of the
+// experts it chose. MLX's CPU gather_mm / gather_qmm run one matrix-vector
+// product per (row, expert) pair (gather_qmm in a scalar loop), reading an
+// expert's weights again for every row routed to it; our kernels group a
+// call's rows by expert, so each chosen expert's weights are read once per
+// call, by the dense linear kernels (linear.h, quantized_dot.h): a pair is
+// what the dense layer computes for its row against its expert's rows.
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include "linear.h"
+
+namespace emlx {
+
+// x [T, K] (one row for all of a row's experts) or [T, k, K], ids uint32
+// [T, k] in [0, E), q [E, N, ...] per-expert tables -> [T, k, N] in x's
+// dtype. Our kernel on a CPU stream for affine 4 and 8 bits with x in the
+// scales' dtype (float32 or bfloat16); mlx::core::gather_qmm otherwise.
+// x [T, K] or [T, k, K], ids uint32 [T, k] in [0, E), w [E, N, K] -> [T, k,
+// N]. Our kernel on a CPU stream for float32 and bfloat16 (x in w's dtype);
+// mlx::core::gather_mm otherwise.
+mlx::core::array gather_linear(const mlx::core::array& x, const mlx::core::array& ids, const mlx::core::array& w,
+                               mlx::core::StreamOrDevice s = {});
+
+mlx::core::array gather_quantized_linear(const mlx::core::array& x, const mlx::core::array& ids,
+                                         const QuantizedMatrix& q, mlx::core::StreamOrDevice s = {});
+
+}  // namespace emlx
