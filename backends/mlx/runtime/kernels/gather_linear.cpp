@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -41,7 +39,7 @@ const float* float_rows_of(const mx::array& x, std::vector<uint8_t>& packed, std
   return converted.data();
 }
 
-// out [pairs, N] (float32 or bfloat16) row p = `rows` row i.
+// Row p of out ([pairs, N], float32 or bfloat16) = row.
 void write_row(mx::array& out, size_t p, const float* row, size_t N) {
   if (out.dtype() == mx::bfloat16) {
     uint16_t* dst = out.data<uint16_t>() + p * N;
