@@ -442,6 +442,21 @@ def test_matmul_batched(dtype):
     check(torch.matmul, rand((2, 3, 4), dtype), rand((2, 4, 5), dtype), nodes={"MatmulNode"})
 
 
+@pytest.mark.parametrize("layout", ["transposed", "broadcast", "strided", "one-row"])
+def test_matmul_reads_every_layout(layout):
+    """float32 products run on our sgemm kernel, which reads a transposed
+    last pair of axes as it is, broadcast batch axes by stride 0, and copies
+    other layouts."""
+    fn, args = {
+        "transposed": (lambda x, y: torch.matmul(x.transpose(-1, -2), y.transpose(-1, -2)),
+                       (rand((2, 4, 3)), rand((2, 5, 4)))),
+        "broadcast": (torch.matmul, (rand((2, 1, 3, 4)), rand((5, 4, 6)))),
+        "strided": (lambda x, y: torch.matmul(x[:, :, ::2], y[:, ::2]), (rand((2, 3, 8)), rand((2, 8, 5)))),
+        "one-row": (lambda x, y: torch.matmul(x[:, 1:2], y), (rand((2, 3, 4)), rand((2, 4, 5)))),
+    }[layout]
+    check(fn, *args, nodes={"MatmulNode"})
+
+
 @ints
 def test_mm_int_stays_outside(dtype):
     # MLX's matmul is floating-point only: integer mm must run on ExecuTorch's

@@ -12,6 +12,7 @@
 #include "kernels/attention.h"
 #include "kernels/gather_linear.h"
 #include "kernels/linear.h"
+#include "kernels/matmul.h"
 #include "kernels/norm.h"
 #include "kernels/rope.h"
 #include "kernels/sampler.h"
@@ -241,6 +242,10 @@ void exec_SiluNode(Interpreter& st, const ir::SiluNode* n) {
 
 void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
   st.set(n->out(), rope(st.get(n->x()), st.get(n->cos()), st.get(n->sin())));
+}
+
+void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {
+  st.set(n->out(), emlx::matmul(st.get(n->a()), st.get(n->b())));
 }
 
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {

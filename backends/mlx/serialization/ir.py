@@ -470,7 +470,6 @@ class MatmulNode:
     a: Tid | None = None
     b: Tid | None = None
     out: Tid | None = None
-    MLX_FN = 'matmul'
 
 
 @dataclass

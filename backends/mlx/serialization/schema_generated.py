@@ -2680,6 +2680,9 @@ def AsTypeNodeEnd(builder):
 
 
 
+# a @ b over the last two axes, the others broadcast (mlx::core::matmul).
+# On the CPU with float32 operands the runtime runs OpenBLAS's sgemm per
+# matrix on its own threads (MLX's CPU matmul calls a reference BLAS).
 class MatmulNode(object):
     __slots__ = ['_tab']
 

@@ -3798,6 +3798,9 @@ struct AsTypeNode::Traits {
   static auto constexpr Create = CreateAsTypeNode;
 };
 
+/// a @ b over the last two axes, the others broadcast (mlx::core::matmul).
+/// On the CPU with float32 operands the runtime runs OpenBLAS's sgemm per
+/// matrix on its own threads (MLX's CPU matmul calls a reference BLAS).
 struct MatmulNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef MatmulNodeBuilder Builder;
   struct Traits;

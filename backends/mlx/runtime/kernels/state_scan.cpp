@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "matmul.h"
+
 namespace emlx {
 
 namespace mx = mlx::core;
@@ -67,8 +69,8 @@ mx::array unit_lower_inverse(const mx::array& nil, int size) {
   auto inverse = mx::add(mx::eye(size, mx::float32), nil);
   auto power = nil;
   for (int span = 2; span < size; span *= 2) {
-    power = mx::matmul(power, power);
-    inverse = mx::add(inverse, mx::matmul(inverse, power));
+    power = emlx::matmul(power, power);
+    inverse = mx::add(inverse, emlx::matmul(inverse, power));
   }
   return inverse;
 }
@@ -80,9 +82,9 @@ mx::array carry_chunks(const mx::array& new_values, const mx::array& k_cumdecay,
                        mx::array& s) {
   std::vector<mx::array> outs;
   for (int i = 0; i < new_values.shape(2); ++i) {
-    auto v_new = mx::subtract(chunk(new_values, i), mx::matmul(chunk(k_cumdecay, i), s));
-    outs.push_back(mx::add(mx::matmul(chunk(q_decayed, i), s), mx::matmul(chunk(intra, i), v_new)));
-    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(k_decayed, i)), v_new));
+    auto v_new = mx::subtract(chunk(new_values, i), emlx::matmul(chunk(k_cumdecay, i), s));
+    outs.push_back(mx::add(emlx::matmul(chunk(q_decayed, i), s), emlx::matmul(chunk(intra, i), v_new)));
+    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), emlx::matmul(last_rows(chunk(k_decayed, i)), v_new));
   }
   return rows(mx::concatenate(outs, 2), 0, L);
 }
@@ -101,12 +103,12 @@ mx::array gated_delta_chunks(const mx::array& q, const mx::array& k, const mx::a
   auto kt = mx::swapaxes(kc, -1, -2);
   // A = (k_beta k^T) * decay, strictly lower
   auto strict = mx::tril(mx::ones({kChunk, kChunk}, mx::bool_), -1);
-  auto nil = mx::where(strict, mx::negative(mx::multiply(mx::matmul(k_beta, kt), decay)), mx::array(0.0f));
+  auto nil = mx::where(strict, mx::negative(mx::multiply(emlx::matmul(k_beta, kt), decay)), mx::array(0.0f));
   auto inverse = unit_lower_inverse(nil, kChunk);
   auto exp_cum = mx::exp(cum);
-  auto new_values = mx::matmul(inverse, v_beta);
-  auto k_cumdecay = mx::matmul(inverse, mx::multiply(k_beta, mx::expand_dims(exp_cum, -1)));
-  auto intra = mx::multiply(mx::matmul(qc, kt), decay);
+  auto new_values = emlx::matmul(inverse, v_beta);
+  auto k_cumdecay = emlx::matmul(inverse, mx::multiply(k_beta, mx::expand_dims(exp_cum, -1)));
+  auto intra = mx::multiply(emlx::matmul(qc, kt), decay);
   auto last = mx::slice(cum, {0, 0, 0, kChunk - 1}, cum.shape());  // [B, H, n, 1]
   auto q_decayed = mx::multiply(qc, mx::expand_dims(exp_cum, -1));
   auto k_decayed = mx::multiply(kc, mx::expand_dims(mx::exp(mx::subtract(last, cum)), -1));
@@ -144,8 +146,8 @@ mx::array channel_delta_chunks(const mx::array& q, const mx::array& k, const mx:
   auto nil = mx::where(strict, mx::negative(decayed_scores(k_beta, kc, decay)), mx::array(0.0f));
   auto inverse = unit_lower_inverse(nil, C);
   auto exp_cum = mx::exp(cum);
-  auto new_values = mx::matmul(inverse, mx::multiply(vc, bc));
-  auto k_cumdecay = mx::matmul(inverse, mx::multiply(k_beta, exp_cum));
+  auto new_values = emlx::matmul(inverse, mx::multiply(vc, bc));
+  auto k_cumdecay = emlx::matmul(inverse, mx::multiply(k_beta, exp_cum));
   auto intra = decayed_scores(qc, kc, decay);  // the diagonal too: a position reads its own write
   auto last = mx::slice(cum, {0, 0, 0, C - 1, 0}, cum.shape());  // [B, H, n, 1, Dk]
   auto q_decayed = mx::multiply(qc, exp_cum);
@@ -162,16 +164,16 @@ mx::array ssd_chunks(const mx::array& x, const mx::array& dt, const mx::array& a
   auto cum = mx::cumsum(chunked(log_decay, n), -1);                 // padding: dt = 0
   auto xdt = chunked(mx::multiply(x, mx::expand_dims(dt, -1)), n);  // [B, H, n, C, P]
   auto bc = chunked(b, n), cc = chunked(c, n);
-  auto scores = mx::multiply(mx::matmul(cc, mx::swapaxes(bc, -1, -2)), pairwise_decay(cum));
-  auto intra = mx::matmul(scores, xdt);
+  auto scores = mx::multiply(emlx::matmul(cc, mx::swapaxes(bc, -1, -2)), pairwise_decay(cum));
+  auto intra = emlx::matmul(scores, xdt);
   auto last = mx::slice(cum, {0, 0, 0, kChunk - 1}, cum.shape());
   auto c_decayed = mx::multiply(cc, mx::expand_dims(mx::exp(cum), -1));
   auto b_decayed = mx::multiply(bc, mx::expand_dims(mx::exp(mx::subtract(last, cum)), -1));
   auto chunk_decay = mx::expand_dims(mx::exp(last), -1);
   std::vector<mx::array> outs;
   for (int i = 0; i < n; ++i) {
-    outs.push_back(mx::add(chunk(intra, i), mx::matmul(chunk(c_decayed, i), s)));
-    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), mx::matmul(last_rows(chunk(b_decayed, i)), chunk(xdt, i)));
+    outs.push_back(mx::add(chunk(intra, i), emlx::matmul(chunk(c_decayed, i), s)));
+    s = mx::add(mx::multiply(s, chunk(chunk_decay, i)), emlx::matmul(last_rows(chunk(b_decayed, i)), chunk(xdt, i)));
   }
   return rows(mx::concatenate(outs, 2), 0, L);
 }
@@ -205,7 +207,7 @@ mx::array selective_chunks(const mx::array& x, const mx::array& dt, const mx::ar
   };
   std::vector<mx::array> outs;
   for (int i = 0; i < n; ++i) {
-    outs.push_back(mx::add(chunk(intra, i), mx::matmul(chunk(c_decayed, i), s)));
+    outs.push_back(mx::add(chunk(intra, i), emlx::matmul(chunk(c_decayed, i), s)));
     s = mx::add(mx::multiply(s, mx::exp(last(chunk(cum, i)))), last(chunk(u, i)));
   }
   return rows(mx::concatenate(outs, 2), 0, L);
@@ -259,10 +261,10 @@ mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::ar
     auto kt = rows(k, t, t + 1);  // [B, H, 1, Dk]
     auto gt = mx::exp(rows(g, t, t + 1));  // [B, H, 1] or [B, H, 1, Dk]
     s = mx::multiply(s, per_channel ? mx::swapaxes(gt, -1, -2) : mx::expand_dims(gt, -1));
-    auto memory = mx::matmul(kt, s);  // [B, H, 1, Dv]
+    auto memory = emlx::matmul(kt, s);  // [B, H, 1, Dv]
     auto delta = mx::multiply(mx::subtract(rows(v, t, t + 1), memory), mx::expand_dims(rows(beta, t, t + 1), -1));
-    s = mx::add(s, mx::matmul(mx::swapaxes(kt, -1, -2), delta));
-    return mx::matmul(rows(q, t, t + 1), s);
+    s = mx::add(s, emlx::matmul(mx::swapaxes(kt, -1, -2), delta));
+    return emlx::matmul(rows(q, t, t + 1), s);
   };
   return scan("GatedDeltaNode", L, kept, f32(state), chunks, step);
 }
@@ -283,9 +285,9 @@ mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::arra
   auto rate = mx::reshape(a, {1, -1, 1, 1});
   auto step = [&](int t, mx::array& s) {
     auto dtt = mx::expand_dims(rows(dt, t, t + 1), -1);  // [B, H, 1, 1]
-    auto write = mx::matmul(mx::swapaxes(rows(b, t, t + 1), -1, -2), mx::multiply(rows(x, t, t + 1), dtt));
+    auto write = emlx::matmul(mx::swapaxes(rows(b, t, t + 1), -1, -2), mx::multiply(rows(x, t, t + 1), dtt));
     s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
-    return mx::matmul(rows(c, t, t + 1), s);
+    return emlx::matmul(rows(c, t, t + 1), s);
   };
   return scan("SsdScanNode", L, kept, mx::swapaxes(f32(state), -1, -2), chunks, step);  // s: [B, H, N, P]
 }
@@ -311,7 +313,7 @@ mx::array selective_scan(const mx::array& x_in, const mx::array& dt_in, const mx
     auto dtt = rows(dt, t, t + 1);  // [B, D, 1, 1]
     auto write = mx::multiply(mx::multiply(dtt, rows(x, t, t + 1)), mx::swapaxes(rows(b, t, t + 1), -1, -2));
     s = mx::add(mx::multiply(s, mx::exp(mx::multiply(dtt, rate))), write);
-    return mx::matmul(rows(c, t, t + 1), s);  // [B, D, 1, 1]
+    return emlx::matmul(rows(c, t, t + 1), s);  // [B, D, 1, 1]
   };
   auto packed = scan("SelectiveScanNode", L, kept, mx::expand_dims(f32(state), -1), chunks, step);
   return mx::reshape(packed, {B, D, -1});
