@@ -54,7 +54,8 @@ def test_gather_quantized_linear_mxfp4():
 def _experts_and_dense(kind):
     """(the experts layer, one dense layer of every expert's rows, its node)."""
     w, b = rand((E, N, K)), rand((E, N))
-    if kind == "fp32":
+    if kind in ("fp32", "bf16"):
+        w, b = (w, b) if kind == "fp32" else (w.bfloat16(), b.bfloat16())
         return (lambda x, i: torch.ops.mlx.gather_linear(x, w, i, b),
                 lambda r: torch.nn.functional.linear(r, w.reshape(E * N, K), b.reshape(-1)), "GatherLinearNode")
     table = QuantizedExperts(w, QuantFormat(kind, 32))
@@ -63,20 +64,21 @@ def _experts_and_dense(kind):
     return lambda x, i: table(x, i, b), lambda r: every.linear(r, b.reshape(-1)), "GatherQuantizedLinearNode"
 
 
-@pytest.mark.parametrize("kind", ["fp32", 4, 8], ids=["fp32", "int4", "int8"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", 4, 8], ids=["fp32", "bf16", "int4", "int8"])
 @pytest.mark.parametrize("per_expert_x", [False, True], ids=["x-shared", "x-per-expert"])
 def test_experts_kernel_is_the_dense_kernel_per_pair(kind, per_expert_x):
-    """Float and affine 4/8-bit experts run on our CPU kernels, which group
+    """Float (float32, bfloat16) and affine 4/8-bit experts run on our CPU kernels, which group
     a call's rows by expert: each (row, expert) pair is bit for bit what the
     dense kernel computes for that row against that expert's rows, and a
     row of a many-row call is bit for bit the one-row call of that row."""
     fn, dense_fn, node = _experts_and_dense(kind)
-    x = rand((T, TOP, K) if per_expert_x else (T, K))
+    x = rand((T, TOP, K) if per_expert_x else (T, K), torch.bfloat16 if kind == "bf16" else torch.float32)
     i = torch.tensor([[t % E, (t + 2) % E] for t in range(T)])  # experts chosen by several rows
     edge = lower(Fn(fn), (x, i))
     assert node in node_types(edge)
     got = run(edge.to_executorch().buffer, [x, i])[0]
-    torch.testing.assert_close(got, fn(x, i), atol=1e-2, rtol=1e-3)  # (quantized: x rounded to integers)
+    tol = dict(atol=0.1, rtol=0.02) if kind == "bf16" else dict(atol=1e-2, rtol=1e-3)  # (quantized: x rounded)
+    torch.testing.assert_close(got, fn(x, i), **tol)
     rows = x.reshape(-1, K)
     want = run(lower(Fn(dense_fn), (rows,)).to_executorch().buffer, [rows])[0].reshape(len(rows), E, N)
     for t in range(T):

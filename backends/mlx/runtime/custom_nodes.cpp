@@ -297,12 +297,12 @@ void check_expert_rows(const mx::array& x, const mx::array& indices, int K, cons
   }
 }
 
-// y [T, k, N] plus each pair's expert's bias row.
-mx::array plus_expert_bias(mx::array y, const std::optional<mx::array>& bias, const mx::array& ids, int E, int N,
-                           const char* node) {
-  if (!bias) return y;
+// The bias of an experts layer: none, or [E, N] in the weights' dtype.
+std::optional<mx::array> expert_bias(const std::optional<mx::array>& bias, int E, int N, mx::Dtype dtype,
+                                     const char* node) {
+  if (!bias) return std::nullopt;
   if (bias->shape() != mx::Shape{E, N}) throw std::invalid_argument(std::string(node) + ": bias must be [E, N]");
-  return mx::add(y, mx::take(*bias, ids, 0));
+  return mx::astype(*bias, dtype);
 }
 }  // namespace
 
@@ -342,8 +342,8 @@ void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
   const auto& x = st.get(n->x());
   check_expert_rows(x, indices, w.shape(2), "GatherLinearNode");
   auto ids = in_bounds(indices, w.shape(0), "GatherLinearNode");
-  auto y = gather_linear(mx::astype(x, w.dtype()), ids, w);
-  st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, w.shape(0), w.shape(1), "GatherLinearNode"));
+  auto bias = expert_bias(st.get_optional(n->bias()), w.shape(0), w.shape(1), w.dtype(), "GatherLinearNode");
+  st.set(n->out(), gather_linear(mx::astype(x, w.dtype()), ids, w, bias));
 }
 
 void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLinearNode* n) {
@@ -367,8 +367,8 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
   auto ids = in_bounds(indices, E, node);
   // affine computes in the scales' type (the lowering gives x that type too)
   auto dtype = q.mode == "affine" ? q.scales.dtype() : x.dtype();
-  auto y = gather_quantized_linear(mx::astype(x, dtype), ids, q);
-  st.set(n->out(), plus_expert_bias(y, st.get_optional(n->bias()), ids, E, N, node));
+  st.set(n->out(), gather_quantized_linear(mx::astype(x, dtype), ids, q,
+                                           expert_bias(st.get_optional(n->bias()), E, N, dtype, node)));
 }
 
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -39,14 +40,28 @@ const float* float_rows_of(const mx::array& x, std::vector<uint8_t>& packed, std
   return converted.data();
 }
 
-// Row p of out ([pairs, N], float32 or bfloat16) = row.
-void write_row(mx::array& out, size_t p, const float* row, size_t N) {
-  if (out.dtype() == mx::bfloat16) {
+// Row p of out ([pairs, N], float32 or bfloat16) = row (+ bias [N], in
+// out's dtype), rounded once, as the dense kernels round.
+void write_row(mx::array& out, size_t p, const float* row, size_t N, const void* bias) {
+  const bool bf16 = out.dtype() == mx::bfloat16;
+  auto value = [&](size_t n) { return bias ? row[n] + float_at(bias, n, bf16) : row[n]; };
+  if (bf16) {
     uint16_t* dst = out.data<uint16_t>() + p * N;
-    for (size_t n = 0; n < N; ++n) dst[n] = f32_to_bf16(row[n]);
+    for (size_t n = 0; n < N; ++n) dst[n] = f32_to_bf16(value(n));
   } else {
-    std::memcpy(out.data<float>() + p * N, row, N * sizeof(float));
+    float* dst = out.data<float>() + p * N;
+    for (size_t n = 0; n < N; ++n) dst[n] = value(n);
   }
+}
+
+// Expert e's bias row of a [E, N] bias input, or null.
+const void* bias_row(const mx::array* bias, size_t e, size_t N) {
+  return bias ? bias->data<uint8_t>() + e * N * bias->itemsize() : nullptr;
+}
+
+// The fallbacks' bias: each pair's expert's row added to y [T, k, N].
+mx::array plus_bias(const mx::array& y, const std::optional<mx::array>& bias, const mx::array& ids, mx::Stream s) {
+  return bias ? mx::add(y, mx::take(*bias, ids, 0, s), s) : y;
 }
 
 // Rows `rows` of `all` as one IntRows (each row's integers, scales and sums
@@ -96,6 +111,7 @@ class GatherQuantizedLinear : public CpuKernel {
       const auto* wq = w.data<uint8_t>();
       const auto* scales = inputs[3].data<uint8_t>();
       const auto* biases = inputs[4].data<uint8_t>();
+      const mx::array* bias = inputs.size() > 5 ? &inputs[5] : nullptr;
       const size_t param_bytes = bf16 ? 2 : 4;
       auto x_row = [&](size_t p) { return shared ? p / k : p; };
 
@@ -118,7 +134,7 @@ class GatherQuantizedLinear : public CpuKernel {
             }
             row_out[n] = acc;
           }
-          write_row(out, p, row_out.data(), N);
+          write_row(out, p, row_out.data(), N, bias_row(bias, e, N));
         }
         return;
       }
@@ -149,7 +165,9 @@ class GatherQuantizedLinear : public CpuKernel {
                        n0, n1, ew.out.data(), N);
       });
       for (const auto& ew : work) {
-        for (size_t i = 0; i < ew.pairs.size(); ++i) write_row(out, ew.pairs[i], &ew.out[i * N], N);
+        for (size_t i = 0; i < ew.pairs.size(); ++i) {
+          write_row(out, ew.pairs[i], &ew.out[i * N], N, bias_row(bias, ew.expert, N));
+        }
       }
     };
   }
@@ -177,6 +195,7 @@ class GatherLinear : public CpuKernel {
       std::vector<float> converted;
       const float* xf = float_rows_of(x, packed, converted);
       const auto* wb = w.data<uint8_t>();
+      const mx::array* bias = inputs.size() > 3 ? &inputs[3] : nullptr;
       const size_t expert_bytes = N * K * (bf16 ? 2 : 4);
       // an expert at a time, its rows in one call of the dense float kernel
       for (auto& [e, pairs] : experts_of(ids_array.data<uint32_t>(), T * k, w.shape(0))) {
@@ -185,7 +204,7 @@ class GatherLinear : public CpuKernel {
           std::memcpy(&rows[i * K], xf + (shared ? pairs[i] / k : pairs[i]) * K, K * sizeof(float));
         }
         float_linear_rows(rows.data(), pairs.size(), K, wb + e * expert_bytes, bf16, N, y.data());
-        for (size_t i = 0; i < pairs.size(); ++i) write_row(out, pairs[i], &y[i * N], N);
+        for (size_t i = 0; i < pairs.size(); ++i) write_row(out, pairs[i], &y[i * N], N, bias_row(bias, e, N));
       }
     };
   }
@@ -194,19 +213,19 @@ class GatherLinear : public CpuKernel {
 }  // namespace
 
 mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, const QuantizedMatrix& q,
-                                  mx::StreamOrDevice s) {
+                                  const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = q.w.shape(1);
   // Our kernel for what the dense one takes (affine 4 and 8 bits, x in the
   // scales' float type); MLX's gather_qmm for the rest.
   const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases &&
                          (x.dtype() == mx::float32 || x.dtype() == mx::bfloat16) && q.scales.dtype() == x.dtype();
-  auto fallback = [q](const std::vector<mx::array>& in, mx::Stream s) {
+  auto fallback = [q, bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1];
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
     auto y = mx::gather_qmm(left, mx::view(q.w, mx::uint32, s), q.scales, q.biases, std::nullopt, ids,
                             /*transpose=*/true, q.group_size, q.bits, q.mode, std::nullopt, false, s);
-    return mx::squeeze(y, 2, s);
+    return plus_bias(mx::squeeze(y, 2, s), bias, ids, s);
   };
   std::vector<mx::array> in = {x, supported ? row_contiguous(ids) : ids};
   if (supported) {
@@ -214,20 +233,24 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
     in.push_back(row_contiguous(q.scales));
     in.push_back(row_contiguous(*q.biases));
   }
+  if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback, [&](mx::Stream s) {
     return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits);
   });
 }
 
-mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::array& w, mx::StreamOrDevice s) {
+mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::array& w,
+                        const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = w.shape(1);
   const bool supported = (w.dtype() == mx::float32 || w.dtype() == mx::bfloat16) && x.dtype() == w.dtype();
-  auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
+  auto fallback = [bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1], &w = in[2];
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
-    return mx::squeeze(mx::gather_mm(left, mx::swapaxes(w, 1, 2, s), std::nullopt, ids, false, s), 2, s);
+    auto y = mx::gather_mm(left, mx::swapaxes(w, 1, 2, s), std::nullopt, ids, false, s);
+    return plus_bias(mx::squeeze(y, 2, s), bias, ids, s);
   };
   std::vector<mx::array> in = {x, supported ? row_contiguous(ids) : ids, supported ? row_contiguous(w) : w};
+  if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback,
                           [](mx::Stream s) { return std::make_shared<GatherLinear>(s); });
 }

@@ -9,21 +9,25 @@
 
 #include <mlx/mlx.h>
 
+#include <optional>
+
 #include "linear.h"
 
 namespace emlx {
 
 // x [T, K] (one row for all of a row's experts) or [T, k, K], ids uint32
-// [T, k] in [0, E), q [E, N, ...] per-expert tables -> [T, k, N] in x's
-// dtype. Our kernel on a CPU stream for affine 4 and 8 bits with x in the
-// scales' dtype (float32 or bfloat16); mlx::core::gather_qmm otherwise.
-// x [T, K] or [T, k, K], ids uint32 [T, k] in [0, E), w [E, N, K] -> [T, k,
-// N]. Our kernel on a CPU stream for float32 and bfloat16 (x in w's dtype);
-// mlx::core::gather_mm otherwise.
+// [T, k] in [0, E), w [E, N, K], bias [E, N] in w's dtype or none ->
+// [T, k, N]. Our kernel on a CPU stream for float32 and bfloat16 (x in w's
+// dtype); mlx::core::gather_mm otherwise.
 mlx::core::array gather_linear(const mlx::core::array& x, const mlx::core::array& ids, const mlx::core::array& w,
-                               mlx::core::StreamOrDevice s = {});
+                               const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
 
+// The same with q [E, N, ...] per-expert tables of QuantizedLinearNode's
+// layout, x and bias in the scales' dtype. Our kernel on a CPU stream for
+// affine 4 and 8 bits with float32 or bfloat16 scales;
+// mlx::core::gather_qmm otherwise.
 mlx::core::array gather_quantized_linear(const mlx::core::array& x, const mlx::core::array& ids,
-                                         const QuantizedMatrix& q, mlx::core::StreamOrDevice s = {});
+                                         const QuantizedMatrix& q, const std::optional<mlx::core::array>& bias,
+                                         mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx
