@@ -1,11 +1,15 @@
 #include "state_scan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cpu_arrays.h"
+#include "cpu_kernel.h"
 #include "matmul.h"
+#include "thread_pool.h"
 
 namespace emlx {
 
@@ -239,6 +243,64 @@ mx::array scan(const char* node, int L, const KeptStates& kept, mx::array s, Chu
   return pack(outputs, states, initial, kept);
 }
 
+// The gated delta rule's steps over a call's kept positions as one task (a
+// decode step is only that), packed as GatedDeltaNode keeps them: inputs
+// q, k [B, H, S, Dk], v [B, H, S, Dv], g [B, H, S] (or [B, H, S, Dk] per key
+// channel), beta [B, H, S] and the state [B, H, Dk, Dv], float32; output
+// [B, H, S + S * Dk, Dv]: the S outputs, then the state after each step.
+// As MLX ops a step is a dozen small arrays a layer.
+class DeltaSteps : public CpuKernel {
+ public:
+  DeltaSteps(mx::Stream s, bool per_channel) : CpuKernel(s), per_channel_(per_channel) {}
+
+  const char* name() const override { return "EmlxDeltaSteps"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return per_channel_ == static_cast<const DeltaSteps&>(other).per_channel_;
+  }
+
+ private:
+  CpuTask task() const override {
+    return [per_channel = per_channel_](const std::vector<mx::array>& inputs, mx::array& out) {
+      std::vector<uint8_t> packed[6];
+      const float* in[6];
+      for (int i = 0; i < 6; ++i) in[i] = row_major_data<float>(inputs[i], packed[i]);
+      const float *q = in[0], *k = in[1], *v = in[2], *g = in[3], *beta = in[4], *initial = in[5];
+      const int BH = inputs[0].shape(0) * inputs[0].shape(1), S = inputs[0].shape(2), Dk = inputs[0].shape(3);
+      const int Dv = inputs[2].shape(3);
+      float* result = out.data<float>();
+      parallel_for(BH, [&](int bh) {
+        std::vector<float> st(initial + static_cast<size_t>(bh) * Dk * Dv, initial + static_cast<size_t>(bh + 1) * Dk * Dv);
+        std::vector<float> delta(Dv);
+        float* r = result + static_cast<size_t>(bh) * S * (1 + Dk) * Dv;
+        for (int t = 0; t < S; ++t) {
+          const size_t at = static_cast<size_t>(bh) * S + t;
+          const float *kt = k + at * Dk, *qt = q + at * Dk, *vt = v + at * Dv;
+          for (int i = 0; i < Dk; ++i) {
+            const float decay = std::exp(per_channel ? g[at * Dk + i] : g[at]);
+            for (int j = 0; j < Dv; ++j) st[i * Dv + j] *= decay;
+          }
+          std::fill(delta.begin(), delta.end(), 0.0f);  // the memory k^T s, then the write
+          for (int i = 0; i < Dk; ++i) {
+            for (int j = 0; j < Dv; ++j) delta[j] += kt[i] * st[i * Dv + j];
+          }
+          for (int j = 0; j < Dv; ++j) delta[j] = (vt[j] - delta[j]) * beta[at];
+          float* o = r + static_cast<size_t>(t) * Dv;
+          std::fill(o, o + Dv, 0.0f);
+          for (int i = 0; i < Dk; ++i) {
+            for (int j = 0; j < Dv; ++j) {
+              st[i * Dv + j] += kt[i] * delta[j];
+              o[j] += qt[i] * st[i * Dv + j];
+            }
+          }
+          std::copy(st.begin(), st.end(), r + (S + static_cast<size_t>(t) * Dk) * Dv);
+        }
+      });
+    };
+  }
+
+  bool per_channel_;
+};
+
 }  // namespace
 
 mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::array& v_in, const mx::array& g_in,
@@ -266,7 +328,28 @@ mx::array gated_delta(const mx::array& q_in, const mx::array& k_in, const mx::ar
     s = mx::add(s, emlx::matmul(mx::swapaxes(kt, -1, -2), delta));
     return emlx::matmul(rows(q, t, t + 1), s);
   };
-  return scan("GatedDeltaNode", L, kept, f32(state), chunks, step);
+  if (!kept.call_states_only || kept.snapshots < 1 || kept.snapshots > 1024) {
+    return scan("GatedDeltaNode", L, kept, f32(state), chunks, step);
+  }
+  // the kept positions' steps as one task (the same packing as scan's)
+  const int stepped = std::min(L, kept.snapshots);
+  auto s = f32(state);
+  std::vector<mx::array> parts;
+  if (L > stepped) parts.push_back(chunks(L - stepped, s));
+  auto as_ops = [&](const std::vector<mx::array>&, mx::Stream) {
+    std::vector<mx::array> outputs, states;
+    for (int t = L - stepped; t < L; ++t) {
+      outputs.push_back(step(t, s));
+      states.push_back(s);
+    }
+    outputs.insert(outputs.end(), states.begin(), states.end());
+    return mx::concatenate(outputs, 2);
+  };
+  auto last = [&](const mx::array& a) { return rows(a, L - stepped, L); };
+  parts.push_back(CpuKernel::build({}, true, {last(q), last(k), last(v), last(g), last(beta), s},
+                                   {B, H, stepped * (1 + Dk), Dv}, mx::float32, as_ops,
+                                   [&](mx::Stream st) { return std::make_shared<DeltaSteps>(st, per_channel); }));
+  return parts.size() == 1 ? parts[0] : mx::concatenate(parts, 2);
 }
 
 mx::array ssd_scan(const mx::array& x_in, const mx::array& dt_in, const mx::array& a_in, const mx::array& b_in,
