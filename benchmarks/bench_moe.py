@@ -31,28 +31,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_context import export, greedy_caller  # noqa: E402
 from bench_llm import SETTLE_S, load_average, machine  # noqa: E402
-from bench_state_layers import greedy_tokens, llama_cpp_caller, llama_cpp_gguf  # noqa: E402
+from bench_state_layers import greedy_tokens, llama_cpp_caller, llama_cpp_gguf, save_random_folder  # noqa: E402
 
 VOCAB = 32000
 
 
 def write_folder(path: Path) -> Path:
     import transformers as tf
-    from transformers import PreTrainedTokenizerFast
-
-    from executorch_mlx.llm.model_folders import BOS, EOS, train_tokenizer
 
     cfg = tf.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                             num_key_value_heads=4, head_dim=64, intermediate_size=2048, moe_intermediate_size=256,
                             num_experts=32, num_experts_per_tok=4, decoder_sparse_step=1, norm_topk_prob=True,
                             max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    print(f"qwen3_moe: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
-    model.save_pretrained(path)
-    # (for llama.cpp's converter, which reads a vocabulary; the runs feed token ids)
-    PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS).save_pretrained(path)
-    return path
+    return save_random_folder(cfg, path, "qwen3_moe")
 
 
 def main() -> int:

@@ -59,16 +59,22 @@ def write_folder(path: Path, shape: str) -> Path:
     else:
         cfg = tf.Lfm2Config(**common, intermediate_size=2560,
                             layer_types=["conv", "conv", "full_attention"] * (LAYERS // 3))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg)
-    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
-    model.save_pretrained(path)
-    from transformers import PreTrainedTokenizerFast
+    return save_random_folder(cfg, path, shape)
+
+
+def save_random_folder(cfg, path: Path, name: str) -> Path:
+    """A folder of `cfg` with random weights (seed 0) and our trained
+    vocabulary (for llama.cpp's converter, which reads one; the runs feed
+    token ids)."""
+    import transformers as tf
 
     from executorch_mlx.llm.model_folders import BOS, EOS, train_tokenizer
 
-    # (for llama.cpp's converter, which reads a vocabulary; the runs feed token ids)
-    PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS).save_pretrained(path)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters", flush=True)
+    model.save_pretrained(path)
+    tf.PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=EOS).save_pretrained(path)
     return path
 
 
