@@ -10,7 +10,7 @@ take whole, then delegated; ExecuTorch gets only the one-call program that
 is left. Our handlers take ATen overloads, which edge ops merely wrap
 (lowering/registry.py). On the test suite's tiny configs this took an
 export from 21.8 s to 16.7 s (gemma3n_text) and from 14.6 s to 8.5 s
-(qwen3_5_text), with the same program bytes but for names.
+(qwen3_5_text), with the same greedy ids.
 """
 
 from __future__ import annotations
