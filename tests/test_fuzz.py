@@ -163,10 +163,21 @@ def _empty_quantized_rows():
     return q
 
 
+def _empty_expert_rows():
+    """No rows through int4 experts (our kernel sizes its work by the experts chosen)."""
+    s = Sketch()
+    q = graphs._quantized(s, rows=24)  # 3 experts of 8 rows
+    q.update(weight=s.op(ir.ReshapeNode, a=q["weight"], shape=sizes(3, 8, 8)),
+             **{k: s.op(ir.ReshapeNode, a=q[k], shape=sizes(3, 8, 2)) for k in ("scales", "biases")})
+    out = s.op(ir.GatherQuantizedLinearNode, x=s.full([0, 64], 1.0), indices=s.full([0, 2], 0, I64), **q)
+    return s.finish(out, 3)
+
+
 # Empty values MLX would divide by zero on (SIGFPE), and what each must give.
 EMPTY = {"empty scatter updates": (_empty_scatter_updates, sketch.INPUTS[0].sum()),
          "empty random rows": (_empty_random_rows, torch.tensor(0.0)),
-         "empty quantized rows": (_empty_quantized_rows, torch.tensor(0.0))}
+         "empty quantized rows": (_empty_quantized_rows, torch.tensor(0.0)),
+         "empty expert rows": (_empty_expert_rows, torch.tensor(0.0))}
 
 
 @pytest.mark.parametrize("name", list(EMPTY))

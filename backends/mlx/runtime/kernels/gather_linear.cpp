@@ -218,7 +218,8 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
   // Our kernel for what the dense one takes (affine 4 and 8 bits, x in the
   // scales' float type); MLX's gather_qmm for the rest.
   const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases &&
-                         (x.dtype() == mx::float32 || x.dtype() == mx::bfloat16) && q.scales.dtype() == x.dtype();
+                         (x.dtype() == mx::float32 || x.dtype() == mx::bfloat16) && q.scales.dtype() == x.dtype() &&
+                         x.size() > 0 && ids.size() > 0 && N > 0;  // (empty calls: MLX's ops)
   auto fallback = [q, bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1];
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
@@ -242,7 +243,8 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
 mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::array& w,
                         const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = w.shape(1);
-  const bool supported = (w.dtype() == mx::float32 || w.dtype() == mx::bfloat16) && x.dtype() == w.dtype();
+  const bool supported = (w.dtype() == mx::float32 || w.dtype() == mx::bfloat16) && x.dtype() == w.dtype() &&
+                         x.size() > 0 && ids.size() > 0 && w.size() > 0;  // (empty calls: MLX's ops)
   auto fallback = [bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1], &w = in[2];
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
