@@ -25,6 +25,13 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 // Element i of a float32 or (bf16) bfloat16 array.
+// n bfloat16 values as float32.
+inline std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
+  return v;
+}
+
 inline float float_at(const void* p, size_t i, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }

@@ -34,9 +34,7 @@ std::vector<std::pair<size_t, std::vector<size_t>>> experts_of(const uint32_t* i
 const float* float_rows_of(const mx::array& x, std::vector<uint8_t>& packed, std::vector<float>& converted) {
   const void* data = row_major_data<void>(x, packed);
   if (x.dtype() != mx::bfloat16) return static_cast<const float*>(data);
-  converted.resize(x.size());
-  const auto* h = static_cast<const uint16_t*>(data);
-  for (size_t i = 0; i < converted.size(); ++i) converted[i] = bf16_to_f32(h[i]);
+  converted = bf16_rows_to_f32(static_cast<const uint16_t*>(data), x.size());
   return converted.data();
 }
 

@@ -276,12 +276,6 @@ void float_rows(const Operands& o) {
   });
 }
 
-std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = bf16_to_f32(h[i]);
-  return v;
-}
-
 // MLX primitive: inputs x [..., K] (any strides), w (+ scales, biases when
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public CpuKernel {
