@@ -20,7 +20,7 @@ LONGEST_FIRST = ["test_llm.py", "test_ops.py", "test_hardening.py", "test_docume
                  "test_llm_ops.py", "test_quantized.py", "test_fuzz.py", "test_sampler.py", "test_speculative.py",
                  "test_state_layers.py", "test_experts.py", "test_ring_cache.py", "test_family_quirks.py",
                  "test_mlx_folders.py", "test_gguf.py", "test_mxfp4_folders.py",
-                 "test_sampling.py", "test_runtime.py", "test_container_fuzz.py", "test_serve.py",
+                 "test_sampling.py", "test_runtime.py", "test_container_fuzz.py", "test_serve.py", "test_hostile_input.py",
                  "test_docs_and_tools.py", "test_structured.py", "test_cpp_runner.py", "test_structure.py"]
 
 

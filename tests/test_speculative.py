@@ -199,7 +199,7 @@ def test_server_drafts_for_every_request(programs, shared):
     body = {"model": "m", "prompt": "ab ab ab ab", "max_tokens": 12, "temperature": 0.8, "seed": 3}
     answers = []
     for draft in (None, {"draft": "prompt-lookup", "num_draft_tokens": 4}):
-        with TestClient(create_app(LLMRunner(pte, folder), "m", draft)) as client:
+        with TestClient(create_app(LLMRunner(pte, folder), "m", draft), base_url="http://localhost") as client:
             response = client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             answers.append(response.json()["choices"][0]["text"])

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from .serialization.sampler_params import ROW_PARAMS, SAMPLER_INPUTS
 
+API_KEY_VARIABLE = "EXECUTORCH_MLX_API_KEY"
+
 
 def cmd_inspect(args) -> int:
     from .inspector import inspect_pte
@@ -107,11 +109,25 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .serve.app import serve
+    import os
 
-    serve(args.pte, args.tokenizer, host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet,
-          draft=lambda runner: draft_kwargs(args, runner))
+    from .serve.app import ServeOptions, serve
+
+    limits = {name: getattr(args, name) for name in ("max_request_bytes", "header_timeout")
+              if getattr(args, name) is not None}  # (else ServeOptions' defaults)
+    if any(v <= 0 for v in limits.values()):
+        raise ValueError("--max-request-bytes and --header-timeout must be positive")
+    options = ServeOptions(host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet,
+                           api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
+                           allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
+                           **limits)
+    serve(args.pte, args.tokenizer, options, draft=lambda runner: draft_kwargs(args, runner))
     return 0
+
+
+def _names(values: list[str]) -> tuple[str, ...]:
+    """Repeatable, comma-separated, case-insensitive names: ["A,b", "c"] -> (a, b, c)."""
+    return tuple(n.strip().lower() for v in values for n in v.split(",") if n.strip())
 
 
 def cmd_demo(args) -> int:
@@ -283,6 +299,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--model-name", default=None, help="the model's id in requests and /v1/models "
                                                       "(default: the .pte's file name without .pte)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_VARIABLE}; "
+                        f"none: no key needed)")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="NAME[,NAME]",
+                   help="Host header names answered besides the --host address and localhost ('*': any); "
+                        "repeatable")
+    p.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGIN[,ORIGIN]",
+                   help="web origins (https://app.example) whose pages may call the server, CORS ('*': any; "
+                        "default: none); repeatable")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="the largest request body taken (default 8 MiB; larger: 413)")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close a connection whose request headers take longer (default 10)")
     _add_draft_flags(p)
     p.set_defaults(fn=cmd_serve)
     for command in sub.choices.values():

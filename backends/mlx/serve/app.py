@@ -11,6 +11,14 @@ generation); the runner reuses the cache's common prefix with the last
 request (a conversation's next turn prefills only the new messages). A
 request whose client goes away is cancelled at its next token.
 Request fields and what they map to: docs/serve.md.
+
+Hostile input costs little: guard.py checks the headers (host, origin, API
+key, content type) before any route; a body is read up to
+`max_request_bytes` within `body_timeout`, and checked (JSON, nesting,
+Unicode, then each field, the prompt measured before it is tokenized) on a
+thread of its own, so the event loop keeps answering; slow_clients.py closes
+connections whose headers do not arrive in time. Every error, ours included,
+is OpenAI's JSON error body.
 """
 
 from __future__ import annotations
@@ -22,21 +30,79 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..llm.run.grammar import GrammarError
 from ..llm.run.runner import GenerationResult, LLMRunner
-from .requests import Plan, RequestError, parse
+from .guard import AccessPolicy, Guard
+from .requests import Plan, RequestError, decode_body, parse
 
 # (the grammar allowing nothing more ends the answer as the model's end would)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop",
                   "grammar": "stop"}
 _DONE = object()
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the server listens and what it takes (the `serve` command's flags)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_name: str | None = None  # default: the .pte's file name
+    quiet: bool = False
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 8 * 1024 * 1024
+    header_timeout: float = 10.0  # seconds for a request's headers
+    body_timeout: float = 60.0  # seconds for its body (and at most 10 without a byte)
+
+    @property
+    def policy(self) -> AccessPolicy:
+        return AccessPolicy(self.host, self.api_key, self.allowed_hosts, self.allowed_origins)
+
+
+class BodyError(Exception):
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+async def read_body(request: Request, limit: int, timeout: float, idle: float = 10.0) -> bytes:
+    """The body, or BodyError: over `limit` bytes (413, refused by its
+    Content-Length before a byte is read), or slower than `timeout` seconds
+    in all or `idle` without a byte (408)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise BodyError(413, f"the request body is {length} bytes; this server takes at most {limit} "
+                             f"(serve --max-request-bytes)", "request_too_large")
+    chunks, size = [], 0
+    stream = request.stream()
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), idle)
+                except StopAsyncIteration:
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise BodyError(413, f"the request body is over {limit} bytes, the most this server takes "
+                                         f"(serve --max-request-bytes)", "request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyError(408, "the request body came too slowly", "request_timeout") from None
+    return b"".join(chunks)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -84,11 +150,13 @@ class _Job:
 
 
 class Server:
-    def __init__(self, runner: LLMRunner, model_name: str, draft: dict):
-        self.runner, self.model_name, self.draft = runner, model_name, draft
+    def __init__(self, runner: LLMRunner, model_name: str, draft: dict, options: ServeOptions):
+        self.runner, self.model_name, self.draft, self.options = runner, model_name, draft, options
         self.created = int(time.time())
         # One worker: requests run one at a time, in the order they came.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        # Requests are checked (and their prompts tokenized) beside it, off the event loop.
+        self.checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="check")
 
     # ----------------------------------------------------------- routes --
     async def health(self, request: Request) -> JSONResponse:
@@ -106,14 +174,16 @@ class Server:
 
     async def _complete(self, request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return error_response(400, "the request body is not valid JSON")
+            raw = await read_body(request, self.options.max_request_bytes, self.options.body_timeout)
+        except BodyError as e:
+            return error_response(e.status, str(e), code=e.code)
+        except ClientDisconnect:
+            return error_response(499, "the client closed the request")
+        loop = asyncio.get_running_loop()
         try:
-            plan = parse(body, self.runner, chat)
+            plan = await loop.run_in_executor(self.checker, lambda: parse(decode_body(raw), self.runner, chat))
         except RequestError as e:
             return error_response(400, str(e), e.param, e.code)
-        loop = asyncio.get_running_loop()
         if self.draft and "json_schema" not in plan.kwargs:  # a grammar's mask is per position: plain decoding
             plan.kwargs.update(self.draft)
         job = _Job(plan, self.runner, loop, plan.stream)
@@ -125,6 +195,8 @@ class Server:
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
         try:
             result = await future
+        except GrammarError as e:  # llguidance gave up on the request's grammar
+            return error_response(400, f"response_format: {e}", "response_format")
         except (RuntimeError, ValueError) as e:
             return error_response(500, f"generation failed: {e}", kind="server_error")
         finally:
@@ -210,32 +282,54 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, exc.detail or "error", code=str(exc.status_code))
 
 
-def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None) -> Starlette:
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    """Our own bug: still OpenAI's body (the traceback goes to the log)."""
+    return error_response(500, f"internal error: {type(exc).__name__}", kind="server_error")
+
+
+def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
+               options: ServeOptions = ServeOptions()) -> Starlette:
     """`draft`: generate()'s speculative-decoding keywords (draft,
     num_draft_tokens, adaptive_drafting) for every request but those with
-    structured output, which decode plainly (the output is the same)."""
+    structured output, which decode plainly (the output is the same).
+    `options`: the access policy and the limits on requests."""
     if runner.tokenizer is None:
         raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
-    runner.chat_template  # loaded now, not by the first request on the event loop
-    server = Server(runner, model_name, draft or {})
+    runner.chat_template  # loaded now, not by the first request
+    runner.check_text("", "prompt")  # the vocabulary's longest token, measured now
+    server = Server(runner, model_name, draft or {}, options)
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
-    ], exception_handlers={HTTPException: _http_error})
+    ], middleware=access_middleware(options), exception_handlers={HTTPException: _http_error,
+                                                                  Exception: _server_error})
 
 
-def serve(pte: str, tokenizer_dir: str, host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          quiet: bool = False, draft=None) -> None:
+def access_middleware(options: ServeOptions) -> list[Middleware]:
+    """The guard (guard.py), then CORS where origins are allowed."""
+    middleware = [Middleware(Guard, policy=options.policy)]
+    if options.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=options.allowed_origins,
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    return middleware
+
+
+def serve(pte: str, tokenizer_dir: str, options: ServeOptions = ServeOptions(), draft=None) -> None:
     """Loads the program, then serves it until interrupted. `draft(runner)`
     gives the speculative-decoding keywords of every request (see create_app)."""
     import uvicorn
 
+    from .slow_clients import header_timeout_protocol
+
     runner = LLMRunner(pte, tokenizer_dir)
-    name = model_name or Path(pte).stem
-    app = create_app(runner, name, draft(runner) if draft else None)
-    if not quiet:
-        print(f"serving {name} on http://{host}:{port}/v1 (chat template: "
-              f"{'yes' if runner.has_chat_template else 'none, /v1/completions only'})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning" if quiet else "info")
+    name = options.model_name or Path(pte).stem
+    app = create_app(runner, name, draft(runner) if draft else None, options)
+    if not options.quiet:
+        access = "an API key" if options.api_key else "no API key (serve --api-key)"
+        print(f"serving {name} on http://{options.host}:{options.port}/v1 (chat template: "
+              f"{'yes' if runner.has_chat_template else 'none, /v1/completions only'}; {access})",
+              file=sys.stderr, flush=True)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="warning" if options.quiet else "info",
+                http=header_timeout_protocol(options.header_timeout))

@@ -1,7 +1,9 @@
 """OpenAI-style request bodies -> checked generate() arguments.
 
 Everything is checked here, before a request is queued: an invalid value is
-a `RequestError` naming the field (HTTP 400 with OpenAI's error body).
+a `RequestError` naming the field (HTTP 400 with OpenAI's error body). The
+body itself first (decode_body): JSON, at most MAX_JSON_DEPTH deep, its
+strings valid Unicode.
 Unknown fields are ignored, as OpenAI's server does. The sampler's fields
 are the table's (serialization/sampler_params.py, its `openai` names) and
 are checked by the same function the runner uses (`sampling_inputs`).
@@ -9,18 +11,23 @@ are checked by the same function the runner uses (`sampling_inputs`).
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, field
 
 from ..llm.run.chat import check_messages, check_stop
 from ..llm.run.runner import LLMRunner
+from ..llm.run.text_limits import ContextLengthError, check_unicode
 from ..llm.sampler_inputs import PENALTIES, logit_bias_tensors, sampling_inputs
 from ..serialization.sampler_params import BY_NAME, ROW_PARAMS, SAMPLER_INPUTS
 
 # OpenAI's logit_bias range; its ends ban a token or force it.
 BIAS_LIMIT = 100.0
 DEFAULT_REPETITION_CONTEXT = 20
+# Deeper JSON is refused before any field is read (a JSON schema nests about
+# three levels a level of its objects).
+MAX_JSON_DEPTH = 128
 
 
 class RequestError(ValueError):
@@ -39,6 +46,37 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+
+
+def decode_body(raw: bytes):
+    """The JSON value of a request body; RequestError for what is not JSON,
+    nests deeper than MAX_JSON_DEPTH, or holds a string that is not valid
+    Unicode (named by its top-level field)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # (UnicodeDecodeError too)
+        raise RequestError("the request body is not valid JSON") from None
+    stack = [(value, 1, None)]
+    while stack:  # iterative: a recursive walk is what deep JSON attacks
+        item, depth, param = stack.pop()
+        if isinstance(item, str):
+            try:
+                check_unicode(item, param or "request body")
+            except ValueError as e:
+                raise RequestError(str(e), param) from None
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise RequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param)
+        for key, child in item.items() if isinstance(item, dict) else enumerate(item):
+            name = param or (key if isinstance(key, str) else None)
+            if isinstance(key, str):
+                stack.append((key, depth, name))
+            stack.append((child, depth + 1, name))
+    return value
 
 
 def _int(body: dict, name: str, lo: int | None = None) -> int | None:
@@ -124,6 +162,8 @@ def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
                                "messages")
         try:
             ids = runner.chat_prompt(messages)
+        except ContextLengthError as e:
+            raise RequestError(str(e), "messages", "context_length_exceeded") from None
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
         name = "messages"
@@ -132,7 +172,12 @@ def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a batch of one
         if isinstance(prompt, str) and prompt:
-            ids = runner.tokenizer.encode(prompt).ids
+            try:
+                ids = runner.encode(prompt)
+            except ContextLengthError as e:
+                raise RequestError(str(e), "prompt", "context_length_exceeded") from None
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
         elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
                                                          for i in prompt):
             if not all(0 <= i < runner.vocab_size for i in prompt):

@@ -15,7 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .text_limits import check_unicode
+
 ROLES = ("system", "user", "assistant", "developer", "tool")
+# Stop strings are searched in the text after every token: their number and
+# length bound that work (OpenAI's API takes 4).
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 def _json(path: Path) -> dict:
@@ -102,13 +108,25 @@ def end_of_generation_ids(folder: str | Path, tokenizer=None) -> set[int]:
 
 
 def check_stop(stop) -> list[str]:
-    """OpenAI's `stop`: None, a string, or a list of strings (non-empty each)."""
+    """OpenAI's `stop`: None, a string, or a list of strings (non-empty each),
+    at most MAX_STOPS of at most MAX_STOP_CHARS characters."""
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters, stop[{i}] has {len(s)}")
+        check_unicode(s, f"stop[{i}]")
     return list(stops)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class StopText:

@@ -11,6 +11,13 @@ mask takes about 0.16 ms per token on a 32,000-token vocabulary
 
 JSON is compact (no whitespace between tokens): a bounded schema then has a
 bounded number of ways to continue, and the output always finishes.
+
+A grammar comes from users (a server's request, a CLI file): its text is
+bounded (MAX_GRAMMAR_BYTES), and a new constraint is tried for a few steps
+before it is handed out, so that a grammar that allows nothing, or whose
+matcher gives up on its first tokens (llguidance's step limits: a schema
+that requires itself, a regex of a billion states), is a ValueError before
+anything runs. Errors carry llguidance's first line, not its parser state.
 """
 
 from __future__ import annotations
@@ -24,6 +31,19 @@ from ...custom_kernel_ops.sample import mask_words
 
 # No free whitespace: {"a":1,"b":[2,3]}
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# The largest schema, regex or Lark text taken (and grammar file read).
+MAX_GRAMMAR_BYTES = 256 * 1024
+# Steps a new constraint is walked on a copy (a token each, ~0.1-1 ms a step).
+TRIAL_STEPS = 4
+
+
+class GrammarError(ValueError):
+    """A grammar that llguidance gave up on while generating."""
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the parser state it appends."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
 
 
 def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | None = None) -> str | None:
@@ -40,29 +60,58 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
         if isinstance(json_schema, (str, Path)) and not str(json_schema).lstrip().startswith(("{", "[")):
             json_schema = _read(json_schema, "JSON schema")
         try:
-            schema = json.loads(json_schema) if isinstance(json_schema, str) else json_schema
+            schema = json.loads(_bounded(json_schema, "JSON schema")) if isinstance(json_schema, str) else json_schema
         except json.JSONDecodeError as e:
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_COMPACT_JSON)
+        try:
+            _bounded(json.dumps(schema), "JSON schema")
+        except (TypeError, ValueError, RecursionError) as e:  # a dict from Python: what JSON cannot hold
+            raise ValueError(f"the JSON schema is not JSON: {_first_line(str(e)) if str(e) else 'too deep'}") from None
+        return _grammar(llguidance.LLMatcher.grammar_from_json_schema, schema, overrides=_COMPACT_JSON)
     if regex is not None:
         if not isinstance(regex, str):
             raise TypeError(f"regex must be a string, got {type(regex).__name__}")
-        return llguidance.LLMatcher.grammar_from_regex(regex)
+        return _grammar(llguidance.LLMatcher.grammar_from_regex, _bounded(regex, "regex"))
     if grammar is not None:
         text = str(grammar)
         if isinstance(grammar, Path) or (text.endswith(".lark") and "\n" not in text):
             text = _read(grammar, "grammar")
-        return llguidance.LLMatcher.grammar_from_lark(text)
+        return _grammar(llguidance.LLMatcher.grammar_from_lark, _bounded(text, "grammar"))
     return None
 
 
-def _read(path, what: str) -> str:
+def _grammar(front_end, *args, **kwargs) -> str:
     try:
-        return Path(path).read_text()
+        return front_end(*args, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"the grammar is not valid: {_first_line(str(e))}") from None
+
+
+def _bounded(text: str, what: str) -> str:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"the {what} is {size} bytes; at most {MAX_GRAMMAR_BYTES} are taken")
+    return text
+
+
+def _read(path, what: str) -> str:
+    """A grammar file's text, read no further than the size taken (a path
+    may name a device or a pipe that never ends)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_GRAMMAR_BYTES + 1)
     except OSError as e:
         raise ValueError(f"cannot read the {what} file {path}: {e.strerror or e}") from None
+    if len(data) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"the {what} file {path} is larger than {MAX_GRAMMAR_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the {what} file {path} is not UTF-8 text (byte {e.start})") from None
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
@@ -78,26 +127,52 @@ class TokenConstraint:
     """One generation's grammar state: the mask of the next token, advanced
     by each token generated."""
 
-    def __init__(self, grammar: str, lltok):
+    def __init__(self, grammar: str, lltok, eos_ids: set[int] = frozenset()):
+        """ValueError for a grammar that is not valid, that allows no output
+        (nothing, or only the end), or whose matcher gives up within
+        TRIAL_STEPS tokens of one path through it."""
         import llguidance
 
         error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
         if error:
-            raise ValueError(f"the grammar is not valid: {error}")
-        self.matcher = llguidance.LLMatcher(lltok, grammar)
+            raise ValueError(f"the grammar is not valid: {_first_line(error)}")
+        self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         self._mask = torch.zeros(1, mask_words(lltok.vocab_size), dtype=torch.int32)
+        self._try(set(eos_ids))
+
+    def _try(self, eos_ids: set[int]) -> None:
+        matcher, mask = self.matcher.deep_copy(), torch.zeros_like(self._mask)
+        for step in range(TRIAL_STEPS):
+            allowed = [t for t in _ids(_compute(matcher, mask)) if t not in eos_ids]
+            if not allowed:
+                if step == 0:
+                    raise ValueError("the grammar allows no output")
+                return
+            if not matcher.consume_token(allowed[0]):
+                raise ValueError(f"the grammar fails on its first tokens: {_first_line(matcher.get_error())}")
 
     def mask(self) -> torch.Tensor:
         """[1, ceil(V/32)] int32: the tokens allowed next."""
-        size = self._mask.numel() * self._mask.element_size()
-        self.matcher.unsafe_compute_mask_ptr(self._mask.data_ptr(), size)
-        return self._mask
+        return _compute(self.matcher, self._mask)
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: {_first_line(self.matcher.get_error())}")
 
     @property
     def finished(self) -> bool:
         """The grammar allows nothing more (but the end of generation)."""
         return self.matcher.is_stopped()
+
+
+def _compute(matcher, mask: torch.Tensor) -> torch.Tensor:
+    matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+    if matcher.is_error():
+        raise GrammarError(f"the grammar failed: {_first_line(matcher.get_error())}")
+    return mask
+
+
+def _ids(mask: torch.Tensor) -> list[int]:
+    """The token ids a [1, W] int32 bitmask allows."""
+    bits = (mask.reshape(-1, 1).to(torch.int64) >> torch.arange(32)) & 1
+    return bits.reshape(-1).nonzero().reshape(-1).tolist()

@@ -38,6 +38,7 @@ from .drafting import DraftLength, DraftModel, PromptLookup
 from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
 from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .program_runner import ProgramRunner
+from .text_limits import check_fits, check_unicode, longest_token_bytes
 from ...serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
 from ..sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
 
@@ -106,6 +107,7 @@ class LLMRunner(ProgramRunner):
             self.eos_ids |= end_of_generation_ids(tokenizer_dir, self.tokenizer)
         self._chat_template = None
         self._grammar_tokenizer = None  # built on the first structured generation
+        self._longest_token = None  # bytes; on the first text encoded
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does),
         # except within the last `cache_rewind` positions written (llm/export/ring_cache.py).
@@ -148,8 +150,30 @@ class LLMRunner(ProgramRunner):
         if self.chat_template is None:
             raise ValueError(f"the tokenizer folder {self.tokenizer_dir} has no chat template "
                              f"(tokenizer_config.json chat_template or chat_template.jinja)")
-        text = self.chat_template.render(messages, system_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote them
+        for i, m in enumerate(messages):
+            self.check_text(m.get("content") if isinstance(m, dict) else None, f"messages[{i}].content")
+        if system_prompt is not None:
+            self.check_text(system_prompt, "system prompt")
+        return self.encode(self.chat_template.render(messages, system_prompt), "messages",
+                           add_special_tokens=False)  # the template wrote them
+
+    def check_text(self, text, what: str) -> None:
+        """ValueError for text that is not valid Unicode; ContextLengthError
+        (a ValueError) for text that cannot fit the context (text_limits.py).
+        Anything but a str passes (the callers check their types)."""
+        if not isinstance(text, str) or self.tokenizer is None:
+            return
+        check_unicode(text, what)
+        if self._longest_token is None:
+            self._longest_token = longest_token_bytes(self.tokenizer)
+        check_fits(text, what, self.max_context, self._longest_token)
+
+    def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`, checked first (check_text)."""
+        if self.tokenizer is None:
+            raise ValueError(f"a text {what} needs a tokenizer: pass tokenizer_dir")
+        self.check_text(text, what)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def chat(self, messages: list[dict], system_prompt: str | None = None, **kwargs) -> GenerationResult:
         """generate() on the chat template's rendering of `messages`
@@ -308,14 +332,12 @@ class LLMRunner(ProgramRunner):
                              "before structured output): re-export it for json_schema, regex or grammar")
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
-        return TokenConstraint(text, self._grammar_tokenizer)
+        return TokenConstraint(text, self._grammar_tokenizer, self.eos_ids)
 
     def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
                   logit_bias, stops, on_token, constraint, drafter=None, draft_length=None) -> GenerationResult:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer_dir")
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.encode(prompt)
         else:
             ids = [int(i) for i in prompt]
         if not ids:
