@@ -121,9 +121,10 @@ def test_readme_python_generate_gives_the_text_of_the_command(workspace, monkeyp
 
 
 def test_readme_cpp_build_line_builds_a_runner_that_runs(workspace):
-    """Configures and builds into the repository's build/cpp, as a user would
-    (incremental after the first run), then runs the runner where the README's
-    model.pte is; it prints the ids the pip-built runner prints."""
+    """Configures and builds into the repository's build/cpp, as a user would:
+    the folder pip's build used, so it relinks for the build rpaths and
+    compiles nothing; then runs the runner where the README's model.pte is:
+    it prints the ids the pip-built runner prints."""
     tmp, exported = workspace
     assert exported.returncode == 0, exported.stderr
     if not (ROOT / ".venv" / "bin" / "python").exists():

@@ -160,24 +160,14 @@ def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
         if not runner.has_chat_template:
             raise RequestError("this model's tokenizer folder has no chat template: use /v1/completions",
                                "messages")
-        try:
-            ids = runner.chat_prompt(messages)
-        except ContextLengthError as e:
-            raise RequestError(str(e), "messages", "context_length_exceeded") from None
-        except ValueError as e:
-            raise RequestError(str(e), "messages") from None
+        ids = _tokenized(lambda: runner.chat_prompt(messages), "messages")
         name = "messages"
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # one prompt in a batch of one
         if isinstance(prompt, str) and prompt:
-            try:
-                ids = runner.encode(prompt)
-            except ContextLengthError as e:
-                raise RequestError(str(e), "prompt", "context_length_exceeded") from None
-            except ValueError as e:
-                raise RequestError(str(e), "prompt") from None
+            ids = _tokenized(lambda: runner.encode(prompt), "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool)
                                                          for i in prompt):
             if not all(0 <= i < runner.vocab_size for i in prompt):
@@ -194,6 +184,17 @@ def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
                            f"tokens (room for at least one generated token is needed)", name,
                            "context_length_exceeded")
     return ids
+
+
+def _tokenized(encode, param: str) -> list[int]:
+    """encode()'s ids; its ValueError (a prompt that cannot fit the context,
+    text that is not valid Unicode, a template's refusal) as a RequestError."""
+    try:
+        return encode()
+    except ContextLengthError as e:
+        raise RequestError(str(e), param, "context_length_exceeded") from None
+    except ValueError as e:
+        raise RequestError(str(e), param) from None
 
 
 def parse(body, runner: LLMRunner, chat: bool) -> Plan:
