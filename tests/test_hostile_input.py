@@ -313,3 +313,24 @@ def test_cors_only_for_allowed_origins():
     reply = opened.post("/v1/x", json={}, headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
     assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://app.example"
     assert opened.post("/v1/x", json={}, headers={"Origin": "https://evil.example"}).status_code == 403
+
+
+def test_a_body_that_trickles_is_408():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from executorch_mlx.serve.body import BodyError, read_body
+
+    async def trickle():
+        await asyncio.sleep(0.1)
+        return {"type": "http.request", "body": b"{", "more_body": True}
+
+    async def read(timeout, idle):
+        request = Request({"type": "http", "method": "POST", "headers": []}, trickle)
+        return await read_body(request, limit=1000, timeout=timeout, idle=idle)
+
+    for timeout, idle in ((0.5, 10.0), (10.0, 0.05)):  # too slow in all; a pause too long
+        with pytest.raises(BodyError) as refused_body:
+            asyncio.run(read(timeout, idle))
+        assert refused_body.value.status == 408

@@ -43,6 +43,7 @@ from starlette.routing import Route
 
 from ..llm.run.grammar import GrammarError
 from ..llm.run.runner import GenerationResult, LLMRunner
+from .body import BodyError, read_body
 from .guard import AccessPolicy, Guard
 from .requests import Plan, RequestError, decode_body, parse
 
@@ -70,39 +71,6 @@ class ServeOptions:
     @property
     def policy(self) -> AccessPolicy:
         return AccessPolicy(self.host, self.api_key, self.allowed_hosts, self.allowed_origins)
-
-
-class BodyError(Exception):
-    def __init__(self, status: int, message: str, code: str):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-async def read_body(request: Request, limit: int, timeout: float, idle: float = 10.0) -> bytes:
-    """The body, or BodyError: over `limit` bytes (413, refused by its
-    Content-Length before a byte is read), or slower than `timeout` seconds
-    in all or `idle` without a byte (408)."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise BodyError(413, f"the request body is {length} bytes; this server takes at most {limit} "
-                             f"(serve --max-request-bytes)", "request_too_large")
-    chunks, size = [], 0
-    stream = request.stream()
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(anext(stream), idle)
-                except StopAsyncIteration:
-                    break
-                size += len(chunk)
-                if size > limit:
-                    raise BodyError(413, f"the request body is over {limit} bytes, the most this server takes "
-                                         f"(serve --max-request-bytes)", "request_too_large")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyError(408, "the request body came too slowly", "request_timeout") from None
-    return b"".join(chunks)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
