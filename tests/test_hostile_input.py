@@ -260,6 +260,19 @@ def test_slow_headers_are_closed(served):
     assert not open_ and closed_after < HEADER_TIMEOUT + 3, (len(open_), closed_after)
 
 
+@pytest.mark.parametrize("head", [b"GARBAGE\r\n\r\n",  # headers never ending, past h11's 16 KiB:
+                                  b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Big: aaaaaaaa\r\n" * 4000])
+def test_requests_http_cannot_parse_get_json_too(served, head):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+        s.sendall(head)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status, _, rest = reply.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in rest.lower(), reply[:300]
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http_request"
+
+
 def test_cli_hostile_files_and_text_exit_2_in_one_line(served, capsys):
     base = ["generate", str(served.pte), "--tokenizer", str(served.folder), "--max-new-tokens", "2"]
     cases = [["--prompt", "hi", "--json-schema", "/dev/zero"], ["--prompt", "hi", "--grammar", "/dev/zero"],

@@ -16,7 +16,7 @@ Hostile input costs little: guard.py checks the headers (host, origin, API
 key, content type) before any route; a body is read up to
 `max_request_bytes` within `body_timeout`, and checked (JSON, nesting,
 Unicode, then each field, the prompt measured before it is tokenized) on a
-thread of its own, so the event loop keeps answering; slow_clients.py closes
+thread of its own, so the event loop keeps answering; http_protocol.py closes
 connections whose headers do not arrive in time. Every error, ours included,
 is OpenAI's JSON error body.
 """
@@ -289,7 +289,7 @@ def serve(pte: str, tokenizer_dir: str, options: ServeOptions = ServeOptions(), 
     gives the speculative-decoding keywords of every request (see create_app)."""
     import uvicorn
 
-    from .slow_clients import header_timeout_protocol
+    from .http_protocol import limited_protocol
 
     runner = LLMRunner(pte, tokenizer_dir)
     name = options.model_name or Path(pte).stem
@@ -300,4 +300,4 @@ def serve(pte: str, tokenizer_dir: str, options: ServeOptions = ServeOptions(), 
               f"{'yes' if runner.has_chat_template else 'none, /v1/completions only'}; {access})",
               file=sys.stderr, flush=True)
     uvicorn.run(app, host=options.host, port=options.port, log_level="warning" if options.quiet else "info",
-                http=header_timeout_protocol(options.header_timeout))
+                http=limited_protocol(options.header_timeout))
