@@ -201,6 +201,13 @@ def test_grammars_llguidance_rejects_are_400_without_its_state(served, schema, w
     assert words in message and "\n" not in message and "<state>" not in message and "Parser" not in message
 
 
+def test_schemas_are_bounded(served):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(12_000)}}
+    status, reply, seconds = chat(served, response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": schema}})
+    assert "at most 262144" in refused(reply, 400, status, seconds, "response_format")
+
+
 def test_stop_strings_are_bounded(served):
     status, reply, seconds = chat(served, stop=[f"s{i}" for i in range(50_000)])
     assert "at most 16" in refused(reply, 400, status, seconds, "stop")

@@ -139,12 +139,32 @@ def test_response_format_json_object_gives_an_object(runner):
     from executorch_mlx.serve.requests import parse
 
     for seed in range(4):
-        plan = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": seed,
-                      "max_tokens": MAX_CONTEXT - 4}, runner, chat=False)
-        assert plan.kwargs["json_schema"] == {"type": "object"}
-        result = runner.generate(plan.prompt_ids, **plan.kwargs)
+        request = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": seed,
+                         "max_tokens": MAX_CONTEXT - 4}, runner, chat=False)
+        assert request.plan.constraint is not None
+        result = runner.run(request.plan)
         # an object without a schema may outgrow max_tokens: then it is one cut short
         if result.stop_reason == "max_new_tokens":
             assert result.text.startswith("{"), result.text
         else:
             assert isinstance(json.loads(result.text), dict), result.text
+
+
+def test_a_plan_is_prepared_once_and_runs_once(runner, program):
+    """The server's parse prepares the runner's Plan (the grammar compiled
+    there, once); the job runs that plan; a plan cannot run twice, nor on
+    another runner (its matcher has advanced)."""
+    from executorch_mlx.serve.requests import parse
+
+    request = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": 3, "max_tokens": 8},
+                    runner, chat=False)
+    constraint = request.plan.constraint
+    result = runner.run(request.plan)
+    assert constraint.matcher.is_stopped() or len(result.token_ids) == 8  # this plan's matcher advanced
+    with pytest.raises(ValueError, match="runs once"):
+        runner.run(request.plan)
+    other = LLMRunner(*program)
+    with pytest.raises(ValueError, match="another runner"):
+        other.run(runner.prepare("Hi", max_new_tokens=2))
+    again = runner.generate("Hi", max_new_tokens=8, temperature=1.0, seed=3, json_schema={"type": "object"})
+    assert again.token_ids == result.token_ids  # prepare + run is generate (OpenAI's default temperature 1)

@@ -45,7 +45,7 @@ from ..llm.run.grammar import GrammarError
 from ..llm.run.runner import GenerationResult, LLMRunner
 from .body import BodyError, read_body
 from .guard import AccessPolicy, Guard
-from .requests import Plan, RequestError, decode_body, parse
+from .requests import Request, RequestError, decode_body, parse
 
 # (the grammar allowing nothing more ends the answer as the model's end would)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop",
@@ -87,8 +87,9 @@ class _Job:
     """One request's generation on the worker thread; its text pieces and
     tokens reach the event loop through a queue when streamed."""
 
-    def __init__(self, plan: Plan, runner: LLMRunner, loop: asyncio.AbstractEventLoop, streamed: bool):
-        self.plan, self.runner, self.loop = plan, runner, loop
+    def __init__(self, request: Request, runner: LLMRunner, loop: asyncio.AbstractEventLoop):
+        self.request, self.runner, self.loop = request, runner, loop
+        streamed = request.stream
         self.cancelled = threading.Event()
         self.queue: asyncio.Queue | None = asyncio.Queue() if streamed else None
         self.tokens: list[tuple[int, float | None]] = []  # not yet sent with a piece of text
@@ -108,8 +109,8 @@ class _Job:
         try:
             if self.cancelled.is_set():  # its client left while it waited
                 return None
-            return self.runner.generate(self.plan.prompt_ids, on_text=self._on_text if self.queue else None,
-                                        on_token=self._on_token, **self.plan.kwargs)
+            return self.runner.run(self.request.plan, on_text=self._on_text if self.queue else None,
+                                   on_token=self._on_token)
         finally:
             if self.queue is not None:
                 if self.tokens:
@@ -149,16 +150,15 @@ class Server:
             return error_response(499, "the client closed the request")
         loop = asyncio.get_running_loop()
         try:
-            plan = await loop.run_in_executor(self.checker, lambda: parse(decode_body(raw), self.runner, chat))
+            parsed = await loop.run_in_executor(self.checker,
+                                                lambda: parse(decode_body(raw), self.runner, chat, self.draft))
         except RequestError as e:
             return error_response(400, str(e), e.param, e.code)
-        if self.draft and "json_schema" not in plan.kwargs:  # a grammar's mask is per position: plain decoding
-            plan.kwargs.update(self.draft)
-        job = _Job(plan, self.runner, loop, plan.stream)
+        job = _Job(parsed, self.runner, loop)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": self.model_name}
         future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
-        if plan.stream:
+        if parsed.stream:
             return StreamingResponse(self._stream(job, future, head), media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
         try:
@@ -178,7 +178,7 @@ class Server:
             choice["message"] = {"role": "assistant", "content": content}
         else:
             choice["text"] = content
-        choice["logprobs"] = self._logprobs(tokens, chat, 0) if plan.logprobs else None
+        choice["logprobs"] = self._logprobs(tokens, chat, 0) if parsed.logprobs else None
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": [choice], "usage": _usage(result)})
 
@@ -190,12 +190,12 @@ class Server:
         job.cancelled.set()
 
     async def _stream(self, job: _Job, future: asyncio.Future, head: dict):
-        chat = job.plan.chat
+        chat = job.request.chat
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def chunk(text: str | None, tokens=(), finish: str | None = None, offset: int = 0) -> str:
             choice = {"index": 0, "finish_reason": finish,
-                      "logprobs": self._logprobs(tokens, chat, offset) if job.plan.logprobs and tokens else None}
+                      "logprobs": self._logprobs(tokens, chat, offset) if job.request.logprobs and tokens else None}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
             else:
@@ -218,7 +218,7 @@ class Server:
                                       "param": None, "code": None}})
             else:
                 yield chunk(None, finish=FINISH_REASONS[result.stop_reason])
-                if job.plan.include_usage:
+                if job.request.include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(result)})
             yield _sse("[DONE]")
         finally:
@@ -257,7 +257,7 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
                options: ServeOptions = ServeOptions()) -> Starlette:
-    """`draft`: generate()'s speculative-decoding keywords (draft,
+    """`draft`: prepare()'s speculative-decoding keywords (draft,
     num_draft_tokens, adaptive_drafting) for every request but those with
     structured output, which decode plainly (the output is the same).
     `options`: the access policy and the limits on requests."""

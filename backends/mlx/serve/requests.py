@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..llm.run.chat import check_messages, check_stop
+from ..llm.run.plan import Plan
 from ..llm.run.runner import LLMRunner
 from ..llm.run.text_limits import ContextLengthError, check_unicode
 from ..llm.sampler_inputs import PENALTIES, logit_bias_tensors, sampling_inputs
@@ -37,12 +38,12 @@ class RequestError(ValueError):
 
 
 @dataclass
-class Plan:
-    """What one request runs: generate(prompt_ids, **kwargs), and how to answer."""
+class Request:
+    """A request, checked: the runner's Plan (prepared once, its grammar
+    compiled) and how to answer."""
 
     chat: bool
-    prompt_ids: list[int]
-    kwargs: dict = field(default_factory=dict)
+    plan: Plan | None = None
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -197,14 +198,18 @@ def _tokenized(encode, param: str) -> list[int]:
         raise RequestError(str(e), param) from None
 
 
-def parse(body, runner: LLMRunner, chat: bool) -> Plan:
-    """A request body -> its Plan; RequestError for the first invalid field."""
+def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Request:
+    """A request body -> the checked Request, its runner Plan prepared;
+    RequestError for the first invalid field. `draft`: prepare()'s
+    speculative-decoding keywords, for requests without a grammar (its
+    mask is per position: those decode plainly, with the same output)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     n = _int(body, "n", 1)
     if n is not None and n > 1:
         raise RequestError("n > 1 is not implemented: one choice per request", "n")
-    plan = Plan(chat=chat, prompt_ids=_prompt(body, runner, chat))
+    request = Request(chat=chat)
+    prompt_ids = _prompt(body, runner, chat)
     kwargs = _sampler_fields(body, runner)
     bias = _logit_bias(body, runner)
     if bias:
@@ -225,30 +230,36 @@ def parse(body, runner: LLMRunner, chat: bool) -> Plan:
         raise RequestError(str(e), "stop") from None
     # OpenAI's newer name first; the older one is still sent by many clients
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    room = runner.max_context - len(plan.prompt_ids)
+    room = runner.max_context - len(prompt_ids)
     limit = _int(body, limit_name, 1)
     if limit is not None and limit > room:
-        raise RequestError(f"{limit_name} {limit} + the prompt's {len(plan.prompt_ids)} tokens exceed this "
+        raise RequestError(f"{limit_name} {limit} + the prompt's {len(prompt_ids)} tokens exceed this "
                            f"model's context of {runner.max_context} tokens", limit_name, "context_length_exceeded")
     kwargs["max_new_tokens"] = limit or room
-    schema = _response_format(body, runner)
+    schema = _response_format(body)
     if schema is not None:
         kwargs["json_schema"] = schema
-    plan.logprobs = _logprobs(body, runner, chat)
-    plan.stream = _bool(body, "stream")
+    request.logprobs = _logprobs(body, runner, chat)
+    request.stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
             raise RequestError("stream_options must be an object", "stream_options")
-        plan.include_usage = _bool(options, "include_usage")
+        request.include_usage = _bool(options, "include_usage")
     # OpenAI's defaults: temperature 1, and a different sample each time
     kwargs.setdefault("temperature", 1.0 if runner.samples else 0.0)
     kwargs.setdefault("seed", secrets.randbits(63))
-    plan.kwargs = kwargs
-    return plan
+    if draft and schema is None:
+        kwargs.update(draft)
+    try:  # every field is checked above: what prepare() refuses here is the grammar
+        request.plan = runner.prepare(prompt_ids, **kwargs)
+    except ValueError as e:
+        raise RequestError(f"response_format: {e}" if schema is not None else str(e),
+                           "response_format" if schema is not None else None) from None
+    return request
 
 
-def _response_format(body: dict, runner: LLMRunner):
+def _response_format(body: dict):
     """The JSON schema that `response_format` asks for (None: free text).
     {"type": "json_object"}: any JSON object; {"type": "json_schema",
     "json_schema": {"name", "schema", "strict"}}: that schema, always enforced."""
@@ -270,11 +281,7 @@ def _response_format(body: dict, runner: LLMRunner):
             raise RequestError("response_format json_schema.schema must be a JSON schema object", "response_format")
     else:
         raise RequestError('response_format type must be "text", "json_object" or "json_schema"', "response_format")
-    try:  # compiled here, so that a bad schema is a 400 before the request is queued
-        runner.constraint(json_schema=schema)
-    except ValueError as e:
-        raise RequestError(f"response_format: {e}", "response_format") from None
-    return schema
+    return schema  # (compiled by the runner's prepare(), at the end of parse)
 
 
 def _logprobs(body: dict, runner: LLMRunner, chat: bool) -> bool:

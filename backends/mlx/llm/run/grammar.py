@@ -68,9 +68,10 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
         try:
-            _bounded(json.dumps(schema), "JSON schema")
+            text = json.dumps(schema)
         except (TypeError, ValueError, RecursionError) as e:  # a dict from Python: what JSON cannot hold
             raise ValueError(f"the JSON schema is not JSON: {_first_line(str(e)) if str(e) else 'too deep'}") from None
+        _bounded(text, "JSON schema")
         return _grammar(llguidance.LLMatcher.grammar_from_json_schema, schema, overrides=_COMPACT_JSON)
     if regex is not None:
         if not isinstance(regex, str):

@@ -37,6 +37,7 @@ from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
 from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
 from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
+from .plan import Plan
 from .program_runner import ProgramRunner
 from .text_limits import check_fits, check_unicode, longest_token_bytes
 from ...serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
@@ -235,14 +236,26 @@ class LLMRunner(ProgramRunner):
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
                  seed: int | None = None, on_text: Callable[[str], None] | None = None, *,
-                 repetition_context_size: int = 20, logit_bias: dict[int, float] | None = None,
-                 stop: str | list[str] | None = None, on_token: Callable[[int, float | None], bool] | None = None,
-                 json_schema=None, regex: str | None = None, grammar: str | None = None,
-                 draft: LLMRunner | str | None = None, num_draft_tokens: int | None = None,
-                 adaptive_drafting: bool = True, **params) -> GenerationResult:
+                 on_token: Callable[[int, float | None], bool] | None = None, **options) -> GenerationResult:
         """Prefills `prompt` (text, taken as it is, or token ids), then decodes
         on the device until an end-of-generation id, a stop string or
-        `max_new_tokens`.
+        `max_new_tokens`: run(prepare(...)). `options` are prepare()'s, which
+        says what each does. `on_text(piece)` gets the text as it grows;
+        `on_token(id, logprob)` is called with each generated token (logprob
+        None from a program without logprobs) before its text is streamed;
+        returning True ends the generation there ("cancelled").
+        Calls from several threads run one at a time."""
+        return self.run(self.prepare(prompt, max_new_tokens, temperature, seed, **options), on_text, on_token)
+
+    def prepare(self, prompt: str | list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                seed: int | None = None, *, repetition_context_size: int = 20,
+                logit_bias: dict[int, float] | None = None, stop: str | list[str] | None = None,
+                json_schema=None, regex: str | None = None, grammar: str | None = None,
+                draft: LLMRunner | str | None = None, num_draft_tokens: int | None = None,
+                adaptive_drafting: bool = True, **params) -> Plan:
+        """One generation, checked and ready to run (ValueError for the first
+        thing wrong): the prompt tokenized, the sampler inputs built, the
+        grammar compiled, the drafter made. A Plan runs once.
 
         temperature <= 0 is greedy. Sampling is seeded: the same seed, prompt
         and settings give the same tokens (seed None means 0). `params` are
@@ -251,10 +264,7 @@ class LLMRunner(ProgramRunner):
         penalties count the last `repetition_context_size` tokens
         of prompt and output. `logit_bias` maps token ids to values added to
         their logits (-inf bans a token). `stop` strings end the text before
-        them (also across tokens, and never streamed). `on_token(id,
-        logprob)` is called with each generated token (logprob None from a
-        program without logprobs) before its text is streamed; returning True
-        ends the generation there ("cancelled").
+        them (also across tokens, and never streamed).
         Structured output: `json_schema` (a dict, JSON text or a .json path),
         `regex` or `grammar` (Lark text or a .lark path) constrains every
         generated token on the device (llm/run/grammar.py); the generation ends
@@ -265,23 +275,58 @@ class LLMRunner(ProgramRunner):
         `num_draft_tokens` tokens (default: the most the program verifies),
         which the program verifies in one call (llm/export/speculative.py): the
         output is exactly plain decoding's. `adaptive_drafting` drafts fewer
-        (or none for a while) when few are accepted (llm/run/drafting.py).
-        Calls from several threads run one at a time."""
+        (or none for a while) when few are accepted (llm/run/drafting.py)."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
         stops = check_stop(stop)
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer_dir")
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this program's max context is {self.max_context} "
+                             f"(room for the prompt and at least one generated token): re-export with a larger "
+                             f"--max-context")
+        if len(ids) + max_new_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the max "
+                             f"context of {self.max_context}: the KV cache would overflow")
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        params = {name: value for name, value in params.items() if value != OFF[name]}
+        penalized = any(name in PENALTIES for name in params)
+        if isinstance(repetition_context_size, bool) or not isinstance(repetition_context_size, int) or \
+                repetition_context_size < 1:
+            raise ValueError(f"repetition_context_size must be a positive int, got {repetition_context_size!r}")
+        history_size = self.input_shapes.get("history", (1, 0))[1]
+        if penalized and repetition_context_size > history_size:
+            raise ValueError(f"repetition_context_size {repetition_context_size} exceeds this program's history "
+                             f"of {history_size} tokens (export with a larger history_size)")
+        if logit_bias:
+            slots = self.input_shapes.get("logit_bias_ids", (1, 0))[1]
+            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots,
+                                                                                       self.vocab_size)
+        if not self.samples and (temperature > 0 or params):
+            raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
+        # checked before anything runs; the history and the mask are filled in per step
+        sampling = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size,
+                                   **params) if self.samples else {}
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         drafter = self.drafter(draft, num_draft_tokens, constraint is not None)
         draft_length = DraftLength(num_draft_tokens or self.max_draft_tokens, adaptive_drafting) if drafter else None
-        draft_lock = drafter.runner._lock if isinstance(drafter, DraftModel) else nullcontext()
+        return Plan(ids, max_new_tokens, sampling, repetition_context_size if penalized else 0, stops, constraint,
+                    drafter, draft_length, runner=self)
+
+    def run(self, plan: Plan, on_text: Callable[[str], None] | None = None,
+            on_token: Callable[[int, float | None], bool] | None = None) -> GenerationResult:
+        """Runs a Plan of this runner's prepare() (see generate())."""
+        plan.claim(self)
+        draft_lock = plan.drafter.runner._lock if isinstance(plan.drafter, DraftModel) else nullcontext()
         with self._lock, draft_lock:
-            return self._generate(prompt, max_new_tokens, temperature, seed, on_text, params,
-                                  repetition_context_size=repetition_context_size, logit_bias=logit_bias,
-                                  stops=stops, on_token=on_token, constraint=constraint, drafter=drafter,
-                                  draft_length=draft_length)
+            return self._generate(plan, on_text, on_token)
 
     def drafter(self, draft, num_draft_tokens: int | None, constrained: bool = False):
         """The drafter for `draft` ("prompt-lookup" or an LLMRunner), or None;
@@ -334,44 +379,9 @@ class LLMRunner(ProgramRunner):
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
         return TokenConstraint(text, self._grammar_tokenizer, self.eos_ids)
 
-    def _generate(self, prompt, max_new_tokens, temperature, seed, on_text, params, *, repetition_context_size,
-                  logit_bias, stops, on_token, constraint, drafter=None, draft_length=None) -> GenerationResult:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt)
-        else:
-            ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this program's max context is {self.max_context} "
-                             f"(room for the prompt and at least one generated token): re-export with a larger "
-                             f"--max-context")
-        if len(ids) + max_new_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the max "
-                             f"context of {self.max_context}: the KV cache would overflow")
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        params = {name: value for name, value in params.items() if value != OFF[name]}
-        penalized = any(name in PENALTIES for name in params)
-        if isinstance(repetition_context_size, bool) or not isinstance(repetition_context_size, int) or \
-                repetition_context_size < 1:
-            raise ValueError(f"repetition_context_size must be a positive int, got {repetition_context_size!r}")
-        history_size = self.input_shapes.get("history", (1, 0))[1]
-        if penalized and repetition_context_size > history_size:
-            raise ValueError(f"repetition_context_size {repetition_context_size} exceeds this program's history "
-                             f"of {history_size} tokens (export with a larger history_size)")
-        if logit_bias:
-            slots = self.input_shapes.get("logit_bias_ids", (1, 0))[1]
-            params["logit_bias_ids"], params["logit_bias_values"] = logit_bias_tensors(logit_bias, slots,
-                                                                                       self.vocab_size)
-        if not self.samples and (temperature > 0 or params):
-            raise ValueError("this program returns logits (exported with --no-sampling): only greedy decoding")
-        if self.samples:
-            # checked before anything runs; the history is filled in per step
-            given = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size, **params)
-        window = repetition_context_size if penalized else 0
+    def _generate(self, plan: Plan, on_text, on_token) -> GenerationResult:
+        ids, max_new_tokens, given, window = plan.prompt_ids, plan.max_new_tokens, dict(plan.sampling), plan.window
+        constraint, drafter, draft_length = plan.constraint, plan.drafter, plan.draft_length
 
         def sampler_for(runner: LLMRunner, position: int, context: list[int], drafts: list[int] = ()) -> list:
             """`runner`'s sampler inputs for the token after `context` (decode
@@ -400,7 +410,7 @@ class LLMRunner(ProgramRunner):
         prefill_s = time.perf_counter() - t0
 
         out = emitted
-        text = _TextOut(self.tokenizer, stops, on_text)
+        text = _TextOut(self.tokenizer, plan.stops, on_text)
 
         def finished() -> str | None:
             cancel = on_token is not None and on_token(out[-1], logprobs[-1])
