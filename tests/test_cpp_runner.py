@@ -93,18 +93,26 @@ def test_cpp_runner_bad_arguments(programs, args, message):
                                      ["--draft-model", "TARGET", "--num-draft-tokens", "3", "--fixed-draft-length"]])
 def test_cpp_runner_drafts_give_plain_ids(programs, drafter):
     """Speculative decoding in C++: the Python runner's plain ids; the
-    target's own program as the draft model accepts every draft."""
+    target's own program as the draft model accepts every draft. The
+    drafting policy is one (the generated contract's numbers): the C++
+    runner drafts and accepts exactly as many tokens as the Python one."""
     pte = programs["sampled"]
     kwargs, flags = SAMPLERS[1]
     prompt = PROMPT * 3
-    want = LLMRunner(pte).generate(prompt, max_new_tokens=16, temperature=1.3, seed=3, **kwargs).token_ids
+    python = LLMRunner(pte)
+    want = python.generate(prompt, max_new_tokens=16, temperature=1.3, seed=3, **kwargs).token_ids
+    drafting = {"draft": "prompt-lookup"} if "--prompt-lookup" in drafter else {"draft": LLMRunner(pte)}
+    if "--num-draft-tokens" in drafter:
+        drafting.update(num_draft_tokens=3, adaptive_drafting=False)
+    drafted_in_python = python.generate(prompt, max_new_tokens=16, temperature=1.3, seed=3, **kwargs, **drafting)
     done = cpp(pte, "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "16", "--temperature", "1.3",
                "--seed", "3", *flags, *[str(pte) if f == "TARGET" else f for f in drafter])
     assert done.returncode == 0, done.stderr
     ids, _, _, drafts = done.stdout.splitlines()
-    assert [int(i) for i in ids.split()[1:]] == want
+    assert [int(i) for i in ids.split()[1:]] == want == drafted_in_python.token_ids
     drafted, accepted = (int(w) for w in drafts.split()[1::2])
     assert drafted > 0 and (accepted == drafted if "TARGET" in drafter else accepted <= drafted)
+    assert (drafted, accepted) == (drafted_in_python.draft_tokens, drafted_in_python.accepted_tokens)
 
 
 def test_cpp_runner_greedy_only_on_a_logits_program(programs):

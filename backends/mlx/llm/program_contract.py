@@ -44,12 +44,27 @@ CACHE_REWIND = "emlx_cache_rewind"
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
 
-# What generate.py writes into runtime/generated/program_contract.h.
+# The drafting policy of speculative decoding (llm/run/drafting.py), which the
+# C++ runner (runtime/llm_runner.cpp) follows too: prompt lookup matches the
+# context's last PROMPT_LOOKUP_MAX_NGRAM down to _MIN_NGRAM tokens; adaptive
+# drafting starts at DRAFT_START tokens and, after a lost one-token round,
+# pauses DRAFT_BACKOFF_MIN steps, growing DRAFT_BACKOFF_GROWTH-fold up to _MAX.
+PROMPT_LOOKUP_MAX_NGRAM, PROMPT_LOOKUP_MIN_NGRAM = 3, 1
+DRAFT_START = 1
+DRAFT_BACKOFF_MIN, DRAFT_BACKOFF_GROWTH, DRAFT_BACKOFF_MAX = 4, 4, 256
+
+# What generate.py writes into runtime/generated/program_contract.h: names...
 CPP_CONSTANTS = {
     "kMaxSeqLen": MAX_SEQ_LEN, "kMaxContextLen": MAX_CONTEXT_LEN, "kVocabSize": VOCAB_SIZE, "kEosIds": EOS_IDS,
     "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS, "kBosId": BOS_ID,
     "kMaxDraftTokens": MAX_DRAFT_TOKENS,
     "kInputIds": LLM_INPUTS[0], "kCachePosition": LLM_INPUTS[1],
+}
+# ... and numbers.
+CPP_INTEGERS = {
+    "kPromptLookupMaxNgram": PROMPT_LOOKUP_MAX_NGRAM, "kPromptLookupMinNgram": PROMPT_LOOKUP_MIN_NGRAM,
+    "kDraftStart": DRAFT_START, "kDraftBackoffMin": DRAFT_BACKOFF_MIN, "kDraftBackoffGrowth": DRAFT_BACKOFF_GROWTH,
+    "kDraftBackoffMax": DRAFT_BACKOFF_MAX,
 }
 
 _EXPORT_HINT = "export it with executorch-mlx export"

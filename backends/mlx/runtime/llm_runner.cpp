@@ -486,11 +486,13 @@ struct Drafter {
 };
 
 // The tokens that followed the latest earlier occurrence of the context's
-// last 3 (down to 1) tokens with k tokens after it (else the one with the most).
+// last 3 (down to 1: the contract's n-gram sizes) tokens with k tokens after
+// it (else the one with the most).
 struct PromptLookup : Drafter {
   std::vector<int64_t> propose(const std::vector<int64_t>& context, int64_t k, int64_t) override {
     const auto len = static_cast<int64_t>(context.size());
-    for (int64_t n = std::min<int64_t>(3, len - 1); n >= 1; --n) {
+    for (int64_t n = std::min<int64_t>(contract::kPromptLookupMaxNgram, len - 1); n >= contract::kPromptLookupMinNgram;
+         --n) {
       int64_t best_from = 0, best = 0;
       for (int64_t start = len - n - 1; start >= 0 && best < k; --start) {
         if (std::equal(context.end() - n, context.end(), context.begin() + start)) {
@@ -558,12 +560,13 @@ struct DraftModel : Drafter {
   std::vector<int64_t> cached_;  // the ids its cache holds, from position 0
 };
 
-// How many tokens to draft next (llm/run/drafting.py's DraftLength).
+// How many tokens to draft next (llm/run/drafting.py's DraftLength, its
+// numbers from the generated contract).
 struct DraftLength {
-  int64_t most, k, pause = 0, backoff = 4;
+  int64_t most, k, pause = 0, backoff = contract::kDraftBackoffMin;
   bool adaptive;
-  DraftLength(int64_t most, bool adaptive) : most(most), k(adaptive ? 1 : most),
-                                             adaptive(adaptive) {}
+  DraftLength(int64_t most, bool adaptive)
+      : most(most), k(adaptive ? std::min(most, contract::kDraftStart) : most), adaptive(adaptive) {}
   int64_t next() {
     if (pause) return --pause, 0;
     return k;
@@ -572,9 +575,9 @@ struct DraftLength {
     if (!adaptive || !drafted) return;
     k = accepted == drafted ? std::min(most, k + 2) : std::max<int64_t>(1, accepted + 1);
     if (accepted) {
-      backoff = 4;
+      backoff = contract::kDraftBackoffMin;
     } else if (drafted == 1) {
-      pause = backoff, backoff = std::min<int64_t>(256, 4 * backoff);
+      pause = backoff, backoff = std::min(contract::kDraftBackoffMax, contract::kDraftBackoffGrowth * backoff);
     }
   }
 };

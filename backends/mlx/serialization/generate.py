@@ -796,7 +796,8 @@ class SamplerGen:
 
 
 def program_contract_header() -> str:
-    """The metadata and input names of llm/program_contract.py, for the C++ runner."""
+    """The metadata and input names and the drafting policy's numbers of
+    llm/program_contract.py, for the C++ runner."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("program_contract", PROGRAM_CONTRACT)
@@ -807,9 +808,11 @@ def program_contract_header() -> str:
     finally:
         del sys.modules[spec.name]
     out = [CPP_HEADER.replace("from schema.fbs", "from llm/program_contract.py"),
-           "// The program contract's names (metadata methods, inputs), as llm/program_contract.py has them.",
-           "#pragma once\n", "namespace emlx::contract {\n"]
+           "// The program contract's names (metadata methods, inputs) and the drafting policy's numbers,",
+           "// as llm/program_contract.py has them.",
+           "#pragma once\n", "#include <cstdint>\n", "namespace emlx::contract {\n"]
     out += [f'constexpr const char* {name} = "{value}";' for name, value in module.CPP_CONSTANTS.items()]
+    out += [f"constexpr int64_t {name} = {int(value)};" for name, value in module.CPP_INTEGERS.items()]
     out += ["\n}  // namespace emlx::contract"]
     return "\n".join(out) + "\n"
 

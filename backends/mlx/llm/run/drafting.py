@@ -36,7 +36,8 @@ class PromptLookup:
 
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = program_contract.PROMPT_LOOKUP_MAX_NGRAM,
+                 min_ngram: int = program_contract.PROMPT_LOOKUP_MIN_NGRAM):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
@@ -144,8 +145,10 @@ class DraftLength:
     the tries must grow rare fast.
     Fixed: always `most`."""
 
-    START = 1  # a failed first round costs one draft step
-    BACKOFF_MIN, BACKOFF_GROWTH, BACKOFF_MAX = 4, 4, 256
+    START = program_contract.DRAFT_START  # a failed first round costs one draft step
+    BACKOFF_MIN = program_contract.DRAFT_BACKOFF_MIN
+    BACKOFF_GROWTH = program_contract.DRAFT_BACKOFF_GROWTH
+    BACKOFF_MAX = program_contract.DRAFT_BACKOFF_MAX
 
     def __init__(self, most: int, adaptive: bool = True):
         self.most, self.adaptive = most, adaptive
