@@ -72,7 +72,7 @@ def draft_folder(target: Path, path: Path, layers: int, seed: int | None = None)
 
 def call_seconds(runner, fed: list[int], position: int, reps: int) -> float:
     """The median seconds of one call feeding `fed` (the last len(fed) - 1 drafts)."""
-    from executorch_mlx.llm.run.runner import history_rows
+    from executorch_mlx.llm.run.decode_parts import history_rows
 
     given = {"temperature": torch.tensor(TEMPERATURE), "seed": torch.tensor(1), "position": torch.tensor(0),
              "history": history_rows([], fed[1:], 0)}

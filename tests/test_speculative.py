@@ -11,7 +11,8 @@ import torch
 
 from executorch_mlx.cli import main as cli_main
 from executorch_mlx.llm.run.drafting import DraftLength, PromptLookup
-from executorch_mlx.llm.run.runner import LLMRunner, history_rows
+from executorch_mlx.llm.run.decode_parts import history_rows
+from executorch_mlx.llm.run.runner import LLMRunner
 from llm_programs import MAX_CONTEXT, chat_program, draft_program, family_program
 
 # A prompt that repeats itself: prompt lookup finds drafts in it.

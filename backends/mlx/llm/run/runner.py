@@ -35,7 +35,8 @@ import torch
 
 from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
-from .chat import ChatTemplate, StopText, check_stop, end_of_generation_ids, has_chat_template
+from .chat import ChatTemplate, check_stop, end_of_generation_ids, has_chat_template
+from .decode_parts import SamplerFeed, StopRules, TextOut
 from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .plan import Plan
 from .program_runner import ProgramRunner
@@ -380,22 +381,9 @@ class LLMRunner(ProgramRunner):
         return TokenConstraint(text, self._grammar_tokenizer, self.eos_ids)
 
     def _generate(self, plan: Plan, on_text, on_token) -> GenerationResult:
-        ids, max_new_tokens, given, window = plan.prompt_ids, plan.max_new_tokens, dict(plan.sampling), plan.window
-        constraint, drafter, draft_length = plan.constraint, plan.drafter, plan.draft_length
-
-        def sampler_for(runner: LLMRunner, position: int, context: list[int], drafts: list[int] = ()) -> list:
-            """`runner`'s sampler inputs for the token after `context` (decode
-            step `position`), and a row per draft after it."""
-            if not runner.samples:
-                return []
-            names = runner.input_names[2:]
-            given["position"] = torch.tensor(position, dtype=torch.int64)
-            if "history" in names:  # a row per token sampled: the rows a program samples
-                given["history"] = history_rows(context, drafts, window)
-            if constraint is not None:
-                given[TOKEN_MASK] = constraint.mask()
-            # (a draft program may take fewer inputs: it drafts without those)
-            return runner.sampler_values(names, {k: v for k, v in given.items() if k in names})
+        ids, max_new_tokens, drafter = plan.prompt_ids, plan.max_new_tokens, plan.drafter
+        feed = SamplerFeed(plan)
+        constrained = plan.constraint is not None
         # What the cache holds past the common prefix is overwritten or never
         # read: attention never looks past the current position, so no reset
         # (reset_state() would also empty the caches of other programs).
@@ -403,30 +391,15 @@ class LLMRunner(ProgramRunner):
 
         t0 = time.perf_counter()
         for start in range(cached, len(ids), self.max_chunk):
-            emitted, logprobs = self._step(ids[start:start + self.max_chunk], start, sampler_for(self, 0, ids),
-                                           constraint is not None)
+            emitted, logprobs = self._step(ids[start:start + self.max_chunk], start, feed(self, 0, ids), constrained)
         if drafter is not None and max_new_tokens > 1:  # (one token: no round drafts)
-            drafter.prefill(ids, sampler_for)
+            drafter.prefill(ids, feed)
         prefill_s = time.perf_counter() - t0
 
         out = emitted
-        text = _TextOut(self.tokenizer, plan.stops, on_text)
-
-        def finished() -> str | None:
-            cancel = on_token is not None and on_token(out[-1], logprobs[-1])
-            if out[-1] in self.eos_ids:
-                return "eos"
-            if constraint is not None:
-                constraint.advance(out[-1])
-            if text.update(out):
-                return "stop"
-            if cancel:
-                return "cancelled"
-            if constraint is not None and constraint.finished:
-                return "grammar"
-            return "max_new_tokens" if len(out) >= max_new_tokens else None
-
-        stop = finished()
+        text = TextOut(self.tokenizer, plan.stops, on_text)
+        rules = StopRules(self.eos_ids, plan.constraint, text, on_token, max_new_tokens)
+        stop = rules.check(out, logprobs)
         steps, drafted, accepted = [], 0, 0
         while stop is None:
             # out[-1] is not in the cache yet: this call writes it at `position`
@@ -436,19 +409,18 @@ class LLMRunner(ProgramRunner):
             if drafter is not None:
                 # the emitted tokens (drafts + 1) fit max_new_tokens, their entries the cache
                 room = min(max_new_tokens - len(out) - 1, self.max_context - 1 - position)
-                k = min(draft_length.next(), room)
-                drafts = drafter.propose(ids + out, k, len(out), sampler_for) if k > 0 else []
+                k = min(plan.draft_length.next(), room)
+                drafts = drafter.propose(ids + out, k, len(out), feed) if k > 0 else []
             emitted, emitted_logprobs = self._step([out[-1]] + drafts, position,
-                                                   sampler_for(self, len(out), ids + out, drafts),
-                                                   constraint is not None)
+                                                   feed(self, len(out), ids + out, drafts), constrained)
             steps.append(time.perf_counter() - t)
             if drafter is not None:
                 drafted, accepted = drafted + len(drafts), accepted + len(emitted) - 1
-                draft_length.update(len(drafts), len(emitted) - 1)
+                plan.draft_length.update(len(drafts), len(emitted) - 1)
             for token, logprob in zip(emitted, emitted_logprobs):
                 out.append(token)
                 logprobs.append(logprob)
-                stop = finished()
+                stop = rules.check(out, logprobs)
                 if stop is not None:
                     break
         text.update(out, final=True)
@@ -460,53 +432,7 @@ class LLMRunner(ProgramRunner):
                                 prompt_tokens=len(ids), cached_tokens=cached, draft_tokens=drafted,
                                 accepted_tokens=accepted)
 
-
-def history_rows(context: list[int], drafts: list[int], window: int) -> torch.Tensor:
-    """The penalty history of the token after `context` and after each
-    draft: row i holds the last `window` tokens of context + drafts[:i]
-    (plain decoding's history at that step), -1 padded: [len(drafts) + 1, window]."""
-    rows = torch.full((len(drafts) + 1, window), -1, dtype=torch.int64)
-    if window:
-        for i in range(len(drafts) + 1):
-            tail = (context + list(drafts[:i]))[-window:]
-            rows[i, :len(tail)] = torch.tensor(tail, dtype=torch.int64)
-    return rows
-
-
 def _reset_epoch() -> int:
     import executorch_mlx._runtime_library as library
 
     return library.reset_count
-
-
-class _TextOut:
-    """The generated text as it grows: streamed to `on_text` and checked for
-    stop strings. A multi-byte character split across tokens waits until it
-    is complete; the final update emits whatever is left (an unfinished
-    character's U+FFFD included), so the pieces join to the result's text."""
-
-    def __init__(self, tokenizer, stops: list[str], on_text):
-        self.tokenizer, self.on_text = tokenizer, on_text
-        self.active = tokenizer is not None and (on_text is not None or bool(stops))
-        self.stop = StopText(stops)
-
-    def update(self, ids: list[int], final: bool = False) -> bool:
-        """Emits the new text of `ids` (all generated so far); True at a stop string."""
-        if not self.active or self.stop.stopped:
-            return self.stop.stopped
-        text = self.tokenizer.decode(ids)
-        if not text.startswith(self.stop.emitted):
-            # a decoder that rewrote text already emitted (none of the
-            # byte-level ones do): what was streamed cannot be taken back
-            return False
-        if text.endswith("\ufffd") and not final:
-            return False
-        piece = self.stop.update(text, final)
-        if piece and self.on_text is not None:
-            self.on_text(piece)
-        return self.stop.stopped
-
-    def result(self, ids: list[int]) -> str:
-        if self.stop.stopped:
-            return self.stop.emitted
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

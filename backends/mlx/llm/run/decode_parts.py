@@ -1,0 +1,114 @@
+"""The parts of a decode loop (LLMRunner._generate), each holding its state:
+the sampler's inputs of each call, the rules that end a generation, and the
+text as it grows.
+
+    feed = SamplerFeed(plan)            # feed(runner, position, context, drafts) -> sampler values
+    rules = StopRules(eos_ids, plan.constraint, TextOut(tokenizer, plan.stops, on_text), on_token, n)
+    reason = rules.check(out, logprobs)  # after each token: None, or why it ends
+
+Drafters take the feed too: a draft model samples with the target's
+settings (llm/run/drafting.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..sampler_inputs import TOKEN_MASK
+from .chat import StopText
+from .plan import Plan
+
+
+class SamplerFeed:
+    """The sampler's inputs of each call: the plan's, with the call's
+    position, penalty history and token mask."""
+
+    def __init__(self, plan: Plan):
+        self.given, self.window, self.constraint = dict(plan.sampling), plan.window, plan.constraint
+
+    def __call__(self, runner, position: int, context: list[int], drafts: list[int] = ()) -> list:
+        """`runner`'s sampler inputs for the token after `context` (decode
+        step `position`), and a row per draft after it."""
+        if not runner.samples:
+            return []
+        names = runner.input_names[2:]
+        self.given["position"] = torch.tensor(position, dtype=torch.int64)
+        if "history" in names:  # a row per token sampled: the rows a program samples
+            self.given["history"] = history_rows(context, drafts, self.window)
+        if self.constraint is not None:
+            self.given[TOKEN_MASK] = self.constraint.mask()
+        # (a draft program may take fewer inputs: it drafts without those)
+        return runner.sampler_values(names, {k: v for k, v in self.given.items() if k in names})
+
+
+class StopRules:
+    """Why a generation ends, asked after each token: "eos", "stop" (a stop
+    string), "cancelled" (on_token returned True), "grammar" (it allows
+    nothing more) or "max_new_tokens"; None to go on. Each token advances
+    the grammar and the text."""
+
+    def __init__(self, eos_ids: set[int], constraint, text: TextOut,
+                 on_token: Callable[[int, float | None], bool] | None, max_new_tokens: int):
+        self.eos_ids, self.constraint, self.text = eos_ids, constraint, text
+        self.on_token, self.max_new_tokens = on_token, max_new_tokens
+
+    def check(self, out: list[int], logprobs: list[float | None]) -> str | None:
+        cancel = self.on_token is not None and self.on_token(out[-1], logprobs[-1])
+        if out[-1] in self.eos_ids:
+            return "eos"
+        if self.constraint is not None:
+            self.constraint.advance(out[-1])
+        if self.text.update(out):
+            return "stop"
+        if cancel:
+            return "cancelled"
+        if self.constraint is not None and self.constraint.finished:
+            return "grammar"
+        return "max_new_tokens" if len(out) >= self.max_new_tokens else None
+
+
+def history_rows(context: list[int], drafts: list[int], window: int) -> torch.Tensor:
+    """The penalty history of the token after `context` and after each
+    draft: row i holds the last `window` tokens of context + drafts[:i]
+    (plain decoding's history at that step), -1 padded: [len(drafts) + 1, window]."""
+    rows = torch.full((len(drafts) + 1, window), -1, dtype=torch.int64)
+    if window:
+        for i in range(len(drafts) + 1):
+            tail = (context + list(drafts[:i]))[-window:]
+            rows[i, :len(tail)] = torch.tensor(tail, dtype=torch.int64)
+    return rows
+
+
+class TextOut:
+    """The generated text as it grows: streamed to `on_text` and checked for
+    stop strings. A multi-byte character split across tokens waits until it
+    is complete; the final update emits whatever is left (an unfinished
+    character's U+FFFD included), so the pieces join to the result's text."""
+
+    def __init__(self, tokenizer, stops: list[str], on_text):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.active = tokenizer is not None and (on_text is not None or bool(stops))
+        self.stop = StopText(stops)
+
+    def update(self, ids: list[int], final: bool = False) -> bool:
+        """Emits the new text of `ids` (all generated so far); True at a stop string."""
+        if not self.active or self.stop.stopped:
+            return self.stop.stopped
+        text = self.tokenizer.decode(ids)
+        if not text.startswith(self.stop.emitted):
+            # a decoder that rewrote text already emitted (none of the
+            # byte-level ones do): what was streamed cannot be taken back
+            return False
+        if text.endswith("\ufffd") and not final:
+            return False
+        piece = self.stop.update(text, final)
+        if piece and self.on_text is not None:
+            self.on_text(piece)
+        return self.stop.stopped
+
+    def result(self, ids: list[int]) -> str:
+        if self.stop.stopped:
+            return self.stop.emitted
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
