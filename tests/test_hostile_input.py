@@ -364,3 +364,21 @@ def test_a_body_that_trickles_is_408():
         with pytest.raises(BodyError) as refused_body:
             asyncio.run(read(timeout, idle))
         assert refused_body.value.status == 408
+
+
+def test_our_own_bug_is_a_json_500(served):
+    """An exception the server does not expect (a bug of ours) is still
+    OpenAI's JSON error body, with no traceback in it."""
+    from executorch_mlx.llm.run.runner import LLMRunner
+    from executorch_mlx.serve.app import create_app
+
+    runner = LLMRunner(served.pte, served.folder)
+
+    def broken(*args, **kwargs):
+        raise TypeError("a bug")
+
+    runner.run = broken
+    with TestClient(create_app(runner, "m"), base_url="http://localhost", raise_server_exceptions=False) as client:
+        reply = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert reply.status_code == 500 and reply.json()["error"] == {
+        "message": "internal error: TypeError", "type": "server_error", "param": None, "code": None}
