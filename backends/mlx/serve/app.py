@@ -264,7 +264,7 @@ def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
     if runner.tokenizer is None:
         raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
     runner.chat_template  # loaded now, not by the first request
-    runner.check_text("", "prompt")  # the vocabulary's longest token, measured now
+    runner.max_token_bytes  # measured now, not by the first request
     server = Server(runner, model_name, draft or {}, options)
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),

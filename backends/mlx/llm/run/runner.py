@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import nullcontext
+from functools import cached_property
 from itertools import takewhile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,7 +110,6 @@ class LLMRunner(ProgramRunner):
             self.eos_ids |= end_of_generation_ids(tokenizer_dir, self.tokenizer)
         self._chat_template = None
         self._grammar_tokenizer = None  # built on the first structured generation
-        self._longest_token = None  # bytes; on the first text encoded
         # A sliding-window cache wraps around: positions past a common prefix
         # may have overwritten what the prefix needs (unknown: assume it does),
         # except within the last `cache_rewind` positions written (llm/export/ring_cache.py).
@@ -166,9 +166,13 @@ class LLMRunner(ProgramRunner):
         if not isinstance(text, str) or self.tokenizer is None:
             return
         check_unicode(text, what)
-        if self._longest_token is None:
-            self._longest_token = longest_token_bytes(self.tokenizer)
-        check_fits(text, what, self.max_context, self._longest_token)
+        check_fits(text, what, self.max_context, self.max_token_bytes)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token covers (text_limits.py); measured
+        on first use: it reads the whole vocabulary."""
+        return longest_token_bytes(self.tokenizer)
 
     def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text`, checked first (check_text)."""

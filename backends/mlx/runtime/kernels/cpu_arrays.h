@@ -24,7 +24,6 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// Element i of a float32 or (bf16) bfloat16 array.
 // n bfloat16 values as float32.
 inline std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
   std::vector<float> v(n);
@@ -32,6 +31,7 @@ inline std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
   return v;
 }
 
+// Element i of a float32 or (bf16) bfloat16 array.
 inline float float_at(const void* p, size_t i, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
