@@ -68,38 +68,41 @@ def mlx_quantized_linear(x, weight, bias, group_size, bits):
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
+def group_steps(amax: torch.Tensor) -> torch.Tensor:
+    """x's step per group: max|x| / 127, rounded to half precision (as
+    llama.cpp stores its blocks' steps) where that is a normal half."""
+    step = amax / 127
+    half = step.to(torch.float16).to(torch.float32)
+    normal = (step >= 2.0 ** -14) & (half <= 65504)
+    return torch.where(normal, half, step)
+
+
 def integer_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """x as our CPU kernel rounds it for integer dot products with the
-    weights' codes: per group, to the nearest multiple of max|x| / 32767
-    (ties to even). The weights' biases meet the unrounded sum of x."""
+    weights' codes: per group, round(x * 127 / max|x|) (ties to even) times
+    the group's step. The rounded x meets the whole weight, biases too."""
     g = x.to(torch.float32).reshape(*x.shape[:-1], -1, group_size)
     amax = g.abs().amax(-1, keepdim=True)
-    to_int = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    return (torch.round(g * to_int) * (amax / 32767)).reshape(x.shape)
+    to_int = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(g * to_int) * group_steps(amax)).reshape(x.shape)
 
 
-def codes_times_scales(table: QuantizedTable) -> torch.Tensor:
-    """q * scale of a quantized weight: the part of w that meets rounded x."""
-    return dequantize(table.qweight, table.scales.float(), torch.zeros_like(table.biases, dtype=torch.float32),
-                      table.fmt.group_size, table.fmt.bits)
+def dequantized(table: QuantizedTable) -> torch.Tensor:
+    return dequantize(table.qweight, table.scales.float(), table.biases.float(), table.fmt.group_size,
+                      table.fmt.bits)
 
 
 def integer_linear(table: QuantizedTable, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What our CPU kernel computes, in float32: rounded x meets q * scale,
-    the exact x meets the biases."""
-    biases = dequantize(table.qweight, torch.zeros_like(table.scales, dtype=torch.float32), table.biases.float(),
-                        table.fmt.group_size, table.fmt.bits)
-    xf = x.float()
-    y = integer_rows(xf, table.fmt.group_size) @ codes_times_scales(table).T + xf @ biases.T
+    """What our CPU kernel computes, in float32: the rounded x times the
+    dequantized weights."""
+    y = integer_rows(x.float(), table.fmt.group_size) @ dequantized(table).T
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def assert_close_to_integer_rows(got, want, x, table, dtype):
     """got within the float tolerance plus what rounding x to integers can
-    move each output: half a step of its group per value, times |q * scale|."""
-    g = x.to(torch.float32).reshape(*x.shape[:-1], -1, table.fmt.group_size)
-    half_step = (g.abs().amax(-1, keepdim=True) / 32767 / 2).expand_as(g).reshape(x.shape)
-    bound = half_step @ codes_times_scales(table).abs().T
+    move each output: the rounding of each value times |w|."""
+    bound = (integer_rows(x, table.fmt.group_size) - x.float()).abs() @ dequantized(table).abs().T
     tol = TOL[dtype]
     excess = (got.float() - want.float()).abs() - bound - tol["atol"] - tol["rtol"] * want.float().abs()
     assert excess.max() <= 0, f"off by {excess.max():.3g} beyond the bound of rounding x to integers"
@@ -223,14 +226,13 @@ def test_one_row_kernel_rounds_x_to_integers_and_nothing_else(bits, group_size):
     x = rand((1, 256), torch.float32) * torch.logspace(-3, 3, 256)  # groups of very different scales
     model = QLinear(weight, None, group_size, bits).eval()
     got = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
-    w, s, z = quantize_weight(weight, QuantFormat(bits, group_size))
-    exact = x.double() @ dequantize(w, s, z, group_size, bits).double().T
-    rounding = (integer_rows(x, group_size) - x).double() @ codes_times_scales(model.table).double().T
+    w = dequantized(model.table).double()
+    want = integer_rows(x, group_size).double() @ w.T
     # float32 sums: error relative to the sum of |terms|, not to the (cancelling) result
-    magnitude = (x.abs().double() @ dequantize(w, s, z, group_size, bits).abs().double().T).max().item()
-    torch.testing.assert_close(got, (exact + rounding).float(), atol=1e-6 * magnitude, rtol=1e-5)
+    magnitude = (x.abs().double() @ w.abs().T).max().item()
+    torch.testing.assert_close(got, want.float(), atol=1e-6 * magnitude, rtol=1e-5)
     # and it is not the float path: that one has no rounding of x to undo
-    assert not torch.allclose(got, exact.float(), atol=1e-6, rtol=1e-7)
+    assert not torch.allclose(got, (x.double() @ w.T).float(), atol=1e-6, rtol=1e-7)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

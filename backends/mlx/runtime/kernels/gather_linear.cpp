@@ -72,7 +72,7 @@ IntRows pick_rows(const IntRows& all, const std::vector<size_t>& rows) {
   out.scale.resize(out.M * G);
   out.sum.resize(out.M * G);
   for (size_t i = 0; i < rows.size(); ++i) {
-    std::memcpy(&out.q[i * all.K], &all.q[rows[i] * all.K], all.K * sizeof(int16_t));
+    std::memcpy(&out.q[i * all.K], &all.q[rows[i] * all.K], all.K * sizeof(int8_t));
     std::memcpy(&out.scale[i * G], &all.scale[rows[i] * G], G * sizeof(float));
     std::memcpy(&out.sum[i * G], &all.sum[rows[i] * G], G * sizeof(float));
   }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "cpu_arrays.h"
 #include "thread_pool.h"
@@ -14,7 +15,7 @@ namespace emlx {
 
 namespace {
 
-constexpr float kLevels = 32767.0f;
+constexpr float kLevels = 127.0f;
 
 // Where value k of a row goes in IntRows::q. A 4-bit chunk of 32 values is
 // 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high nibble):
@@ -25,9 +26,26 @@ inline size_t slot(size_t k, int bits) {
   return chunk + (j & 1) * 16 + j / 2;
 }
 
+// x's step for a group whose largest |x| is amax: amax / 127, rounded to the
+// nearest half-precision value as llama.cpp stores its blocks' steps (so a
+// GGUF file's layers compute what llama.cpp computes), unless that is not a
+// normal half (tiny or huge x), where the float step loses nothing.
+inline float group_step(float amax) {
+  const float step = amax / kLevels;
+  uint32_t b;
+  std::memcpy(&b, &step, sizeof b);
+  const uint32_t exponent = (b >> 23) & 0xFF;
+  if (exponent < 127 - 14 || exponent > 127 + 15) return step;
+  b += 0xFFF + ((b >> 13) & 1);  // to nearest, ties to even, at 10 mantissa bits
+  b &= ~uint32_t{0x1FFF};
+  float half;
+  std::memcpy(&half, &b, sizeof half);
+  return half <= 65504.0f ? half : step;
+}
+
 // The sum over one group of q * xq, in plain C++ (any CPU).
 template <int BITS>
-inline int32_t group_sum_generic(const uint8_t* row, const int16_t* q, size_t k0, int group) {
+inline int32_t group_sum_generic(const uint8_t* row, const int8_t* q, size_t k0, int group) {
   int32_t s = 0;
   for (size_t k = k0; k < k0 + group; k += 32) {
     if constexpr (BITS == 4) {
@@ -49,7 +67,7 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
   for (size_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * K * BITS / 8;
     for (size_t m = 0; m < x.M; ++m) {
-      const int16_t* q = x.q.data() + m * K;
+      const int8_t* q = x.q.data() + m * K;
       float y = 0;
       for (size_t g = 0; g < groups; ++g) {
         const size_t at = n * groups + g, xg = m * groups + g;
@@ -63,9 +81,10 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
 }
 
 #if defined(__x86_64__)
-// The x86 kernels, built three times: for AVX2+FMA; for CPUs with AVX-VNNI
-// too (one instruction for a multiply-add pair and its accumulation); and
-// for AVX-512 VNNI (two groups at once in 512-bit registers, 32 of them).
+// The x86 kernels, built three times: for AVX2+FMA (vpmaddubsw then
+// vpmaddwd); for CPUs with AVX-VNNI (one vpdpbusd multiplies four bytes,
+// sums them and accumulates); and for AVX-512 VNNI (two groups at once in
+// 512-bit registers, 32 of them). EMLX_DPBUSD names the VNNI instruction.
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
@@ -73,9 +92,7 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
 #pragma GCC target("avx2,fma")
 #endif
 namespace avx2 {
-#define EMLX_DOT_ADD(s, a, b) _mm256_add_epi32(s, _mm256_madd_epi16(a, b))
 #include "quantized_dot_x86.inc"
-#undef EMLX_DOT_ADD
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -86,9 +103,9 @@ namespace avx2 {
 #pragma GCC target("avx2,fma,avxvnni")
 #endif
 namespace vnni {
-#define EMLX_DOT_ADD(s, a, b) _mm256_dpwssd_avx_epi32(s, a, b)
+#define EMLX_DPBUSD(s, w, x) _mm256_dpbusd_avx_epi32(s, w, x)
 #include "quantized_dot_x86.inc"
-#undef EMLX_DOT_ADD
+#undef EMLX_DPBUSD
 }  // namespace vnni
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -100,11 +117,11 @@ namespace vnni {
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 #endif
 namespace avx512 {
-#define EMLX_DOT_ADD(s, a, b) _mm256_dpwssd_epi32(s, a, b)
+#define EMLX_DPBUSD(s, w, x) _mm256_dpbusd_epi32(s, w, x)
 #define EMLX_DOT_ZMM
 #include "quantized_dot_x86.inc"
 #undef EMLX_DOT_ZMM
-#undef EMLX_DOT_ADD
+#undef EMLX_DPBUSD
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -113,80 +130,87 @@ namespace avx512 {
 #endif
 #endif
 
-// One group of x: false if it holds a NaN or an infinity, else its scale
-// and sum, and q[slot(i)] = round(x[i] / scale) for every i.
-bool quantize_group_generic(const float* x, int group, int bits, int16_t* q, float& scale, float& sum) {
+// One group of x: false if it holds a NaN or an infinity, else its step
+// and its rounded sum (quantized_dot.h), and q[slot(i)] = round(x[i] / amax
+// * 127) for every i (llama.cpp rounds by that factor, not by 1 / step).
+bool quantize_group_generic(const float* x, int group, int bits, int8_t* q, float& scale, float& sum) {
   float amax = 0;
-  sum = 0;
   for (int i = 0; i < group; ++i) {
     if (!std::isfinite(x[i])) return false;
     amax = std::fmax(amax, std::fabs(x[i]));
-    sum += x[i];
   }
   const float to_int = amax > 0 ? kLevels / amax : 0.0f;
-  scale = amax / kLevels;
-  for (int i = 0; i < group; ++i) q[slot(i, bits)] = static_cast<int16_t>(std::nearbyint(x[i] * to_int));
+  int32_t total = 0;
+  for (int i = 0; i < group; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * to_int));
+    q[slot(i, bits)] = static_cast<int8_t>(v);
+    total += v;
+  }
+  scale = group_step(amax);
+  sum = scale * static_cast<float>(total);
   return true;
 }
 
 #if defined(__x86_64__)
 // The same, 32 values at a time (groups are 32, 64 or 128). Rounding is the
 // CPU's default, to nearest even, as std::nearbyint's.
-__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, int16_t* q,
+__attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int group, int bits, int8_t* q,
                                                              float& scale, float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
-  __m256 amax = _mm256_setzero_ps(), total = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
   for (int i = 0; i < group; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i), a = _mm256_andnot_ps(sign, v);
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
     bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or NaN
     amax = _mm256_max_ps(amax, a);
-    total = _mm256_add_ps(total, v);
   }
   if (_mm256_movemask_ps(bad)) return false;
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  sum = avx2::hsum(total);
-  scale = top / kLevels;
   const __m256 to_int = _mm256_set1_ps(top > 0 ? kLevels / top : 0.0f);
-  // Within each 128-bit lane: the even int16 values first, then the odd ones.
-  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  // Within each 128-bit lane: the even bytes first, then the odd ones.
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i total = _mm256_setzero_si256();
   for (int i = 0; i < group; i += 32) {
-    __m256i half[2];  // values i .. i + 15 and i + 16 .. i + 31 as int16, in order
-    for (int h = 0; h < 2; ++h) {
-      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h), to_int));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16 * h + 8), to_int));
-      half[h] = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), to_int));
+      total = _mm256_add_epi32(total, v[j]);
     }
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, order);
     if (bits == 4) {
-      // [evens, odds] of each half, then the evens of both, then the odds
-      const __m256i h0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[0], split), 0xD8);
-      const __m256i h1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(half[1], split), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permute2x128_si256(h0, h1, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), _mm256_permute2x128_si256(h0, h1, 0x31));
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), half[0]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i + 16), half[1]);
+      // [evens, odds] of values 0-15 and of 16-31, then the evens of both, then the odds
+      bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
     }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
   }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  scale = group_step(top);
+  sum = scale * static_cast<float>(_mm_cvtsi128_si32(t));
   return true;
 }
 #endif
 
-// Reorders each row's pairs of groups (g, g + 1) for the AVX-512 kernel: per
-// 16 values, group g's then group g + 1's (4-bit: a chunk's 16 even values
-// of each, then their 16 odd ones), so one register holds both groups'.
-// An odd group count's last group keeps the plain layout.
+// Reorders each row's pairs of groups (g, g + 1) for the AVX-512 kernel:
+// per 32 values, group g's then group g + 1's, so one 512-bit load holds
+// both groups' x for a chunk of each. An odd group count's last group keeps
+// the plain layout; groups of 32 are already so.
 void pair_layout(IntRows& rows) {
   const size_t group = rows.group, pairs = rows.K / group / 2;
-  std::vector<int16_t> pair(2 * group);
+  if (group == 32) return;
+  std::vector<int8_t> pair(2 * group);
   for (size_t m = 0; m < rows.M; ++m) {
     for (size_t p = 0; p < pairs; ++p) {
-      int16_t* at = rows.q.data() + m * rows.K + 2 * p * group;
-      for (size_t i = 0; i < 2 * group; i += 32) {  // 16 values of each group
-        std::copy(at + i / 2, at + i / 2 + 16, pair.begin() + i);
-        std::copy(at + group + i / 2, at + group + i / 2 + 16, pair.begin() + i + 16);
+      int8_t* at = rows.q.data() + m * rows.K + 2 * p * group;
+      for (size_t i = 0; i < 2 * group; i += 64) {  // 32 values of each group
+        std::copy(at + i / 2, at + i / 2 + 32, pair.begin() + i);
+        std::copy(at + group + i / 2, at + group + i / 2 + 32, pair.begin() + i + 32);
       }
       std::copy(pair.begin(), pair.end(), at);
     }

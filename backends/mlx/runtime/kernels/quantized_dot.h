@@ -1,14 +1,13 @@
 // Dot products of rows of x with MLX's affine 4- and 8-bit quantized weight
-// rows, in integers: each group of x is scaled to int16 (x ~ a * xq,
-// |xq| <= 32767, a = max|x| / 32767), so a group's sum over q * xq is exact
-// in int32 and costs one multiply-add per two weights instead of a
-// conversion to float per weight. The rounding of x to 16 bits is the only
-// change to the sum: at most 2^-16 of the group's largest |x| per value, far
-// below the weights' own 4- or 8-bit steps. (int8 x, as llama.cpp takes,
-// multiplies 4-bit codes twice as fast with vpmaddubsw, but its 256x coarser
-// steps tip tokens far more often: on the benchmark model's looping prompt,
-// greedy decoding of the prompt prefilled whole and of the same prompt met
-// token by token from the cache parted; with int16 x they agree.)
+// rows, in integers, as llama.cpp computes its 4- and 8-bit formats: each
+// group of x (the weights' group: 32, 64 or 128 values) is rounded to int8
+// (x ~ a * xq, |xq| <= 127, a = max|x| / 127 rounded to half precision as
+// llama.cpp stores it), so a group's sum over code * xq is exact in int32
+// and one vpdpbusd multiplies and sums four bytes of weights with four of
+// x. The weights' bias term meets the rounded x too (a * sum of xq): the
+// result is the exact dot product of the dequantized weights with the
+// rounded x, up to float rounding. Every row is rounded alone, so a row of a
+// many-row call (a prefill, a verify call) is the one-row call's bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -21,9 +20,9 @@ namespace emlx {
 struct IntRows {
   size_t M = 0, K = 0;
   int group = 0, bits = 0;
-  std::vector<int16_t> q;    // [M, K]; 4-bit: each 32 values as their 16 even then 16 odd ones
+  std::vector<int8_t> q;     // [M, K]; 4-bit: each 32 values as their 16 even then 16 odd ones
   std::vector<float> scale;  // [M, K / group]: a
-  std::vector<float> sum;    // [M, K / group]: the float sum of x (the weights' bias term)
+  std::vector<float> sum;    // [M, K / group]: a * the sum of xq (what the weights' biases meet)
 };
 
 // False (and `rows` unusable) when x holds a NaN or an infinity: the caller
