@@ -281,18 +281,18 @@ def bench_config(config: str, args, tmp: Path) -> None:
     print(f"\n{config} config: prompt {args.prompt_len} tokens, {args.decode} decode steps, max context "
           f"{args.max_context}, median of {args.reps}; read bandwidth {args.bandwidth / 1e9:.1f} GB/s (2 threads)\n")
     print("| weights | contender | prefill tok/s | decode tok/s | prefill vs mlx-lm | decode vs mlx-lm | "
-          "decode vs llama.cpp | decode share of the memory bound |")
-    print("|---|---|---|---|---|---|---|---|")
+          "prefill vs llama.cpp | decode vs llama.cpp | decode share of the memory bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, (prefill, decode) in median.items():
         variant, who = name.split(" ", 1)
         mode = "greedy" if "greedy" in name else "sampled"
         base = median[f"{variant} mlx-lm ({mode})"]
         peer = median.get(f"{variant} llama.cpp ({mode})")
-        vs_peer = f"{decode / peer[1]:.2f}x" if peer else "-"
+        vs_peer = [f"{ours / theirs:.2f}x" if peer else "-" for ours, theirs in zip((prefill, decode), peer or (1, 1))]
         weight_bytes = getattr(calls[name], "weight_bytes", None)
         share = f"{decode * weight_bytes / args.bandwidth:.2f}" if weight_bytes else "-"
         print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
-              f"{decode / base[1]:.2f}x | {vs_peer} | {share} |")
+              f"{decode / base[1]:.2f}x | {vs_peer[0]} | {vs_peer[1]} | {share} |")
     print(flush=True)
 
 

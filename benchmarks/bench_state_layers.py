@@ -106,12 +106,14 @@ def llama_cpp_gguf(folder: Path, variant: str, src: Path) -> Path:
     return out
 
 
-def llama_cpp_caller(gguf: Path, max_context: int):
-    """call(ids, start) -> llama.cpp's greedy next token (2 threads, as ours)."""
+def llama_cpp_caller(gguf: Path, max_context: int, f32_cache: bool = False):
+    """call(ids, start) -> llama.cpp's greedy next token (2 threads, as ours;
+    its KV cache in float16, its default, or float32 as ours)."""
     import llama_cpp as lc
     import numpy as np
 
-    llm = lc.Llama(str(gguf), n_ctx=max_context, n_threads=2, n_threads_batch=2, verbose=False)
+    cache = dict(type_k=lc.GGML_TYPE_F32, type_v=lc.GGML_TYPE_F32) if f32_cache else {}
+    llm = lc.Llama(str(gguf), n_ctx=max_context, n_threads=2, n_threads_batch=2, verbose=False, **cache)
     vocab = llm.n_vocab()
 
     def call(ids: list[int], start: int) -> int:

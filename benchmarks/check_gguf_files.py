@@ -12,12 +12,13 @@ default llama.cpp keeps the output layer at Q6_K, which export quantizes
 again at 6 bits and says so). Each file is exported with `executorch-mlx
 export FILE.gguf` (no --quantize) and run with the tokenizer read from the
 file itself; printed per file: the prompt's ids under both tokenizers, the
-greedy tokens that agree with llama.cpp's, and where they first differ,
-llama.cpp's logit gap between its token and ours (how near a tie that step
-is: llama.cpp rounds activations to 8 bits for quantized weights, we to
-16); and the greedy tokens that agree with transformers run on the file's
-values (each tensor dequantized by the gguf package: what an exact reading
-of the file computes).
+greedy tokens that agree with llama.cpp's (its KV cache in float16, its
+default, and in float32, as ours), and where they first differ, llama.cpp's
+logit gap between its token and ours (how near a tie that step is); and the
+greedy tokens that agree with transformers run on the file's values (each
+tensor dequantized by the gguf package, activations in float: quantized
+files part from it where llama.cpp's and our 8-bit activations round).
+The exit status is 0 when every file's greedy ids equal llama.cpp's.
 """
 
 from __future__ import annotations
@@ -100,25 +101,28 @@ def main() -> int:
                 pte = export_llm(gguf, Path(tmp) / f"{family}-{qtype}.pte", max_context=256, progress=None)
                 runner = LLMRunner(pte, gguf)
                 ids = runner.tokenizer.encode(PROMPT).ids
-                call = llama_cpp_caller(gguf, 256)
-                theirs_ids = call.llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
                 ours = runner.generate(ids, max_new_tokens=args.tokens, temperature=0).token_ids
-                theirs = greedy_tokens(call, ids, args.tokens)
-                same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
-                line = (f"{family} {qtype}: prompt ids {'equal' if ids == theirs_ids else 'DIFFER'} "
-                        f"({len(ids)}); greedy {same}/{len(ours)} equal")
-                if same < len(ours):
-                    call(ids + theirs[:same], 0)
-                    logits = np.ctypeslib.as_array(call.llm._ctx.get_logits(), shape=(call.llm.n_vocab(),))
-                    line += f"; first difference at step {same}: llama.cpp's logit gap " \
-                            f"{logits[theirs[same]] - logits[ours[same]]:.4f}"
-                    all_equal = False
+                line = f"{family} {qtype}:"
+                for f32_cache in (False, True):
+                    call = llama_cpp_caller(gguf, 256, f32_cache)
+                    theirs_ids = call.llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
+                    theirs = greedy_tokens(call, ids, args.tokens)
+                    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+                    line += (f" prompt ids {'equal' if ids == theirs_ids else 'DIFFER'} ({len(ids)});"
+                             if not f32_cache else "")
+                    cache = "float32" if f32_cache else "float16"
+                    line += f" llama.cpp with a {cache} cache: {same}/{len(ours)} equal"
+                    if same < len(ours):
+                        call(ids + theirs[:same], 0)
+                        logits = np.ctypeslib.as_array(call.llm._ctx.get_logits(), shape=(call.llm.n_vocab(),))
+                        line += f" (step {same}: its logit gap {logits[theirs[same]] - logits[ours[same]]:.4f})"
+                        all_equal = False
+                    line += ";"
+                    del call
                 exact = file_values_greedy(folder, gguf, ids, args.tokens)
                 agree = next((i for i, (a, b) in enumerate(zip(ours, exact)) if a != b), len(ours))
-                line += f"; against the file's values in transformers {agree}/{len(ours)} equal"
-                all_equal &= agree == len(ours)
+                line += f" transformers on the file's values (float x): {agree}/{len(ours)} equal"
                 print(line, flush=True)
-                del call
     return 0 if all_equal else 1
 
 
