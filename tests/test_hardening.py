@@ -138,6 +138,36 @@ def test_streamed_text_equals_the_result_over_100_seeds(llm):
     assert broken > 10, "the all-bytes tokenizer should produce split UTF-8 in many seeds"
 
 
+def test_streaming_a_long_answer_decodes_each_token_a_few_times(llm):
+    """TextOut decodes a window (the last piece's tokens and the new ones),
+    not the whole answer at each step: 3000 random ids (split UTF-8
+    included) stream to the whole text while the tokenizer sees about 5
+    ids per id (measured 4.9: random bytes split many characters), not
+    3000 * 3000 / 2 in all."""
+    from tokenizers import Tokenizer
+
+    from executorch_mlx.llm.run.decode_parts import TextOut
+
+    folder, _ = llm
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+    class Counting:
+        seen = 0
+
+        def decode(self, ids):
+            Counting.seen += len(ids)
+            return tokenizer.decode(ids)
+
+    ids = torch.randint(0, tokenizer.get_vocab_size(), (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    pieces = []
+    out = TextOut(Counting(), [], pieces.append)
+    for n in range(1, len(ids) + 1):
+        out.update(ids[:n])
+    out.update(ids, final=True)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert Counting.seen < 10 * len(ids)
+
+
 # ------------------------------------------------------- no valid token/NaN --
 @pytest.fixture(scope="module")
 def nan_logits_pte(llm, tmp_path_factory):

@@ -91,19 +91,29 @@ class TextOut:
         self.tokenizer, self.on_text = tokenizer, on_text
         self.active = tokenizer is not None and (on_text is not None or bool(stops))
         self.stop = StopText(stops)
+        self.text = ""  # the text of ids[:read]
+        # Each step decodes only ids[start:], against ids[start:read] (the
+        # last piece's tokens, which end on a whole character): the new text
+        # is the difference, so a long answer costs linear time, and a
+        # decoder that drops a text's leading space drops it from both.
+        self.start = self.read = 0
 
     def update(self, ids: list[int], final: bool = False) -> bool:
         """Emits the new text of `ids` (all generated so far); True at a stop string."""
         if not self.active or self.stop.stopped:
             return self.stop.stopped
-        text = self.tokenizer.decode(ids)
-        if not text.startswith(self.stop.emitted):
+        before = self.tokenizer.decode(ids[self.start:self.read])
+        after = self.tokenizer.decode(ids[self.start:])
+        if not after.startswith(before):
             # a decoder that rewrote text already emitted (none of the
             # byte-level ones do): what was streamed cannot be taken back
             return False
-        if text.endswith("\ufffd") and not final:
-            return False
-        piece = self.stop.update(text, final)
+        if after.endswith("\ufffd") and not final:
+            return False  # a character split across tokens: wait for its end
+        if len(ids) > self.read:  # (a repeated final call adds nothing, and keeps its window)
+            self.text += after[len(before):]
+            self.start, self.read = self.read, len(ids)
+        piece = self.stop.update(self.text, final)
         if piece and self.on_text is not None:
             self.on_text(piece)
         return self.stop.stopped
