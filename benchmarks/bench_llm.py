@@ -288,7 +288,7 @@ def bench_config(config: str, args, tmp: Path) -> None:
         mode = "greedy" if "greedy" in name else "sampled"
         base = median[f"{variant} mlx-lm ({mode})"]
         peer = median.get(f"{variant} llama.cpp ({mode})")
-        vs_peer = [f"{ours / theirs:.2f}x" if peer else "-" for ours, theirs in zip((prefill, decode), peer or (1, 1))]
+        vs_peer = [f"{ours / theirs:.2f}x" for ours, theirs in zip((prefill, decode), peer)] if peer else ["-", "-"]
         weight_bytes = getattr(calls[name], "weight_bytes", None)
         share = f"{decode * weight_bytes / args.bandwidth:.2f}" if weight_bytes else "-"
         print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
