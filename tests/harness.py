@@ -12,9 +12,9 @@ from executorch_mlx.inspector import undelegated_ops  # noqa: F401  (re-exported
 from executorch_mlx.serialization import ir
 
 def lower(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, strict: bool = False,
-          dynamic_shapes=None) -> EdgeProgramManager:
+          dynamic_shapes=None, activations: str = "int8") -> EdgeProgramManager:
     ep = torch.export.export(module, args, kwargs or {}, strict=strict, dynamic_shapes=dynamic_shapes)
-    return to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
+    return to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner(activations)])
 
 
 def delegate_graphs(edge: EdgeProgramManager) -> list[ir.Graph]:

@@ -65,31 +65,51 @@ def _experts_and_dense(kind):
     return lambda x, i: table(x, i, b), lambda r: every.linear(r, b.reshape(-1)), "GatherQuantizedLinearNode"
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", 4, 8], ids=["fp32", "bf16", "int4", "int8"])
+@pytest.mark.parametrize("kind,activations", [("fp32", "int8"), ("bf16", "int8"), (4, "int8"), (8, "int8"),
+                                              (4, "float"), (8, "float")],
+                         ids=["fp32", "bf16", "int4", "int8", "int4-float-x", "int8-float-x"])
 @pytest.mark.parametrize("per_expert_x", [False, True], ids=["x-shared", "x-per-expert"])
-def test_experts_kernel_is_the_dense_kernel_per_pair(kind, per_expert_x):
-    """Float (float32, bfloat16) and affine 4/8-bit experts run on our CPU kernels, which group
+def test_experts_kernel_is_the_dense_kernel_per_pair(kind, activations, per_expert_x):
+    """Float (float32, bfloat16) and affine 4/8-bit experts (x rounded to
+    8 bits or, with activations="float", not) run on our CPU kernels, which group
     a call's rows by expert: each (row, expert) pair is bit for bit what the
     dense kernel computes for that row against that expert's rows, and a
     row of a many-row call is bit for bit the one-row call of that row."""
     fn, dense_fn, node = _experts_and_dense(kind)
     x = rand((T, TOP, K) if per_expert_x else (T, K), torch.bfloat16 if kind == "bf16" else torch.float32)
     i = torch.tensor([[t % E, (t + 2) % E] for t in range(T)])  # experts chosen by several rows
-    edge = lower(Fn(fn), (x, i))
+    edge = lower(Fn(fn), (x, i), activations=activations)
     assert node in node_types(edge)
     got = run(edge.to_executorch().buffer, [x, i])[0]
     if kind in ("fp32", "bf16"):
         torch.testing.assert_close(got, fn(x, i), **(dict(atol=0.1, rtol=0.02) if kind == "bf16" else {}))
+    elif activations == "float":
+        torch.testing.assert_close(got, fn(x, i), atol=1e-5, rtol=1e-4)
     else:  # x rounded as the integer kernel rounds it
         torch.testing.assert_close(got, fn(integer_rows(x, 32), i), atol=1e-5, rtol=1e-4)
     rows = x.reshape(-1, K)
-    want = run(lower(Fn(dense_fn), (rows,)).to_executorch().buffer, [rows])[0].reshape(len(rows), E, N)
+    dense = lower(Fn(dense_fn), (rows,), activations=activations).to_executorch().buffer
+    want = run(dense, [rows])[0].reshape(len(rows), E, N)
     for t in range(T):
         for j in range(TOP):
             assert torch.equal(got[t, j], want[t * TOP + j if per_expert_x else t, i[t, j]])
-    one_row = lower(Fn(fn), (x[:1], i[:1])).to_executorch().buffer
+    one_row = lower(Fn(fn), (x[:1], i[:1]), activations=activations).to_executorch().buffer
     for t in range(T):
         assert torch.equal(run(one_row, [x[t:t + 1], i[t:t + 1]])[0][0], got[t])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_nan_in_x_reaches_only_its_rows(bits):
+    """x with a NaN or an infinity leaves the integer path for float
+    products, which propagate them as the float reference does (NaN rows,
+    infinite ones) and leave the other rows finite."""
+    fn, _, _ = _experts_and_dense(bits)
+    x = rand((T, K))
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    i = _indices()
+    got = run(lower(Fn(fn), (x, i)).to_executorch().buffer, [x, i])[0]
+    assert got[1].isnan().all() and not got[4].isfinite().any()
+    torch.testing.assert_close(got, fn(x, i), atol=1e-5, rtol=1e-4, equal_nan=True)
 
 
 def test_expert_ids_out_of_range_are_clamped():

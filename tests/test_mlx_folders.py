@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from executorch_mlx.inspector import delegate_graphs
 from executorch_mlx.llm.export.hf_export import export_llm
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
@@ -56,19 +57,26 @@ def llama(tmp_path_factory):
                               intermediate=128)
 
 
-def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
-    """(8 bits takes the same path: benchmarks/check_mlx_lm_folders.py runs both against mlx-lm.)"""
+@pytest.mark.parametrize("activations", [None, "int8"], ids=["default", "int8"])
+def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, activations, bits=4):
+    """By default its layers meet x in floats, as mlx-lm computes; int8 on
+    request. (8 bits takes the same path: benchmarks/check_mlx_lm_folders.py
+    runs both against mlx-lm.)"""
     folder = write_mlx_folder(llama, tmp_path / "mlx", bits, 64)
-    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, progress=None)
+    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, activations=activations, progress=None)
     data = pte.read_bytes()
     packed = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if v.dtype == np.uint32}
     assert packed and all(v.tobytes() in data for v in packed.values()), "the folder's packed weights, unchanged"
     ours = export_llm(llama, tmp_path / "ours.pte", max_context=64, quantize=f"int{bits}", quantize_embedding=True,
-                      progress=None)
+                      activations=activations or "float", progress=None)
     want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
     runner = LLMRunner(pte, folder)
     assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
-    assert runner.contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64"]
+    label = f"mlx-lm int{bits} group 64" + ("" if activations == "int8" else ", float activations")
+    assert runner.contract.metadata["emlx_quantization"] == [label]
+    flags = {n.op.float_activations for g in delegate_graphs(data) for n in g.nodes
+             if type(n.op).__name__ == "QuantizedLinearNode"}
+    assert flags == {activations != "int8"}
 
 
 def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
@@ -92,7 +100,7 @@ def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
         want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     runner = LLMRunner(pte, folder)
     assert runner.generate(ids, max_new_tokens=12, temperature=0).token_ids == want
-    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm mxfp4"]
+    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm mxfp4, float activations"]
 
 
 def test_per_layer_entries_and_refusals(llama, tmp_path):
@@ -103,7 +111,7 @@ def test_per_layer_entries_and_refusals(llama, tmp_path):
                                                                  "model.layers.0.mlp.up_proj": False})
     pte = export_llm(folder, tmp_path / "mixed.pte", max_context=64, progress=None)
     runner = LLMRunner(pte, folder)
-    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ)"]
+    assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ), float activations"]
     assert len(runner.generate(PROMPT, max_new_tokens=4).token_ids) == 4
     with pytest.raises(ValueError, match="already quantized .*leave out quantize"):
         export_llm(folder, tmp_path / "q.pte", max_context=64, quantize="int4", progress=None)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cli_runs import cli
 from executorch.runtime import Runtime
-from harness import lower, node_types, run, undelegated_ops
+from harness import delegate_graphs, lower, node_types, run, undelegated_ops
 from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
@@ -233,6 +233,37 @@ def test_one_row_kernel_rounds_x_to_integers_and_nothing_else(bits, group_size):
     torch.testing.assert_close(got, want.float(), atol=1e-6 * magnitude, rtol=1e-5)
     # and it is not the float path: that one has no rounding of x to undo
     assert not torch.allclose(got, (x.double() @ w.T).float(), atol=1e-6, rtol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_float_activations_multiply_x_by_the_dequantized_weights(bits, m):
+    """Exported with activations="float", the kernel meets x unrounded, as
+    MLX's quantized_matmul does: within float32 rounding of x @ w^T (one row,
+    the dot-product rows and the tiled rows beyond 16), where the int8 path
+    is off by its rounding of x. Each row of a call of up to 16 rows is
+    the one-row call's bit for bit."""
+    weight, b = torch.randn(37, 320), torch.randn(37)
+    x = rand((m, 320), torch.float32) * torch.logspace(-2, 2, 320)  # groups of different scales
+    model = QLinear(weight, b, 64, bits).eval()
+    edge = lower(model, (x,), activations="float")
+    nodes = [n.op for g in delegate_graphs(edge) for n in g.nodes if type(n.op).__name__ == "QuantizedLinearNode"]
+    assert [n.float_activations for n in nodes] == [True]
+    got = run(edge.to_executorch().buffer, [x])[0]
+    want = (x.double() @ dequantized(model.table).double().T + b.double()).float()
+    magnitude = (x.abs().double() @ dequantized(model.table).abs().double().T).max().item()
+    torch.testing.assert_close(got, want, atol=1e-6 * magnitude, rtol=1e-5)
+    torch.testing.assert_close(got, mlx_quantized_linear(x, weight, b, 64, bits), atol=1e-6 * magnitude, rtol=1e-5)
+    rounded = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
+    assert not torch.allclose(rounded, want, atol=1e-6 * magnitude, rtol=1e-5)
+    if m <= 16:
+        one_row = lower(model, (x[:1],), activations="float").to_executorch().buffer
+        assert all(torch.equal(got[i:i + 1], run(one_row, [x[i:i + 1]])[0]) for i in range(m))
+
+
+def test_unknown_activations_are_refused():
+    with pytest.raises(ValueError, match="activations must be one of int8, float"):
+        lower(QLinear(torch.randn(8, 64), None, 64, 4).eval(), (torch.randn(1, 64),), activations="fp8")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -49,7 +49,8 @@ class MLXGraphBackend(BackendDetails):
     def preprocess(edge_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         from .lowering.builder import lower_program
 
-        builder = lower_program(edge_program)
+        specs = {spec.key: spec.value.decode() for spec in compile_specs}
+        builder = lower_program(edge_program, **specs)
         blob = ir.serialize(builder.graph)
         rewrite = _rewrite.get()
         return PreprocessResult(

@@ -43,7 +43,7 @@ def cmd_export(args) -> int:
                    quantize_embedding=args.quantize_embedding, history_size=args.history_size,
                    logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, token_mask=not args.no_grammar,
                    allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
-                   progress=display and display.line)
+                   activations=args.activations, progress=display and display.line)
     return 0
 
 
@@ -246,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="values per scale and bias when quantizing (default 64; mxfp4: 32, its only size)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="quantize the input embedding table too (with --quantize)")
+    p.add_argument("--activations", choices=["int8", "float"], default=None,
+                   help="how 4- and 8-bit layers meet x on CPUs: int8 (rounded to 8 bits per group, as llama.cpp "
+                        "does: faster) or float (times the dequantized weights, as mlx-lm does) (default: float "
+                        "for an mlx-lm folder, else int8)")
     p.add_argument("--history-size", type=int, default=64,
                    help="tokens of history the repetition/frequency/presence penalties can count (default 64)")
     p.add_argument("--logit-bias-size", type=int, default=16,

@@ -9,12 +9,14 @@ import torch
 from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
     generate_partitions_from_list_of_nodes,
 )
+from executorch.exir.backend.backend_details import CompileSpec
 from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
 from executorch.exir.backend.utils import tag_constant_data
 from torch.export import ExportedProgram
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .backend import MLXGraphBackend
+from .custom_kernel_ops.quantized import check_activations
 from .lowering.builder import GraphBuilder, meta_val
 from .lowering.registry import Unsupported, aten_op, handler_for
 
@@ -138,11 +140,16 @@ class MLXPartitioner(Partitioner):
     """Delegates every maximal group of lowerable nodes to MLXGraphBackend.
 
     Nodes no handler accepts stay outside, on ExecuTorch's portable kernels.
+    `activations` (one of ACTIVATIONS, custom_kernel_ops/quantized.py): how
+    4- and 8-bit layers meet x in our CPU kernel.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, activations: str = "int8") -> None:
         super().__init__()
-        self.delegation_spec = DelegationSpec(MLXGraphBackend.__name__, [])
+        check_activations(activations)
+        # the backend's lower_program keywords, as compile specs
+        self.delegation_spec = DelegationSpec(MLXGraphBackend.__name__,
+                                              [CompileSpec("activations", activations.encode())])
         # What the last partition() left to ExecuTorch: (op, why), one per op and
         # reason, and the module the first such node came from.
         self.outside: list[tuple[str, str]] = []

@@ -52,6 +52,19 @@ torch.library.define(
 )
 
 
+# How the runtime's CPU kernel meets x in a 4- or 8-bit affine layer (a
+# choice made at export, QuantizedLinearNode's float_activations): "int8"
+# rounds each group of x to 8 bits and multiplies in integers (llama.cpp's
+# way, the faster); "float" multiplies x by the dequantized weights
+# (mlx.core.quantized_matmul's way, so mlx-lm's, and the references' below).
+ACTIVATIONS = ("int8", "float")
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+
+
 def check_mode(mode: str, group_size: int, bits: int) -> None:
     """A quantization the ops (and MLX) have: a known mode, and the group size and bits it allows."""
     if mode not in MODES:

@@ -12,6 +12,7 @@ import torch
 from executorch.exir._serialize._named_data_store import NamedDataStore
 from torch.export import ExportedProgram
 
+from ..custom_kernel_ops.quantized import check_activations
 from ..progress import counter
 from ..serialization import ir
 from .common_nodes import merge_common_nodes
@@ -97,6 +98,8 @@ class GraphBuilder:
     range_constraints: dict = field(default_factory=dict)
     # A support check on one node (the partitioner's): sizes need not resolve.
     scratch: bool = False
+    # Quantized layers meet x in floats on CPUs (QuantizedLinearNode's float_activations).
+    float_activations: bool = False
 
     # ---------------------------------------------------------- slots --
     def new_value(self, dtype: torch.dtype, shape) -> Value:
@@ -336,14 +339,15 @@ def drop_dead_nodes(graph: ir.Graph) -> None:
     graph.nodes = kept[::-1]
 
 
-def lower_program(ep: ExportedProgram) -> GraphBuilder:
+def lower_program(ep: ExportedProgram, activations: str = "int8") -> GraphBuilder:
     """Lowers every node of `ep` (a partition the partitioner accepted).
 
     Buffers the partition mutates (a KV cache) become the program's
     MutableBuffers: the runtime owns them between calls."""
     from torch.export.graph_signature import OutputKind
 
-    b = GraphBuilder(range_constraints=dict(ep.range_constraints))
+    check_activations(activations)
+    b = GraphBuilder(range_constraints=dict(ep.range_constraints), float_activations=activations == "float")
     sig = ep.graph_signature
     mutated = set(sig.buffers_to_mutate.values())
     buffer_values: dict[str, Value] = {}  # FQN -> the buffer's slot

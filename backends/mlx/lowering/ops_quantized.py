@@ -28,7 +28,7 @@ def quantized_tables(b: GraphBuilder, node: torch.fx.Node, first: int, dtype: to
 def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     fields = dict(x=b.cast(b.get(node.args[0]), out.dtype).tid, group_size=node.args[5], bits=node.args[6],
-                  **quantized_tables(b, node, 1, out.dtype, 7))
+                  float_activations=b.float_activations, **quantized_tables(b, node, 1, out.dtype, 7))
     bias = node_arg(node, 4, "bias")
     if bias is not None:
         fields["bias"] = b.cast(b.get(bias), out.dtype).tid

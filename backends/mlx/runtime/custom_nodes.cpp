@@ -264,10 +264,16 @@ QuantizedMatrix quantized_matrix(Interpreter& st, const Node* n) {
   if (!mode) throw std::invalid_argument("quantized node: unknown mode " + std::to_string(static_cast<int>(n->mode())));
   return {st.get(n->weight()), st.get(n->scales()), st.get_optional(n->biases()), n->group_size(), n->bits(), mode};
 }
+
+template <typename Node>
+Activations activations(const Node* n) {
+  return n->float_activations() ? Activations::Float : Activations::Int8;
+}
 }  // namespace
 
 void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
-  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n), st.get_optional(n->bias())));
+  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n), st.get_optional(n->bias()),
+                                    activations(n)));
 }
 
 void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {
@@ -368,7 +374,8 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
   // affine computes in the scales' type (the lowering gives x that type too)
   auto dtype = q.mode == "affine" ? q.scales.dtype() : x.dtype();
   st.set(n->out(), gather_quantized_linear(mx::astype(x, dtype), ids, q,
-                                           expert_bias(st.get_optional(n->bias()), E, N, dtype, node)));
+                                           expert_bias(st.get_optional(n->bias()), E, N, dtype, node),
+                                           activations(n)));
 }
 
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }

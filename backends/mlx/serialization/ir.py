@@ -319,6 +319,7 @@ class GatherQuantizedLinearNode:
     bits: int = 0
     out: Tid | None = None
     mode: QuantMode = QuantMode.affine
+    float_activations: bool = False
 
 
 @dataclass
@@ -585,6 +586,7 @@ class QuantizedLinearNode:
     bits: int = 0
     out: Tid | None = None
     mode: QuantMode = QuantMode.affine
+    float_activations: bool = False
 
 
 @dataclass
@@ -888,7 +890,7 @@ FIELD_TYPES = {
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
     'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
     'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
-    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode'},
+    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -920,7 +922,7 @@ FIELD_TYPES = {
     'NotEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'PowerNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'dtype': 'DType'},
-    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode'},
+    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool'},
     'RandomBitsNode': {'shape': '[IntOrSlot] required', 'seed': 'Tid', 'position': 'Tid', 'width': 'Int', 'out': 'Tid required'},
     'RemainderNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
@@ -1505,11 +1507,12 @@ def _pack_GatherQuantizedLinearNode(b, v):
     if v.out is not None:
         fb.GatherQuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
     fb.GatherQuantizedLinearNodeAddMode(b, int(v.mode))
+    fb.GatherQuantizedLinearNodeAddFloatActivations(b, v.float_activations)
     return fb.GatherQuantizedLinearNodeEnd(b)
 
 
 def _unpack_GatherQuantizedLinearNode(r):
-    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()))
+    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations())
 
 
 def _pack_Graph(b, v):
@@ -2085,11 +2088,12 @@ def _pack_QuantizedLinearNode(b, v):
     if v.out is not None:
         fb.QuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
     fb.QuantizedLinearNodeAddMode(b, int(v.mode))
+    fb.QuantizedLinearNodeAddFloatActivations(b, v.float_activations)
     return fb.QuantizedLinearNodeEnd(b)
 
 
 def _unpack_QuantizedLinearNode(r):
-    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()))
+    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations())
 
 
 def _pack_RandomBitsNode(b, v):

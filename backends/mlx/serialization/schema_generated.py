@@ -6541,7 +6541,8 @@ def GatherLinearNodeEnd(builder):
 
 # GatherLinearNode on weights in QuantizedLinearNode's layout, one per
 # expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
-# Runs mlx::core::gather_qmm.
+# Runs mlx::core::gather_qmm (our CPU kernel as QuantizedLinearNode's,
+# float_activations included).
 class GatherQuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6655,8 +6656,15 @@ class GatherQuantizedLinearNode(object):
             return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
         return 0
 
+    # GatherQuantizedLinearNode
+    def FloatActivations(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def GatherQuantizedLinearNodeStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(11)
 
 def GatherQuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6687,6 +6695,9 @@ def GatherQuantizedLinearNodeAddOut(builder, out):
 
 def GatherQuantizedLinearNodeAddMode(builder, mode):
     builder.PrependInt8Slot(9, mode, 0)
+
+def GatherQuantizedLinearNodeAddFloatActivations(builder, floatActivations):
+    builder.PrependBoolSlot(10, floatActivations, 0)
 
 def GatherQuantizedLinearNodeEnd(builder):
     return builder.EndObject()
@@ -6781,7 +6792,10 @@ def RopeNodeEnd(builder):
 # Linear layer on weights in MLX's quantized layout (mlx::core::quantize):
 # weight [N, K * bits / 32] packed 32-bit words, scales (and, affine, biases)
 # [N, K / group_size], decoded as `mode` says. Runs mlx::core::quantized_matmul
-# (our CPU kernel on CPUs for affine 4 and 8 bits).
+# (our CPU kernel on CPUs for affine 4 and 8 bits). That kernel rounds each
+# group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
+# integers, unless `float_activations`: then x meets the dequantized weights
+# in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6885,8 +6899,15 @@ class QuantizedLinearNode(object):
             return self._tab.Get(flatbuffers.number_types.Int8Flags, o + self._tab.Pos)
         return 0
 
+    # QuantizedLinearNode
+    def FloatActivations(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def QuantizedLinearNodeStart(builder):
-    builder.StartObject(9)
+    builder.StartObject(10)
 
 def QuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6914,6 +6935,9 @@ def QuantizedLinearNodeAddOut(builder, out):
 
 def QuantizedLinearNodeAddMode(builder, mode):
     builder.PrependInt8Slot(8, mode, 0)
+
+def QuantizedLinearNodeAddFloatActivations(builder, floatActivations):
+    builder.PrependBoolSlot(9, floatActivations, 0)
 
 def QuantizedLinearNodeEnd(builder):
     return builder.EndObject()

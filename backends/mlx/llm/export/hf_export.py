@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from ...custom_kernel_ops.quantized import check_activations
 from ...lowering.weight_files import weight_files
 from ...progress import CountingWriter, counter
 from ...serialization.sampler_params import ROW_PARAMS
@@ -305,7 +306,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                sampling: bool = True, quantize: str | None = None, group_size: int | None = None,
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
-               allow_longer_context: bool = False, max_draft_tokens: int | None = None) -> Path:
+               allow_longer_context: bool = False, max_draft_tokens: int | None = None,
+               activations: str | None = None) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -324,6 +326,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     A sampling program verifies up to `max_draft_tokens` draft tokens per
     call (speculative decoding, llm/export/speculative.py; 0: none; default 8, or
     what a small context leaves room for).
+    `activations` is how 4- and 8-bit layers meet x in our CPU kernel:
+    "int8" (each group of x rounded to 8 bits, as llama.cpp does: faster) or
+    "float" (x times the dequantized weights, as MLX's quantized_matmul and
+    so mlx-lm compute); default "float" for an mlx-lm folder, else "int8".
 
     Checked before any work (llm/export/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -366,10 +372,15 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
             raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
                              "keeps its weights as they are; leave out quantize")
         quantization = mlx_types(mlx_quantization(config))
+    if activations is None:  # an mlx-lm folder computes as mlx-lm does; the rest as llama.cpp
+        activations = "float" if mlx_quantization(config) is not None else "int8"
+    check_activations(activations)
     if is_mxfp4_folder(config):  # gpt-oss: its MXFP4 experts as they are, the rest as asked
         quantization = "mxfp4 experts" + ("" if quantize is None else f", then {quantization}")
     if is_gguf(model_dir):
         quantization = gguf_types(model_dir) + ("" if quantize is None else f", then {quantization}")
+    if quantization != "none" and activations == "float":
+        quantization += ", float activations"
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
@@ -425,7 +436,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         ep = trace(module, example, dynamic, model_dir)
         attend_written_prefix(ep, max_context)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
-        partitioner = MLXPartitioner()
+        partitioner = MLXPartitioner(activations)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
                         max_draft_tokens, rewind)
         edge = lower_whole(ep, partitioner, meta)

@@ -7540,7 +7540,8 @@ struct GatherLinearNode::Traits {
 
 /// GatherLinearNode on weights in QuantizedLinearNode's layout, one per
 /// expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
-/// Runs mlx::core::gather_qmm.
+/// Runs mlx::core::gather_qmm (our CPU kernel as QuantizedLinearNode's,
+/// float_activations included).
 struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatherQuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7554,7 +7555,8 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
     VT_GROUP_SIZE = 16,
     VT_BITS = 18,
     VT_OUT = 20,
-    VT_MODE = 22
+    VT_MODE = 22,
+    VT_FLOAT_ACTIVATIONS = 24
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7586,6 +7588,9 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
   emlx::ir::QuantMode mode() const {
     return static_cast<emlx::ir::QuantMode>(GetField<int8_t>(VT_MODE, 0));
   }
+  bool float_activations() const {
+    return GetField<uint8_t>(VT_FLOAT_ACTIVATIONS, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7599,6 +7604,7 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
            VerifyField<int32_t>(verifier, VT_BITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<int8_t>(verifier, VT_MODE, 1) &&
+           VerifyField<uint8_t>(verifier, VT_FLOAT_ACTIVATIONS, 1) &&
            verifier.EndTable();
   }
 };
@@ -7637,6 +7643,9 @@ struct GatherQuantizedLinearNodeBuilder {
   void add_mode(emlx::ir::QuantMode mode) {
     fbb_.AddElement<int8_t>(GatherQuantizedLinearNode::VT_MODE, static_cast<int8_t>(mode), 0);
   }
+  void add_float_activations(bool float_activations) {
+    fbb_.AddElement<uint8_t>(GatherQuantizedLinearNode::VT_FLOAT_ACTIVATIONS, static_cast<uint8_t>(float_activations), 0);
+  }
   explicit GatherQuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7664,7 +7673,8 @@ inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLin
     int32_t group_size = 0,
     int32_t bits = 0,
     const emlx::ir::Tid *out = nullptr,
-    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine) {
+    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
+    bool float_activations = false) {
   GatherQuantizedLinearNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -7675,6 +7685,7 @@ inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLin
   builder_.add_scales(scales);
   builder_.add_weight(weight);
   builder_.add_x(x);
+  builder_.add_float_activations(float_activations);
   builder_.add_mode(mode);
   return builder_.Finish();
 }
@@ -7772,7 +7783,10 @@ struct RopeNode::Traits {
 /// Linear layer on weights in MLX's quantized layout (mlx::core::quantize):
 /// weight [N, K * bits / 32] packed 32-bit words, scales (and, affine, biases)
 /// [N, K / group_size], decoded as `mode` says. Runs mlx::core::quantized_matmul
-/// (our CPU kernel on CPUs for affine 4 and 8 bits).
+/// (our CPU kernel on CPUs for affine 4 and 8 bits). That kernel rounds each
+/// group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
+/// integers, unless `float_activations`: then x meets the dequantized weights
+/// in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
 struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7785,7 +7799,8 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
     VT_GROUP_SIZE = 14,
     VT_BITS = 16,
     VT_OUT = 18,
-    VT_MODE = 20
+    VT_MODE = 20,
+    VT_FLOAT_ACTIVATIONS = 22
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7814,6 +7829,9 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
   emlx::ir::QuantMode mode() const {
     return static_cast<emlx::ir::QuantMode>(GetField<int8_t>(VT_MODE, 0));
   }
+  bool float_activations() const {
+    return GetField<uint8_t>(VT_FLOAT_ACTIVATIONS, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7826,6 +7844,7 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
            VerifyField<int32_t>(verifier, VT_BITS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<int8_t>(verifier, VT_MODE, 1) &&
+           VerifyField<uint8_t>(verifier, VT_FLOAT_ACTIVATIONS, 1) &&
            verifier.EndTable();
   }
 };
@@ -7861,6 +7880,9 @@ struct QuantizedLinearNodeBuilder {
   void add_mode(emlx::ir::QuantMode mode) {
     fbb_.AddElement<int8_t>(QuantizedLinearNode::VT_MODE, static_cast<int8_t>(mode), 0);
   }
+  void add_float_activations(bool float_activations) {
+    fbb_.AddElement<uint8_t>(QuantizedLinearNode::VT_FLOAT_ACTIVATIONS, static_cast<uint8_t>(float_activations), 0);
+  }
   explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7886,7 +7908,8 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
     int32_t group_size = 0,
     int32_t bits = 0,
     const emlx::ir::Tid *out = nullptr,
-    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine) {
+    emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
+    bool float_activations = false) {
   QuantizedLinearNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -7896,6 +7919,7 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
   builder_.add_scales(scales);
   builder_.add_weight(weight);
   builder_.add_x(x);
+  builder_.add_float_activations(float_activations);
   builder_.add_mode(mode);
   return builder_.Finish();
 }

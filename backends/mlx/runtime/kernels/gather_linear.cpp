@@ -85,17 +85,19 @@ IntRows pick_rows(const IntRows& all, const std::vector<size_t>& rows) {
 // [T, k, N] in x's dtype (float32 or bfloat16, the scales' dtype).
 class GatherQuantizedLinear : public CpuKernel {
  public:
-  GatherQuantizedLinear(mx::Stream s, int group, int bits) : CpuKernel(s), group_(group), bits_(bits) {}
+  GatherQuantizedLinear(mx::Stream s, int group, int bits, Activations activations)
+      : CpuKernel(s), group_(group), bits_(bits), activations_(activations) {}
 
   const char* name() const override { return "EmlxGatherQuantizedLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const GatherQuantizedLinear&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && activations_ == o.activations_;
   }
 
  private:
   CpuTask task() const override {
-    return [group = group_, bits = bits_](const std::vector<mx::array>& inputs, mx::array& out) {
+    return [group = group_, bits = bits_, activations = activations_](const std::vector<mx::array>& inputs,
+                                                                       mx::array& out) {
       const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
       const bool bf16 = x.dtype() == mx::bfloat16;
       const bool shared = x.ndim() == 2;
@@ -114,25 +116,18 @@ class GatherQuantizedLinear : public CpuKernel {
       auto x_row = [&](size_t p) { return shared ? p / k : p; };
 
       IntRows xq;
-      if (!quantize_rows(xf, shared ? T : pairs, K, group, bits, xq)) {
-        // x holds a NaN or an infinity: float products propagate them as
-        // gather_qmm does (a scalar loop; no model reaches it twice).
-        std::vector<float> row_out(N);
-        for (size_t p = 0; p < pairs; ++p) {
-          const float* row = xf + x_row(p) * K;
-          const size_t e = ids[p];
-          for (size_t n = 0; n < N; ++n) {
-            const uint8_t* wr = wq + (e * N + n) * row_bytes;
-            float acc = 0;
-            for (size_t c = 0; c < K; ++c) {
-              const size_t bit = c * bits;
-              const int code = (wr[bit / 8] >> (bit % 8)) & ((1 << bits) - 1);
-              const size_t at = (e * N + n) * G + c / group;
-              acc += row[c] * (code * float_at(scales, at, bf16) + float_at(biases, at, bf16));
-            }
-            row_out[n] = acc;
-          }
-          write_row(out, p, row_out.data(), N, bias_row(bias, e, N));
+      if (activations == Activations::Float || !quantize_rows(xf, shared ? T : pairs, K, group, bits, xq)) {
+        // x in floats (as asked, or because it holds a NaN or an infinity,
+        // which float products propagate as gather_qmm does): an expert at a
+        // time, its rows in one call of the dense float kernel.
+        for (auto& [e, chosen] : experts_of(ids, pairs, E)) {
+          std::vector<float> rows(chosen.size() * K), y(chosen.size() * N);
+          for (size_t i = 0; i < chosen.size(); ++i) std::memcpy(&rows[i * K], xf + x_row(chosen[i]) * K, K * 4);
+          const size_t at = e * N;
+          const PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
+                                  bf16, group, bits};
+          dequantized_linear_rows(rows.data(), chosen.size(), K, expert, N, y.data());
+          for (size_t i = 0; i < chosen.size(); ++i) write_row(out, chosen[i], &y[i * N], N, bias_row(bias, e, N));
         }
         return;
       }
@@ -171,6 +166,7 @@ class GatherQuantizedLinear : public CpuKernel {
   }
 
   int group_, bits_;
+  Activations activations_;
 };
 
 // MLX primitive: inputs x [T, K] or [T, k, K], ids uint32 [T, k] in [0, E),
@@ -211,7 +207,8 @@ class GatherLinear : public CpuKernel {
 }  // namespace
 
 mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, const QuantizedMatrix& q,
-                                  const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
+                                  const std::optional<mx::array>& bias, Activations activations,
+                                  mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = q.w.shape(1);
   // Our kernel for what the dense one takes (affine 4 and 8 bits, x in the
   // scales' float type); MLX's gather_qmm for the rest.
@@ -234,7 +231,7 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
   }
   if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits);
+    return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits, activations);
   });
 }
 

@@ -24,10 +24,10 @@ mlx::core::array gather_linear(const mlx::core::array& x, const mlx::core::array
 
 // The same with q [E, N, ...] per-expert tables of QuantizedLinearNode's
 // layout, x and bias in the scales' dtype. Our kernel on a CPU stream for
-// affine 4 and 8 bits with float32 or bfloat16 scales;
-// mlx::core::gather_qmm otherwise.
+// affine 4 and 8 bits with float32 or bfloat16 scales (x met as
+// `activations` says); mlx::core::gather_qmm otherwise.
 mlx::core::array gather_quantized_linear(const mlx::core::array& x, const mlx::core::array& ids,
                                          const QuantizedMatrix& q, const std::optional<mlx::core::array>& bias,
-                                         mlx::core::StreamOrDevice s = {});
+                                         Activations activations, mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx

@@ -280,19 +280,19 @@ void float_rows(const Operands& o) {
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public CpuKernel {
  public:
-  Linear(mx::Stream s, Format format, int group, bool has_bias)
-      : CpuKernel(s), format_(format), group_(group), has_bias_(has_bias) {}
+  Linear(mx::Stream s, Format format, int group, bool has_bias, Activations activations)
+      : CpuKernel(s), format_(format), group_(group), has_bias_(has_bias), activations_(activations) {}
 
   const char* name() const override { return "EmlxLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Linear&>(other);
-    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_;
+    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_ && activations_ == o.activations_;
   }
 
  private:
   CpuTask task() const override {
-    return [format = format_, group = group_, has_bias = has_bias_](const std::vector<mx::array>& inputs,
-                                                                     mx::array& out) {
+    return [format = format_, group = group_, has_bias = has_bias_, activations = activations_](
+               const std::vector<mx::array>& inputs, mx::array& out) {
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
@@ -313,7 +313,8 @@ class Linear : public CpuKernel {
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
       o.bias = has_bias ? inputs.back().data<void>() : nullptr;
       IntRows xq;
-      if (quantized && quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
+      if (quantized && activations == Activations::Int8 &&
+          quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
         // Integer dot products on the packed rows (quantized_dot.h), for any
         // number of rows: 2.3x faster a row than sgemm on decoded tiles (a
         // 32000 x 1024 int8 layer, docs/llm.md), and every row is what a
@@ -342,6 +343,7 @@ class Linear : public CpuKernel {
   Format format_;
   int group_;
   bool has_bias_;
+  Activations activations_;
 };
 
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
@@ -349,14 +351,15 @@ bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat1
 // Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
 // and back would be two more nodes), the operands row-contiguous.
 mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
-                const std::optional<mx::array>& bias, Format format, int group, const Fallback& fallback) {
+                const std::optional<mx::array>& bias, Format format, int group, Activations activations,
+                const Fallback& fallback) {
   std::vector<mx::array> in = {x};
   for (auto& a : operands) in.push_back(supported ? row_contiguous(a) : a);
   if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   mx::Shape out_shape = x.shape();
   out_shape.back() = operands[0].shape(0);
   return CpuKernel::build(s, supported, std::move(in), std::move(out_shape), x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<Linear>(s, format, group, bias.has_value());
+    return std::make_shared<Linear>(s, format, group, bias.has_value(), activations);
   });
 }
 
@@ -407,11 +410,12 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
     auto y = mx::matmul(in[0], mx::transpose(in[1], s), s);
     return in.size() > 2 ? mx::add(y, in[2], s) : y;
   };
-  return build(s, supported, x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0, fallback);
+  return build(s, supported, x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0,
+               Activations::Float, fallback);
 }
 
 mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const std::optional<mx::array>& bias,
-                           mx::StreamOrDevice s) {
+                           Activations activations, mx::StreamOrDevice s) {
   if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
   const int K = x.shape(-1);
   check_quantization("QuantizedLinearNode", q, K);
@@ -438,13 +442,22 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const s
     return in.size() > 4 ? mx::add(y, in[4], s) : y;
   };
   return build(s, supported, x, {q.w, q.scales, *q.biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size,
-               fallback);
+               activations, fallback);
 }
 
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {
   Operands o{};
   o.format = w_bf16 ? Format::BF16 : Format::F32;
   o.x = x, o.w = w, o.out = out;
+  o.M = M, o.N = N, o.K = K;
+  float_rows(o);
+}
+
+void dequantized_linear_rows(const float* x, size_t M, size_t K, const PackedRows& w, size_t N, float* out) {
+  Operands o{};
+  o.format = w.bits == 4 ? Format::Q4 : Format::Q8;
+  o.group = w.group;
+  o.x = x, o.w = w.w, o.scales = w.scales, o.biases = w.biases, o.params_bf16 = w.params_bf16, o.out = out;
   o.M = M, o.N = N, o.K = K;
   float_rows(o);
 }

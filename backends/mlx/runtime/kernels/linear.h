@@ -10,6 +10,7 @@
 
 #include <mlx/mlx.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -32,11 +33,18 @@ struct QuantizedMatrix {
   std::string mode;
 };
 
+// How our kernel meets x with 4- and 8-bit weights: Int8 rounds each group
+// of x to 8 bits and multiplies in integers (quantized_dot.h, llama.cpp's
+// way, the faster); Float multiplies x by the dequantized weights in floats
+// (mlx::core::quantized_matmul's way, so mlx-lm's).
+enum class Activations { Int8, Float };
+
 // The same as linear with w quantized. Our kernel on a CPU stream for affine
 // 4 and 8 bits when x, scales (and bias) share a float32 or bfloat16 dtype;
 // mlx::core::quantized_matmul otherwise.
 mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q,
-                                  const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
+                                  const std::optional<mlx::core::array>& bias, Activations activations,
+                                  mlx::core::StreamOrDevice s = {});
 
 // Throws std::invalid_argument naming `node` unless `q` is a valid
 // quantization of an [N, K] matrix (N: w's rows).
@@ -47,5 +55,17 @@ void check_quantization(const char* node, const QuantizedMatrix& q, int K);
 // one-row call computes it up to kDotRows rows, sgemm beyond), for other
 // kernels of ours. Runs on the calling thread and our pool.
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out);
+
+// An affine 4- or 8-bit matrix [N, K] as the CPU kernels read it: packed
+// rows of K * bits / 8 bytes, scales and biases [N, K / group].
+struct PackedRows {
+  const uint8_t* w;
+  const void *scales, *biases;
+  bool params_bf16;  // scales and biases bfloat16, else float32
+  int group, bits;
+};
+
+// The same for w packed: QuantizedLinearNode's kernel with Activations::Float.
+void dequantized_linear_rows(const float* x, size_t M, size_t K, const PackedRows& w, size_t N, float* out);
 
 }  // namespace emlx
