@@ -14,11 +14,18 @@ export FILE.gguf` (no --quantize) and run with the tokenizer read from the
 file itself; printed per file: the prompt's ids under both tokenizers, the
 greedy tokens that agree with llama.cpp's (its KV cache in float16, its
 default, and in float32, as ours), and where they first differ, llama.cpp's
-logit gap between its token and ours (how near a tie that step is); and the
-greedy tokens that agree with transformers run on the file's values (each
-tensor dequantized by the gguf package, activations in float: quantized
-files part from it where llama.cpp's and our 8-bit activations round).
-The exit status is 0 when every file's greedy ids equal llama.cpp's.
+logit gap between its token and ours (how near a tie that step is);
+llama.cpp's own greedy tokens with a float16 cache against a float32 one
+(how far a float-noise change moves llama.cpp itself); and the greedy
+tokens that agree with transformers run on the file's values (each tensor
+dequantized by the gguf package, activations in float: quantized files
+part from it where llama.cpp's and our 8-bit activations round).
+
+Free-running greedy ids compound one difference into all later ones, so
+the verdict feeds llama.cpp's own greedy tokens (float32 cache) to both and
+compares each step's choice: a step where they differ must be a near tie,
+llama.cpp's gap between its token and ours below the largest logit
+difference of the two at that step. Exit status 0 when every such step is.
 """
 
 from __future__ import annotations
@@ -103,27 +110,74 @@ def main() -> int:
                 ids = runner.tokenizer.encode(PROMPT).ids
                 ours = runner.generate(ids, max_new_tokens=args.tokens, temperature=0).token_ids
                 line = f"{family} {qtype}:"
+                greedy = {}
                 for f32_cache in (False, True):
                     call = llama_cpp_caller(gguf, 256, f32_cache)
                     if not f32_cache:  # (the same vocabulary either way)
                         theirs_ids = call.llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
                         line += f" prompt ids {'equal' if ids == theirs_ids else 'DIFFER'} ({len(ids)});"
-                    theirs = greedy_tokens(call, ids, args.tokens)
-                    same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+                    theirs = greedy[f32_cache] = greedy_tokens(call, ids, args.tokens)
+                    same = agreeing(ours, theirs)
                     cache = "float32" if f32_cache else "float16"
                     line += f" llama.cpp with a {cache} cache: {same}/{len(ours)} equal"
                     if same < len(ours):
-                        call(ids + theirs[:same], 0)
-                        logits = np.ctypeslib.as_array(call.llm._ctx.get_logits(), shape=(call.llm.n_vocab(),))
+                        logits = last_logits(call, ids + theirs[:same])
                         line += f" (step {same}: its logit gap {logits[theirs[same]] - logits[ours[same]]:.4f})"
-                        all_equal = False
                     line += ";"
+                    if f32_cache:  # the verdict: llama.cpp's tokens, fed to both, step by step
+                        forced, ties = teacher_forced(call, Path(tmp) / family, gguf, ids, theirs)
+                        line += f" fed llama.cpp's tokens: {forced}"
+                        all_equal &= ties
                     del call
+                line += (f"; llama.cpp itself, float16 against float32 cache: {agreeing(*greedy.values())}/"
+                         f"{len(greedy[True])}")
                 exact = file_values_greedy(folder, gguf, ids, args.tokens)
-                agree = next((i for i, (a, b) in enumerate(zip(ours, exact)) if a != b), len(ours))
-                line += f" transformers on the file's values (float x): {agree}/{len(ours)} equal"
+                line += f"; transformers on the file's values (float x): {agreeing(ours, exact)}/{len(ours)} equal"
                 print(line, flush=True)
     return 0 if all_equal else 1
+
+
+def agreeing(a: list[int], b: list[int]) -> int:
+    """How many greedy tokens agree before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def last_logits(call, ids: list[int]):
+    import numpy as np
+
+    call(ids, 0)
+    return np.ctypeslib.as_array(call.llm._ctx.get_logits(), shape=(call.llm.n_vocab(),)).copy()
+
+
+def teacher_forced(call, stem: Path, gguf: Path, prompt: list[int], theirs: list[int]) -> tuple[str, bool]:
+    """Each step's argmax of ours and llama.cpp's on the same tokens (llama.cpp's
+    greedy ones, so no difference compounds), each step prefilled whole. A
+    step where they differ is a near tie when llama.cpp's gap between its
+    token and ours is below the largest logit difference of ours and its at
+    that step (a rounding of x gone the other way moves logits by that much);
+    (the summary, every differing step a near tie)."""
+    import numpy as np
+    import torch
+
+    from executorch_mlx.llm import LLMRunner, export_llm
+
+    pte = export_llm(gguf, stem.with_name(stem.name + "-logits.pte"), max_context=256, sampling=False,
+                     progress=None)
+    method = LLMRunner(pte, gguf).method
+    steps, ties, noise = [], True, []
+    for i, token in enumerate(theirs):
+        seq = prompt + theirs[:i]
+        ours = method.execute([torch.tensor([seq]), torch.arange(len(seq))])[0].reshape(-1).float().numpy()
+        logits = last_logits(call, seq)
+        diff = float(np.abs(ours - logits).max())
+        noise.append(diff)
+        if int(ours.argmax()) != token:
+            gap = float(logits[token] - logits[int(ours.argmax())])
+            ties &= gap < diff
+            steps.append(f"step {i} gap {gap:.3f} < {diff:.3f}" if gap < diff else f"step {i} gap {gap:.3f} NOT A TIE")
+    summary = f"{len(theirs) - len(steps)}/{len(theirs)} equal, logits within {max(noise):.2g} (median " \
+              f"{float(np.median(noise)):.2g})" + (f", differing at {', '.join(steps)}" if steps else "")
+    return summary, ties
 
 
 if __name__ == "__main__":
