@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_export_memory.py                  # ~0.15B and ~1.5B
     .venv/bin/python benchmarks/bench_export_memory.py --sizes 8b --dtype bf16
+    .venv/bin/python benchmarks/bench_export_memory.py --external-weights   # weights in a .ptd
 
 Writes random bfloat16 Llama folders (safetensors shards of at most 2 GB,
 written one tensor at a time) and exports each in a fresh process; prints
@@ -92,6 +93,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--quantize", default="int4", help="int4, int8 or none")
     parser.add_argument("--max-context", type=int, default=128)
+    parser.add_argument("--external-weights", action="store_true", help="export --external-weights (a .ptd)")
     parser.add_argument("--write", nargs=2, metavar=("SIZE", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
@@ -101,7 +103,9 @@ def main() -> int:
 
     base, _ = peak_rss([sys.executable, "-c", IMPORTS])
     print(f"bare import ({IMPORTS}): peak {base:.2f} GB", flush=True)
-    print(f"export --dtype {args.dtype} --quantize {args.quantize} --max-context {args.max_context}\n", flush=True)
+    external = " --external-weights" if args.external_weights else ""
+    print(f"export --dtype {args.dtype} --quantize {args.quantize} --max-context {args.max_context}{external}\n",
+          flush=True)
     print("| model | bf16 on disk | .pte | export peak | above import | seconds |")
     print("|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="emlx_mem_", dir=os.environ.get("BENCH_DIR")) as tmp:
@@ -115,12 +119,18 @@ def main() -> int:
                        "--dtype", args.dtype, "--max-context", str(args.max_context), "--quiet"]
             if args.quantize != "none":
                 command += ["--quantize", args.quantize]
+            if args.external_weights:
+                command.append("--external-weights")
             peak, seconds = peak_rss(command)
-            print(f"| {size} ({params / 1e9:.2f}B parameters) | {disk:.2f} GB | {out.stat().st_size / 1e9:.2f} GB "
+            data = out.with_suffix(".ptd")
+            written = f"{out.stat().st_size / 1e9:.2f} GB" + (
+                f" + .ptd {data.stat().st_size / 1e9:.2f} GB" if data.exists() else "")
+            print(f"| {size} ({params / 1e9:.2f}B parameters) | {disk:.2f} GB | {written} "
                   f"| {peak:.2f} GB | +{peak - base:.2f} GB | {seconds:.0f} |", flush=True)
             for f in folder.iterdir():
                 f.unlink()
             out.unlink()
+            data.unlink(missing_ok=True)
     return 0
 
 

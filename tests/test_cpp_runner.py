@@ -143,3 +143,37 @@ def test_cpp_runner_memory_budget_is_a_load_option_of_the_program(programs):
     assert "loading method 'forward'" in done.stderr
     assert cpp_ids(programs["logits"], [1, 2], 2) == cpp_ids(programs["logits"], [1, 2], 2, 0.0, 0,
                                                              "--memory-budget-kib", str(1 << 20))
+
+
+def test_weights_in_a_data_file_beside_the_program(programs, shared, tmp_path, capsys):
+    """export --external-weights: the weights go to model.ptd beside model.pte
+    (the program keeps none of them), both runners load them from there or
+    from a path given, and give the ids of the program that holds its
+    weights; a missing or unwanted data file is named."""
+    from executorch_mlx.cli import main
+    from executorch_mlx.llm.export.hf_export import export_llm
+
+    folder, inside = family_program(shared, "llama")
+    pte = export_llm(folder, tmp_path / "model.pte", max_context=MAX_CONTEXT, logprobs=True,
+                     external_weights=True, progress=None)
+    data = tmp_path / "model.ptd"
+    assert data.stat().st_size > 0.9 * inside.stat().st_size > 10 * pte.stat().st_size
+    want = LLMRunner(inside).generate(PROMPT, max_new_tokens=8, temperature=0.9, seed=7).token_ids
+    assert LLMRunner(pte).generate(PROMPT, max_new_tokens=8, temperature=0.9, seed=7).token_ids == want
+    assert cpp_ids(pte, PROMPT, 8, 0.9, 7) == want
+    moved = data.rename(tmp_path / "elsewhere.ptd")
+    assert LLMRunner(pte, data_path=moved).generate(PROMPT, max_new_tokens=8, temperature=0.9,
+                                                    seed=7).token_ids == want
+    assert cpp_ids(pte, PROMPT, 8, 0.9, 7, "--data", str(moved)) == want
+    with pytest.raises(FileNotFoundError, match=f"keeps its weights in model.ptd; {data} does not exist"):
+        LLMRunner(pte)
+    done = cpp(pte, "--prompt-ids", "1")
+    assert done.returncode == 1 and f"keeps its weights in model.ptd; {data} cannot be read" in done.stderr
+    with pytest.raises(FileNotFoundError, match="keeps its weights in model.ptd: give its path"):
+        LLMRunner(pte.read_bytes())
+    with pytest.raises(ValueError, match="holds its weights: it takes no data file"):
+        LLMRunner(inside, data_path=moved)
+    done = cpp(inside, "--prompt-ids", "1", "--data", str(moved))
+    assert done.returncode == 2 and "holds its weights: it takes no --data file" in done.stderr
+    assert main(["export", str(folder), "-o", str(tmp_path / "cli.ptd"), "--external-weights", "--quiet"]) == 2
+    assert "cli.ptd would be its own weights file" in capsys.readouterr().err

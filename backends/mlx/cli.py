@@ -43,7 +43,8 @@ def cmd_export(args) -> int:
                    quantize_embedding=args.quantize_embedding, history_size=args.history_size,
                    logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, token_mask=not args.no_grammar,
                    allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
-                   activations=args.activations, progress=display and display.line)
+                   activations=args.activations, external_weights=args.external_weights,
+                   progress=display and display.line)
     return 0
 
 
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how 4- and 8-bit layers meet x on CPUs: int8 (rounded to 8 bits per group, as llama.cpp "
                         "does: faster) or float (times the dequantized weights, as mlx-lm does) (default: float "
                         "for an mlx-lm folder, else int8)")
+    p.add_argument("--external-weights", action="store_true",
+                   help="write the weights to an ExecuTorch data file beside the program (FILE.pte: FILE.ptd), "
+                        "which generate, chat, serve and emlx_runner load with it")
     p.add_argument("--history-size", type=int, default=64,
                    help="tokens of history the repetition/frequency/presence penalties can count (default 64)")
     p.add_argument("--logit-bias-size", type=int, default=16,

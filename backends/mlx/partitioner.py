@@ -141,15 +141,18 @@ class MLXPartitioner(Partitioner):
 
     Nodes no handler accepts stay outside, on ExecuTorch's portable kernels.
     `activations` (one of ACTIVATIONS, custom_kernel_ops/quantized.py): how
-    4- and 8-bit layers meet x in our CPU kernel.
+    4- and 8-bit layers meet x in our CPU kernel. `weights_file`: the
+    weights go to ExecuTorch's external data file WEIGHTS_FILE.ptd (written
+    by the program manager's write_tensor_data_to_file) instead of the .pte.
     """
 
-    def __init__(self, activations: str = "int8") -> None:
+    def __init__(self, activations: str = "int8", weights_file: str | None = None) -> None:
         super().__init__()
         check_activations(activations)
         # the backend's lower_program keywords, as compile specs
+        specs = {"activations": activations, **({"weights_file": weights_file} if weights_file else {})}
         self.delegation_spec = DelegationSpec(MLXGraphBackend.__name__,
-                                              [CompileSpec("activations", activations.encode())])
+                                              [CompileSpec(k, v.encode()) for k, v in specs.items()])
         # What the last partition() left to ExecuTorch: (op, why), one per op and
         # reason, and the module the first such node came from.
         self.outside: list[tuple[str, str]] = []

@@ -41,6 +41,9 @@ CACHE_WRAPS = "emlx_cache_wraps"  # bool: a sliding-window cache shorter than th
 # int: with CACHE_WRAPS, how many positions before the end of what the cache
 # was written a call may start (rewind) without losing its window (llm/export/ring_cache.py)
 CACHE_REWIND = "emlx_cache_rewind"
+# a string: the ExecuTorch data file (.ptd) that holds the weights, expected
+# beside the .pte; absent when the .pte holds them
+WEIGHTS_FILE = "emlx_weights_file"
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
 
@@ -57,7 +60,7 @@ DRAFT_BACKOFF_MIN, DRAFT_BACKOFF_GROWTH, DRAFT_BACKOFF_MAX = 4, 4, 256
 CPP_CONSTANTS = {
     "kMaxSeqLen": MAX_SEQ_LEN, "kMaxContextLen": MAX_CONTEXT_LEN, "kVocabSize": VOCAB_SIZE, "kEosIds": EOS_IDS,
     "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS, "kBosId": BOS_ID,
-    "kMaxDraftTokens": MAX_DRAFT_TOKENS,
+    "kMaxDraftTokens": MAX_DRAFT_TOKENS, "kWeightsFile": WEIGHTS_FILE,
     "kInputIds": LLM_INPUTS[0], "kCachePosition": LLM_INPUTS[1],
 }
 # ... and numbers.
@@ -77,10 +80,11 @@ def head_metadata(input_names: list[str], logprobs: bool) -> dict:
 
 def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
                  logprobs: bool, sampler_inputs: tuple[str, ...], max_draft_tokens: int = 0,
-                 cache_rewind: int | None = None) -> dict:
+                 cache_rewind: int | None = None, weights_file: str | None = None) -> dict:
     """The metadata of an LLM program: ExecuTorch's names, then ours.
     `cache_rewind`: None when the cache keeps every position, else how far
-    back from its end a call may start (a ring-buffer cache)."""
+    back from its end a call may start (a ring-buffer cache); `weights_file`:
+    the .ptd holding the weights, or None."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     bos = config.get("bos_token_id")
@@ -101,6 +105,7 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
         CACHE_WRAPS: cache_rewind is not None,
         CACHE_REWIND: cache_rewind or 0,
         MAX_DRAFT_TOKENS: max_draft_tokens,
+        **({WEIGHTS_FILE: weights_file} if weights_file else {}),
     }
 
 
@@ -116,6 +121,7 @@ class Contract:
     samples: bool
     logprobs: bool
     metadata: dict[str, list] = field(repr=False)
+    weights_file: str | None = None  # WEIGHTS_FILE
 
     def one(self, name: str, kind: type, default=None, hint: str = _EXPORT_HINT):
         """A metadata method's single value of type `kind`; ValueError otherwise."""
@@ -156,6 +162,8 @@ def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract
     contract.input_names = contract.one(INPUT_NAMES, str, hint=hint).split(",")
     contract.samples = contract.one(SAMPLES, bool, hint=hint)
     contract.logprobs = contract.one(LOGPROBS, bool, False, hint=hint)
+    if WEIGHTS_FILE in metadata:
+        contract.weights_file = contract.one(WEIGHTS_FILE, str, hint=hint)
     meta = program.metadata(method)
     if meta.num_inputs() != len(contract.input_names):
         raise ValueError(f"this .pte's {INPUT_NAMES} names {len(contract.input_names)} inputs; '{method}' takes "

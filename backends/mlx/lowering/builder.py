@@ -100,6 +100,8 @@ class GraphBuilder:
     scratch: bool = False
     # Quantized layers meet x in floats on CPUs (QuantizedLinearNode's float_activations).
     float_activations: bool = False
+    # The weights go to ExecuTorch's external data file of this name (NAME.ptd), not the .pte.
+    weights_file: str | None = None
 
     # ---------------------------------------------------------- slots --
     def new_value(self, dtype: torch.dtype, shape) -> Value:
@@ -238,7 +240,7 @@ class GraphBuilder:
         # Content-addressed, so identical weights are stored once.
         name = "emlx_" + digest.hex()[:32] + f"_{tensor.dtype}".replace("torch.", "")
         data = raw.tobytes() if files is None else files.data(tensor, raw, digest)
-        self.named_data.add_named_data(name, data, alignment=CONSTANT_ALIGNMENT)
+        self.named_data.add_named_data(name, data, alignment=CONSTANT_ALIGNMENT, external_tag=self.weights_file)
         return name
 
     def add_constant(self, node: torch.fx.Node, tensor: torch.Tensor) -> None:
@@ -339,15 +341,18 @@ def drop_dead_nodes(graph: ir.Graph) -> None:
     graph.nodes = kept[::-1]
 
 
-def lower_program(ep: ExportedProgram, activations: str = "int8") -> GraphBuilder:
+def lower_program(ep: ExportedProgram, activations: str = "int8", weights_file: str | None = None) -> GraphBuilder:
     """Lowers every node of `ep` (a partition the partitioner accepted).
 
     Buffers the partition mutates (a KV cache) become the program's
-    MutableBuffers: the runtime owns them between calls."""
+    MutableBuffers: the runtime owns them between calls. `activations`: see
+    MLXPartitioner; `weights_file`: the constants go to ExecuTorch's external
+    data file WEIGHTS_FILE.ptd instead of the .pte."""
     from torch.export.graph_signature import OutputKind
 
     check_activations(activations)
-    b = GraphBuilder(range_constraints=dict(ep.range_constraints), float_activations=activations == "float")
+    b = GraphBuilder(range_constraints=dict(ep.range_constraints), float_activations=activations == "float",
+                     weights_file=weights_file)
     sig = ep.graph_signature
     mutated = set(sig.buffers_to_mutate.values())
     buffer_values: dict[str, Value] = {}  # FQN -> the buffer's slot

@@ -4,7 +4,7 @@
 //   emlx_runner MODEL.pte --prompt-ids 1,2,3 [--max-new-tokens N] [--seed S]
 //               [--temperature T] [a flag per row parameter of the sampler table,
 //               e.g. --top-k K] [--repetition-context-size N] [--logit-bias ID=VALUE]...
-//               [--memory-budget-kib N]
+//               [--memory-budget-kib N] [--data MODEL.ptd]
 //               [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]
 //
 // Prints the generated ids on one line ("ids: ..."), then prefill and decode
@@ -18,6 +18,7 @@
 // sampler table (generated/sampler_params.h) generated from one source.
 
 #include <executorch/extension/data_loader/mmap_data_loader.h>
+#include <executorch/extension/flat_tensor/flat_tensor_data_map.h>
 #include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
 #include <executorch/extension/tensor/tensor_ptr.h>
 #include <executorch/runtime/backend/backend_options_map.h>
@@ -89,7 +90,8 @@ struct LoadedMethod {
   std::unique_ptr<et::MemoryManager> memory;
   std::unique_ptr<et::Method> method;
 
-  LoadedMethod(et::Program& program, const char* name, const et::LoadBackendOptionsMap* options = nullptr) {
+  LoadedMethod(et::Program& program, const char* name, const et::LoadBackendOptionsMap* options = nullptr,
+               const et::NamedDataMap* data = nullptr) {
     auto meta = program.method_meta(name);
     check(meta.error(), std::string("reading method '") + name + "'");
     for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
@@ -101,7 +103,7 @@ struct LoadedMethod {
     }
     planned_allocator = std::make_unique<et::HierarchicalAllocator>(et::Span(spans.data(), spans.size()));
     memory = std::make_unique<et::MemoryManager>(&method_allocator, planned_allocator.get(), &temp_allocator);
-    auto m = program.load_method(name, memory.get(), nullptr, nullptr, options);
+    auto m = program.load_method(name, memory.get(), nullptr, data, options);
     check(m.error(), std::string("loading method '") + name + "'");
     method = std::make_unique<et::Method>(std::move(m.get()));
   }
@@ -116,6 +118,7 @@ struct Metadata {
   int64_t max_context = 0, max_chunk = 0, vocab_size = 0, bos_id = -1;
   int64_t max_draft_tokens = 0;  // drafts one call verifies (0: none, or a program from before)
   std::set<int64_t> eos_ids;
+  std::string weights_file;  // the .ptd holding its weights (export --external-weights), or ""
 };
 
 Metadata read_metadata(et::Program& program) {
@@ -162,6 +165,10 @@ Metadata read_metadata(et::Program& program) {
   }
   if (values.count(contract::kBosId)) md.bos_id = integer(contract::kBosId);
   if (values.count(contract::kMaxDraftTokens)) md.max_draft_tokens = integer(contract::kMaxDraftTokens);
+  if (values.count(contract::kWeightsFile)) {
+    if (!one(contract::kWeightsFile).isString()) throw wrong(contract::kWeightsFile, "a string");
+    md.weights_file = std::string(one(contract::kWeightsFile).toString());
+  }
   if (md.max_draft_tokens < 0 || md.max_draft_tokens >= md.max_context) {
     throw wrong(contract::kMaxDraftTokens, "in [0, max context)");
   }
@@ -187,6 +194,7 @@ struct Options {
   int64_t repetition_context_size = 20;
   std::vector<std::pair<int64_t, float>> logit_bias;
   int64_t memory_budget_kib = 0;  // 0: the plugin's default (EMLX_MEMORY_BUDGET or a quarter of memory)
+  std::string data;  // the program's weights file; "": the one its metadata names, beside it
   // Speculative decoding (the Python runner's names and defaults).
   bool prompt_lookup = false;
   std::string draft_model;
@@ -294,6 +302,9 @@ Options parse_args(int argc, char** argv) {
       }
     } else if (a == "--prompt-lookup") {
       o.prompt_lookup = true;
+    } else if (a == "--data") {
+      o.data = value();
+      if (o.data.empty()) throw UsageError("--data needs a file");
     } else if (a == "--draft-model") {
       o.draft_model = value();
     } else if (a == "--num-draft-tokens") {
@@ -611,6 +622,38 @@ et::Program load_program(const std::string& path, std::optional<executorch::exte
   return std::move(program.get());
 }
 
+// A program's weights file (export --external-weights), mapped: `given`
+// (--data), else the file its metadata names, beside the program. Empty for
+// a program that holds its weights.
+struct WeightsData {
+  std::optional<executorch::extension::MmapDataLoader> loader;
+  std::optional<executorch::extension::FlatTensorDataMap> map;
+
+  WeightsData(const std::string& pte, const std::string& weights_file, const std::string& given) {
+    if (weights_file.empty()) {
+      if (!given.empty()) throw UsageError(pte + " holds its weights: it takes no --data file");
+      return;
+    }
+    std::string path = given;
+    if (path.empty()) {
+      const auto slash = pte.find_last_of('/');
+      path = (slash == std::string::npos ? "" : pte.substr(0, slash + 1)) + weights_file;
+    }
+    if (!std::ifstream(path).good()) {
+      throw std::runtime_error(pte + " keeps its weights in " + weights_file + "; " + path +
+                               " cannot be read (keep the two files together, or give --data)");
+    }
+    auto mapped = executorch::extension::MmapDataLoader::from(path.c_str());
+    check(mapped.error(), "opening " + path);
+    loader.emplace(std::move(mapped.get()));
+    auto data = executorch::extension::FlatTensorDataMap::load(&*loader);
+    check(data.error(), "reading the weights file " + path);
+    map.emplace(std::move(data.get()));
+  }
+
+  const et::NamedDataMap* get() const { return map ? &*map : nullptr; }
+};
+
 std::string ids_text(const std::set<int64_t>& ids) {
   std::string text;
   for (auto id : ids) text += (text.empty() ? "" : ",") + std::to_string(id);
@@ -649,11 +692,13 @@ int run(const Options& o) {
     check(budget.set_option("memory_budget_kib", static_cast<int>(o.memory_budget_kib)), "--memory-budget-kib");
     check(options.set_options(emlx_backend_id(), budget.view()), "--memory-budget-kib");
   }
-  LoadedMethod forward(program, "forward", o.memory_budget_kib ? &options : nullptr);
+  const WeightsData weights(o.pte, md.weights_file, o.data);
+  LoadedMethod forward(program, "forward", o.memory_budget_kib ? &options : nullptr, weights.get());
   Generator gen(forward, md, o);
 
   std::unique_ptr<Drafter> drafter;
   std::optional<et::Program> draft_program;
+  std::optional<WeightsData> draft_weights;
   std::unique_ptr<LoadedMethod> draft_forward;
   Metadata draft_md;
   if (o.prompt_lookup || !o.draft_model.empty()) {
@@ -683,7 +728,8 @@ int run(const Options& o) {
     if (draft_md.bos_id != md.bos_id) {
       throw mismatch("bos id", std::to_string(draft_md.bos_id), std::to_string(md.bos_id));
     }
-    draft_forward = std::make_unique<LoadedMethod>(*draft_program, "forward");
+    draft_weights.emplace(o.draft_model, draft_md.weights_file, "");
+    draft_forward = std::make_unique<LoadedMethod>(*draft_program, "forward", nullptr, draft_weights->get());
     drafter = std::make_unique<DraftModel>(*draft_forward, draft_md, o);
   }
   DraftLength length(o.num_draft_tokens ? o.num_draft_tokens : md.max_draft_tokens, !o.fixed_draft_length);
@@ -752,7 +798,7 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr,
                  "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--seed S]\n      %s\n"
-                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N]\n"
+                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N] [--data MODEL.ptd]\n"
                  "       [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]\n",
                  flags.c_str());
     return 2;

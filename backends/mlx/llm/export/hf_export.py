@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import re
 import time
 import traceback
@@ -295,11 +296,26 @@ def _with_full_mask(lm: CachedLM, module: torch.nn.Module, example: tuple, dynam
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
              logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0,
-             cache_rewind: int | None = None) -> dict:
+             cache_rewind: int | None = None, weights_file: str | None = None) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     names = SAMPLER_INPUTS if token_mask else tuple(n for n in SAMPLER_INPUTS if n != TOKEN_MASK)
     return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names,
-                                         max_draft_tokens, cache_rewind)
+                                         max_draft_tokens, cache_rewind, weights_file)
+
+
+def write_data_file(program, path: Path) -> None:
+    """The program's external data file (ExecuTorch writes it as TAG.ptd into
+    a folder) as `path`, replaced whole: written into a temporary folder
+    beside it, then renamed over it."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        program.write_tensor_data_to_file(str(tmp))
+        os.replace(tmp / path.name, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
@@ -307,7 +323,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False, max_draft_tokens: int | None = None,
-               activations: str | None = None) -> Path:
+               activations: str | None = None, external_weights: bool = False) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -330,6 +346,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     "int8" (each group of x rounded to 8 bits, as llama.cpp does: faster) or
     "float" (x times the dequantized weights, as MLX's quantized_matmul and
     so mlx-lm compute); default "float" for an mlx-lm folder, else "int8".
+    `external_weights` writes the weights to ExecuTorch's data file beside
+    the program (model.pte: model.ptd), which the runners load with it.
 
     Checked before any work (llm/export/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -366,6 +384,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if not sampling:
         max_draft_tokens = 0  # a logits program returns the last position only
     output_path = check_output_path(model_dir, output_path)
+    if external_weights:
+        if output_path.suffix == ".ptd":
+            raise ValueError(f"output {output_path} would be its own weights file: name the program *.pte")
+        check_output_path(model_dir, output_path.with_suffix(".ptd"))
     quantization = "none" if fmt is None else f"{fmt}" + (" +embedding" if quantize_embedding else "")
     if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
         if quantize is not None or quantize_embedding:
@@ -436,18 +458,23 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         ep = trace(module, example, dynamic, model_dir)
         attend_written_prefix(ep, max_context)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
-        partitioner = MLXPartitioner(activations)
+        weights = output_path.with_suffix(".ptd") if external_weights else None
+        partitioner = MLXPartitioner(activations, weights and weights.stem)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
-                        max_draft_tokens, rewind)
+                        max_draft_tokens, rewind, weights and weights.name)
         edge = lower_whole(ep, partitioner, meta)
         del ep, module, lm, model  # the delegate's weights are in the named data store now
         refuse_ops_outside(partitioner, model_dir)
         drop_unused_constants(edge.exported_program())
         program = edge.to_executorch()
+        if weights is not None:  # first: the old program fails to find its weights in it, never runs on them
+            stage(f"writing {weights}")
+            write_data_file(program, weights)
         stage(f"writing {output_path}")
         # the size ExecuTorch will write (its Cord of segments), for the bar; 0 hides it
         size = len(getattr(program, "_pte_data", b""))
         with counter("writing", size, "MiB", 2**20) as count:
             write_atomically(output_path, lambda file: program.write_to_file(CountingWriter(file, count)))
-    stage(f"done: {output_path.stat().st_size / 2**20:.1f} MiB")
+    sizes = [output_path] + ([weights] if weights is not None else [])
+    stage("done: " + ", ".join(f"{p.name} {p.stat().st_size / 2**20:.1f} MiB" for p in sizes))
     return output_path

@@ -27,15 +27,36 @@ def _named_error(e: Exception) -> str:
     return f"{e} ({name}; ExecuTorch logs the reason)" if name else str(e)
 
 
+def weights_path(weights_file: str | None, given: str | Path | None, program: str | Path | None,
+                 label) -> Path | None:
+    """The data file a program's weights load from: `given`, else the file its
+    metadata names (`weights_file`) beside the `program` path; None for a
+    program that holds its weights."""
+    if weights_file is None:
+        if given is not None:
+            raise ValueError(f"{label} holds its weights: it takes no data file ({given})")
+        return None
+    if given is None and program is None:
+        raise FileNotFoundError(f"{label} keeps its weights in {weights_file}: give its path (data_path)")
+    path = Path(given) if given is not None else Path(program).parent / weights_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{label} keeps its weights in {weights_file}; {path} does not exist (keep the "
+                                f"two files together, or give the data file's path)")
+    return path
+
+
 class ProgramRunner:
     """One method of a program that carries our contract, ready to run.
 
     `program` is a path (ExecuTorch maps the file) or the bytes of a .pte.
     `hint` ends the messages about a program that lacks the contract.
+    A program exported with its weights in a data file (export
+    --external-weights) loads them from `data_path`, by default the file
+    its metadata names, beside the program.
     """
 
     def __init__(self, program: str | Path | bytes, method: str = "forward",
-                 hint: str = "export it with executorch-mlx export"):
+                 hint: str = "export it with executorch-mlx export", data_path: str | Path | None = None):
         import executorch_mlx  # noqa: F401  (registers the backend)
         from executorch.runtime import Runtime
 
@@ -68,6 +89,9 @@ class ProgramRunner:
             # Keep the Program: a Method does not keep its Program alive.
             self.program = Runtime.get().load_program(source)
             self.contract = program_contract.read(self.program, method, hint)
+            data = weights_path(self.contract.weights_file, data_path, program if named else None, label)
+            if data is not None:
+                self.program = Runtime.get().load_program(source, data_path=str(data))
             self.method = self.program.load_method(method)
         except RuntimeError as e:
             raise RuntimeError(f"cannot load {label}: {last_error() or _named_error(e)}") from e

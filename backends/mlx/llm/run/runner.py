@@ -77,10 +77,13 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
 
 class LLMRunner(ProgramRunner):
-    def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None):
+    def __init__(self, pte: str | Path | bytes, tokenizer_dir: str | Path | None = None, *,
+                 data_path: str | Path | None = None):
         """`tokenizer_dir`: the model's Hugging Face folder (tokenizer.json,
-        its chat template and eos tokens), or the .gguf file it came from."""
-        super().__init__(pte)
+        its chat template and eos tokens), or the .gguf file it came from.
+        `data_path`: the weights file of a program exported with
+        --external-weights (default: the one its metadata names, beside it)."""
+        super().__init__(pte, data_path=data_path)
         one = self.contract.one
         self.samples = self.contract.samples
         self.max_context = one(program_contract.MAX_CONTEXT_LEN, int)
