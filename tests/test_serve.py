@@ -356,6 +356,70 @@ def test_malformed_requests_get_400_naming_the_field(server, client, body, param
     assert _chat(client, temperature=0, max_tokens=2).usage.completion_tokens >= 1  # still answering
 
 
+# --------------------------------------------------------------- responses --
+def test_responses_create_answers_as_the_chat_request_it_means(client, reference):
+    """The official client's responses.create: `input` text or messages (text
+    parts), `instructions` as the system message, `max_output_tokens`; the
+    Response holds transformers' greedy text, its status and usage."""
+    want, text = reference(HELLO)
+    eos = {1, reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])}
+    reply = client.responses.create(model="model", input="Once upon a time", max_output_tokens=16, temperature=0)
+    assert reply.output_text == text and reply.id.startswith("resp-")
+    assert reply.status == ("completed" if want[-1] in eos else "incomplete")
+    assert reply.usage.output_tokens == len(want) and reply.usage.input_tokens == len(reference.prompt(HELLO))
+    system = [{"role": "system", "content": "Be brief."}, *HELLO]
+    _, brief = reference(system)
+    reply = client.responses.create(model="model", instructions="Be brief.", temperature=0, max_output_tokens=16,
+                                    input=[{"role": "user", "content": [{"type": "input_text",
+                                                                         "text": "Once upon a time"}]}])
+    assert reply.output_text == brief and reply.instructions == "Be brief."
+
+
+def test_responses_stream_events_in_order_with_the_whole_text(client):
+    kw = dict(model="model", input="Once upon a time", max_output_tokens=24, temperature=1.1, top_p=0.9,
+              include=["message.output_text.logprobs"], extra_body={"seed": 5})
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    end = "response.completed" if whole.status == "completed" else "response.incomplete"
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", end]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == whole.output_text == events[-1].response.output_text
+    entries = whole.output[0].content[0].logprobs
+    assert "".join(e.token for e in entries) == whole.output_text and all(e.logprob <= 0 for e in entries)
+    streamed = [e for d in deltas for e in d.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    # (float rounding apart: the two prefilled different parts of the prompt past the cached prefix)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-5)
+
+
+def test_responses_text_format_json_schema_is_enforced(client):
+    fmt = {"format": {"type": "json_schema", "name": "flag", "schema": {"type": "boolean"}, "strict": True}}
+    for seed in range(2):
+        reply = client.responses.create(model="model", input="Once upon a time", text=fmt, temperature=1.0,
+                                        max_output_tokens=16, extra_body={"seed": seed})
+        assert json.loads(reply.output_text) in (True, False) and reply.status == "completed"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "hi", "previous_response_id": "resp-1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text"),
+    ({"input": "hi", "temperature": -1}, "temperature"),
+])
+def test_responses_refuse_what_they_cannot_do_naming_the_field(server, body, param):
+    status, reply = _post(server, "/v1/responses", body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
 def test_invalid_json_and_unknown_routes(server):
     assert _post(server, "/v1/chat/completions", b"{not json")[0] == 400
     status, body = _post(server, "/v1/embeddings", {"input": "x"})

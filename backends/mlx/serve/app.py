@@ -4,6 +4,7 @@
     GET  /v1/models              the one model
     POST /v1/chat/completions    messages -> the chat template -> generate
     POST /v1/completions         prompt (text or token ids) -> generate
+    POST /v1/responses           OpenAI's Responses API: as a chat request (responses.py)
 
 One loaded program has one KV cache, so requests run one at a time, in
 arrival order, on one worker thread (the event loop never waits on a
@@ -46,6 +47,7 @@ from ..llm.run.runner import GenerationResult, LLMRunner
 from .body import BodyError, read_body
 from .guard import AccessPolicy, Guard
 from .requests import Request, RequestError, decode_body, parse
+from .responses import RESPONSES_FIELDS, ResponseBuilder, chat_body, response_usage
 
 # (the grammar allowing nothing more ends the answer as the model's end would)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "cancelled": "stop",
@@ -136,12 +138,26 @@ class Server:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "executorch-mlx"}]})
 
     async def chat_completions(self, request: Request):
-        return await self._complete(request, chat=True)
+        return await self._complete(request, "chat")
 
     async def completions(self, request: Request):
-        return await self._complete(request, chat=False)
+        return await self._complete(request, "completion")
 
-    async def _complete(self, request: Request, chat: bool):
+    async def responses(self, request: Request):
+        return await self._complete(request, "response")
+
+    def _parse(self, raw: bytes, api: str) -> tuple[Request, dict]:
+        """The checked request of `api` (chat, completion or response) and its body."""
+        body = decode_body(raw)
+        if api != "response":
+            return parse(body, self.runner, api == "chat", self.draft), body
+        try:
+            return parse(chat_body(body), self.runner, True, self.draft), body
+        except RequestError as e:  # named by the field the client sent
+            e.param = RESPONSES_FIELDS.get(e.param, e.param)
+            raise
+
+    async def _complete(self, request: Request, api: str):
         try:
             raw = await read_body(request, self.options.max_request_bytes, self.options.body_timeout)
         except BodyError as e:
@@ -150,30 +166,38 @@ class Server:
             return error_response(499, "the client closed the request")
         loop = asyncio.get_running_loop()
         try:
-            parsed = await loop.run_in_executor(self.checker,
-                                                lambda: parse(decode_body(raw), self.runner, chat, self.draft))
+            parsed, body = await loop.run_in_executor(self.checker, lambda: self._parse(raw, api))
         except RequestError as e:
             return error_response(400, str(e), e.param, e.code)
+        chat = parsed.chat
         job = _Job(parsed, self.runner, loop)
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": self.model_name}
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "response": "resp"}[api]
+        head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.model_name}
+        builder = (ResponseBuilder((head["id"], f"msg-{uuid.uuid4().hex[:24]}"), head["created"], self.model_name,
+                                   body) if api == "response" else None)
         future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
         if parsed.stream:
-            return StreamingResponse(self._stream(job, future, head), media_type="text/event-stream")
+            events = self._stream_response(job, future, builder) if builder else self._stream(job, future, head)
+            return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
         try:
             result = await future
         except GrammarError as e:  # llguidance gave up on the request's grammar
-            return error_response(400, f"response_format: {e}", "response_format")
+            field = "text" if builder else "response_format"
+            return error_response(400, f"{field}: {e}", field)
         except (RuntimeError, ValueError) as e:
             return error_response(500, f"generation failed: {e}", kind="server_error")
         finally:
             watcher.cancel()
         if result is None:  # its client left before it ran: nobody reads this
             return error_response(499, "the client closed the request")
+        tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
+        if builder:
+            logprobs = self._logprobs(tokens, True, 0)["content"] if parsed.logprobs else None
+            return JSONResponse(builder.response(_status(result), result.text, logprobs,
+                                                 response_usage(_usage(result))))
         content = result.text
         choice = {"index": 0, "finish_reason": FINISH_REASONS[result.stop_reason]}
-        tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
         else:
@@ -224,6 +248,32 @@ class Server:
         finally:
             job.cancelled.set()  # the client left (or all was sent): stop at the next token
 
+    async def _stream_response(self, job: _Job, future: asyncio.Future, builder: ResponseBuilder):
+        """The Responses API's events: opening ones, a delta per piece of
+        text, closing ones (or response.failed)."""
+        try:
+            for event in builder.opening():
+                yield event
+            text, logprobs = "", []
+            while (item := await job.queue.get()) is not _DONE:
+                piece, tokens = item
+                found = self._logprobs(tokens, True, 0)["content"] if job.request.logprobs and tokens else []
+                text += piece
+                logprobs += found
+                if piece or found:
+                    yield builder.delta(piece, found)
+            try:
+                result = await future
+            except (RuntimeError, ValueError) as e:
+                failed = builder.response("failed")
+                failed["error"] = {"code": "server_error", "message": f"generation failed: {e}"}
+                yield builder.event("response.failed", response=failed)
+            else:
+                for event in builder.closing(_status(result), text, logprobs, response_usage(_usage(result))):
+                    yield event
+        finally:
+            job.cancelled.set()  # the client left (or all was sent): stop at the next token
+
     def _logprobs(self, tokens, chat: bool, offset: int) -> dict:
         """OpenAI's logprobs of the chosen tokens (an eos id has no text and is left out)."""
         decode = self.runner.tokenizer.decode
@@ -237,6 +287,11 @@ class Server:
             offset += len(s)
         return {"tokens": [s for s, _ in kept], "token_logprobs": [lp for _, lp in kept], "top_logprobs": None,
                 "text_offset": offsets}
+
+
+def _status(result: GenerationResult) -> str:
+    """A Response's status: incomplete when the token limit ended it."""
+    return "incomplete" if result.stop_reason == "max_new_tokens" else "completed"
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -271,6 +326,7 @@ def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
     ], middleware=access_middleware(options), exception_handlers={HTTPException: _http_error,
                                                                   Exception: _server_error})
 
