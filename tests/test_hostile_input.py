@@ -156,13 +156,14 @@ def test_a_20_mb_body_is_413_at_once(served, chunked):
     assert served.rss_mb() - before < 500
 
 
-@pytest.mark.parametrize("route,field_name", [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+@pytest.mark.parametrize("route,field_name", [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"),
+                                              ("/v1/responses", "input")])
 def test_a_long_prompt_is_measured_not_tokenized(served, route, field_name):
     """6 MB of text under the body limit: refused against the context by its
     size, in far less than tokenizing it would take."""
     before = served.rss_mb()
     text = "Once upon a time " * (6 << 20 >> 4)
-    body = {"messages": [{"role": "user", "content": text}]} if field_name == "messages" else {"prompt": text}
+    body = {"messages": [{"role": "user", "content": text}]} if field_name == "messages" else {field_name: text}
     status, reply, seconds = request(served, route, body)
     message = refused(reply, 400, status, seconds, field_name)
     assert reply["error"]["code"] == "context_length_exceeded" and "bytes" in message
@@ -177,6 +178,8 @@ def test_lone_surrogates_are_400_naming_the_field(served):
     assert "not valid Unicode" in refused(reply, 400, status, seconds, "prompt")
     status, reply, seconds = request(served, "/v1/chat/completions", b'{"messages": [], "stop": ["\\ud800"]}')
     refused(reply, 400, status, seconds, "stop")
+    status, reply, seconds = request(served, "/v1/responses", b'{"input": "a\\udc80"}')
+    assert "not valid Unicode" in refused(reply, 400, status, seconds, "input")
 
 
 def test_deep_nesting_is_400(served):
