@@ -57,26 +57,30 @@ def llama(tmp_path_factory):
                               intermediate=128)
 
 
-@pytest.mark.parametrize("activations", [None, "int8"], ids=["default", "int8"])
-def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, activations, bits=4):
-    """By default its layers meet x in floats, as mlx-lm computes; int8 on
-    request. (8 bits takes the same path: benchmarks/check_mlx_lm_folders.py
-    runs both against mlx-lm.)"""
+def quantized_linear_flags(pte_bytes: bytes) -> set[bool]:
+    return {n.op.float_activations for g in delegate_graphs(pte_bytes) for n in g.nodes
+            if type(n.op).__name__ == "QuantizedLinearNode"}
+
+
+def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
+    """Its layers meet x in floats, as mlx-lm computes (int8 on request).
+    (8 bits takes the same path: benchmarks/check_mlx_lm_folders.py runs
+    both against mlx-lm.)"""
     folder = write_mlx_folder(llama, tmp_path / "mlx", bits, 64)
-    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, activations=activations, progress=None)
+    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, progress=None)
     data = pte.read_bytes()
     packed = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if v.dtype == np.uint32}
     assert packed and all(v.tobytes() in data for v in packed.values()), "the folder's packed weights, unchanged"
     ours = export_llm(llama, tmp_path / "ours.pte", max_context=64, quantize=f"int{bits}", quantize_embedding=True,
-                      activations=activations or "float", progress=None)
+                      activations="float", progress=None)
     want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
     runner = LLMRunner(pte, folder)
     assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
-    label = f"mlx-lm int{bits} group 64" + ("" if activations == "int8" else ", float activations")
-    assert runner.contract.metadata["emlx_quantization"] == [label]
-    flags = {n.op.float_activations for g in delegate_graphs(data) for n in g.nodes
-             if type(n.op).__name__ == "QuantizedLinearNode"}
-    assert flags == {activations != "int8"}
+    assert runner.contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64, float activations"]
+    assert quantized_linear_flags(data) == {True}
+    rounded = export_llm(folder, tmp_path / "int8.pte", max_context=64, activations="int8", progress=None)
+    assert quantized_linear_flags(rounded.read_bytes()) == {False}
+    assert LLMRunner(rounded).contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64"]
 
 
 def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
