@@ -336,7 +336,7 @@ def test_concurrent_clients_equal_serial(client):
 @pytest.mark.parametrize("body,param", [
     ({"messages": HELLO, "top_p": 1.5}, "top_p"),
     ({"messages": HELLO, "logit_bias": {"12": 500}}, "logit_bias"),
-    ({"messages": HELLO, "n": 2}, "n"),
+    ({"messages": HELLO, "n": 17}, "n"),
     ({"messages": HELLO, "max_tokens": 10_000}, "max_tokens"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
@@ -354,6 +354,31 @@ def test_malformed_requests_get_400_naming_the_field(server, client, body, param
     assert status == 400 and reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
     assert param in reply["error"]["message"] or param == "messages"
     assert _chat(client, temperature=0, max_tokens=2).usage.completion_tokens >= 1  # still answering
+
+
+def test_n_choices_are_each_what_its_seed_gives_alone(client, server):
+    """n=3: choice i is what the request alone gives with choice i's seed
+    (choice 0: the request's own, docs/serve.md); streamed, the same texts by
+    index; usage counts the prompt once and every choice's tokens."""
+    from executorch_mlx.serve.requests import choice_seed
+
+    kw = dict(temperature=1.2, max_tokens=12)
+    reply = _chat(client, n=3, seed=11, **kw)
+    texts = [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)]
+    alone = [_chat(client, seed=choice_seed(11, i), **kw) for i in range(3)]
+    assert texts == [a.choices[0].message.content for a in alone] and len(set(texts)) > 1
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert reply.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed, finished = {}, {}
+    for chunk in _chat(client, n=3, seed=11, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            finished[c.index] = c.finish_reason or finished.get(c.index)
+    assert [streamed[i] for i in range(3)] == texts
+    assert [finished[i] for i in range(3)] == [c.finish_reason for c in sorted(reply.choices, key=lambda c: c.index)]
+    status, body = _post(server, "/v1/completions", {"prompt": "Once upon a time", "n": 2, "seed": 3,
+                                                     "temperature": 1.0, "max_tokens": 6})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1]
 
 
 # --------------------------------------------------------------- responses --

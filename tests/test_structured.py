@@ -141,8 +141,8 @@ def test_response_format_json_object_gives_an_object(runner):
     for seed in range(4):
         request = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": seed,
                          "max_tokens": MAX_CONTEXT - 4}, runner, chat=False)
-        assert request.plan.constraint is not None
-        result = runner.run(request.plan)
+        assert request.plans[0].constraint is not None
+        result = runner.run(request.plans[0])
         # an object without a schema may outgrow max_tokens: then it is one cut short
         if result.stop_reason == "max_new_tokens":
             assert result.text.startswith("{"), result.text
@@ -158,11 +158,11 @@ def test_a_plan_is_prepared_once_and_runs_once(runner, program):
 
     request = parse({"prompt": "Hi", "response_format": {"type": "json_object"}, "seed": 3, "max_tokens": 8},
                     runner, chat=False)
-    constraint = request.plan.constraint
-    result = runner.run(request.plan)
+    constraint = request.plans[0].constraint
+    result = runner.run(request.plans[0])
     assert constraint.matcher.is_stopped() or len(result.token_ids) == 8  # this plan's matcher advanced
     with pytest.raises(ValueError, match="runs once"):
-        runner.run(request.plan)
+        runner.run(request.plans[0])
     other = LLMRunner(*program)
     with pytest.raises(ValueError, match="another runner"):
         other.run(runner.prepare("Hi", max_new_tokens=2))

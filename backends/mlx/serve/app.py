@@ -86,14 +86,17 @@ def _sse(data) -> str:
 
 
 class _Job:
-    """One request's generation on the worker thread; its text pieces and
-    tokens reach the event loop through a queue when streamed."""
+    """One request's generation on the worker thread, its choices one after
+    another. Streamed, each choice's pieces of text with their tokens, then
+    its result, reach the event loop through a queue: (index, piece,
+    tokens), then (index, None, result)."""
 
     def __init__(self, request: Request, runner: LLMRunner, loop: asyncio.AbstractEventLoop):
         self.request, self.runner, self.loop = request, runner, loop
         streamed = request.stream
         self.cancelled = threading.Event()
         self.queue: asyncio.Queue | None = asyncio.Queue() if streamed else None
+        self.index = 0  # the choice running
         self.tokens: list[tuple[int, float | None]] = []  # not yet sent with a piece of text
 
     def _put(self, item) -> None:
@@ -105,18 +108,24 @@ class _Job:
 
     def _on_text(self, piece: str) -> None:
         tokens, self.tokens = self.tokens, []
-        self._put((piece, tokens))
+        self._put((self.index, piece, tokens))
 
-    def run(self) -> GenerationResult | None:
+    def run(self) -> list[GenerationResult] | None:
+        """Each choice's result; None when its client left before it ran."""
+        results = []
         try:
-            if self.cancelled.is_set():  # its client left while it waited
-                return None
-            return self.runner.run(self.request.plan, on_text=self._on_text if self.queue else None,
-                                   on_token=self._on_token)
+            for self.index, plan in enumerate(self.request.plans):
+                if self.cancelled.is_set():  # its client left (while it waited, or during a choice)
+                    return results or None
+                results.append(self.runner.run(plan, on_text=self._on_text if self.queue else None,
+                                               on_token=self._on_token))
+                if self.queue is not None:
+                    if self.tokens:
+                        self._on_text("")
+                    self._put((self.index, None, results[-1]))
+            return results
         finally:
             if self.queue is not None:
-                if self.tokens:
-                    self._put(("", self.tokens))
                 self._put(_DONE)
 
 
@@ -181,7 +190,7 @@ class Server:
             return StreamingResponse(events, media_type="text/event-stream")
         watcher = asyncio.create_task(self._cancel_on_disconnect(request, job))
         try:
-            result = await future
+            results = await future
         except GrammarError as e:  # llguidance gave up on the request's grammar
             field = "text" if builder else "response_format"
             return error_response(400, f"{field}: {e}", field)
@@ -189,22 +198,24 @@ class Server:
             return error_response(500, f"generation failed: {e}", kind="server_error")
         finally:
             watcher.cancel()
-        if result is None:  # its client left before it ran: nobody reads this
+        if results is None:  # its client left before it ran: nobody reads this
             return error_response(499, "the client closed the request")
-        tokens = list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
         if builder:
-            logprobs = self._logprobs(tokens, True, 0)["content"] if parsed.logprobs else None
+            [result] = results
+            logprobs = self._logprobs(_tokens(result), True, 0)["content"] if parsed.logprobs else None
             return JSONResponse(builder.response(_status(result), result.text, logprobs,
-                                                 response_usage(_usage(result))))
-        content = result.text
-        choice = {"index": 0, "finish_reason": FINISH_REASONS[result.stop_reason]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": content}
-        else:
-            choice["text"] = content
-        choice["logprobs"] = self._logprobs(tokens, chat, 0) if parsed.logprobs else None
+                                                 response_usage(_usage(results))))
+        choices = []
+        for i, result in enumerate(results):
+            choice = {"index": i, "finish_reason": FINISH_REASONS[result.stop_reason]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            choice["logprobs"] = self._logprobs(_tokens(result), chat, 0) if parsed.logprobs else None
+            choices.append(choice)
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                             "choices": [choice], "usage": _usage(result)})
+                             "choices": choices, "usage": _usage(results)})
 
     @staticmethod
     async def _cancel_on_disconnect(request: Request, job: _Job) -> None:
@@ -217,8 +228,8 @@ class Server:
         chat = job.request.chat
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
-        def chunk(text: str | None, tokens=(), finish: str | None = None, offset: int = 0) -> str:
-            choice = {"index": 0, "finish_reason": finish,
+        def chunk(index: int, text: str | None, tokens=(), finish: str | None = None, offset: int = 0) -> str:
+            choice = {"index": index, "finish_reason": finish,
                       "logprobs": self._logprobs(tokens, chat, offset) if job.request.logprobs and tokens else None}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
@@ -228,22 +239,25 @@ class Server:
 
         try:
             if chat:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-            offset = 0
+                yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}
+                                                for i in range(len(job.request.plans))]})
+            offsets = [0] * len(job.request.plans)
             while (item := await job.queue.get()) is not _DONE:
-                piece, tokens = item
-                yield chunk(piece, tokens, offset=offset)
-                offset += len(piece)
+                index, piece, tokens = item
+                if piece is None:  # the choice's end: tokens is its result
+                    yield chunk(index, None, finish=FINISH_REASONS[tokens.stop_reason])
+                    continue
+                yield chunk(index, piece, tokens, offset=offsets[index])
+                offsets[index] += len(piece)
             try:
-                result = await future
+                results = await future
             except (RuntimeError, ValueError) as e:
                 yield _sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
                                       "param": None, "code": None}})
             else:
-                yield chunk(None, finish=FINISH_REASONS[result.stop_reason])
-                if job.request.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(result)})
+                if job.request.include_usage and results:
+                    yield _sse({**head, "choices": [], "usage": _usage(results)})
             yield _sse("[DONE]")
         finally:
             job.cancelled.set()  # the client left (or all was sent): stop at the next token
@@ -256,21 +270,25 @@ class Server:
                 yield event
             text, logprobs = "", []
             while (item := await job.queue.get()) is not _DONE:
-                piece, tokens = item
+                _, piece, tokens = item
+                if piece is None:  # the end of the one choice (its result comes from the future)
+                    continue
                 found = self._logprobs(tokens, True, 0)["content"] if job.request.logprobs and tokens else []
                 text += piece
                 logprobs += found
                 if piece or found:
                     yield builder.delta(piece, found)
             try:
-                result = await future
+                results = await future
             except (RuntimeError, ValueError) as e:
                 failed = builder.response("failed")
                 failed["error"] = {"code": "server_error", "message": f"generation failed: {e}"}
                 yield builder.event("response.failed", response=failed)
             else:
-                for event in builder.closing(_status(result), text, logprobs, response_usage(_usage(result))):
-                    yield event
+                if results:
+                    for event in builder.closing(_status(results[0]), text, logprobs,
+                                                 response_usage(_usage(results))):
+                        yield event
         finally:
             job.cancelled.set()  # the client left (or all was sent): stop at the next token
 
@@ -294,11 +312,17 @@ def _status(result: GenerationResult) -> str:
     return "incomplete" if result.stop_reason == "max_new_tokens" else "completed"
 
 
-def _usage(result: GenerationResult) -> dict:
-    completion = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": result.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+def _tokens(result: GenerationResult) -> list[tuple[int, float | None]]:
+    return list(zip(result.token_ids, result.logprobs or [None] * len(result.token_ids)))
+
+
+def _usage(results: list[GenerationResult]) -> dict:
+    """OpenAI's usage: the prompt once (its cache reuse the first choice's), every choice's tokens."""
+    first = results[0]
+    completion = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

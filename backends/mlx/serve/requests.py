@@ -29,6 +29,11 @@ DEFAULT_REPETITION_CONTEXT = 20
 # Deeper JSON is refused before any field is read (a JSON schema nests about
 # three levels a level of its objects).
 MAX_JSON_DEPTH = 128
+# `n`: the most choices one request asks for (they run one after another)
+MAX_CHOICES = 16
+# choice i's seed is the request's plus i times this (mod 2**64): 2**64 over
+# the golden ratio, splitmix64's step, so choices of nearby seeds do not meet
+CHOICE_SEED_STEP = 0x9E3779B97F4A7C15
 
 
 class RequestError(ValueError):
@@ -39,11 +44,11 @@ class RequestError(ValueError):
 
 @dataclass
 class Request:
-    """A request, checked: the runner's Plan (prepared once, its grammar
-    compiled) and how to answer."""
+    """A request, checked: the runner's Plan of each choice (prepared once,
+    its grammar compiled) and how to answer."""
 
     chat: bool
-    plan: Plan | None = None
+    plans: list[Plan] | None = None
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -205,9 +210,9 @@ def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Req
     mask is per position: those decode plainly, with the same output)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    n = _int(body, "n", 1)
-    if n is not None and n > 1:
-        raise RequestError("n > 1 is not implemented: one choice per request", "n")
+    n = _int(body, "n", 1) or 1
+    if n > MAX_CHOICES:
+        raise RequestError(f"n must be at most {MAX_CHOICES}, got {n}", "n")
     request = Request(chat=chat)
     prompt_ids = _prompt(body, runner, chat)
     kwargs = _sampler_fields(body, runner)
@@ -252,11 +257,17 @@ def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Req
     if draft and schema is None:
         kwargs.update(draft)
     try:  # every field is checked above: what prepare() refuses here is the grammar
-        request.plan = runner.prepare(prompt_ids, **kwargs)
+        request.plans = [runner.prepare(prompt_ids, **{**kwargs, "seed": choice_seed(kwargs["seed"], i)})
+                         for i in range(n)]
     except ValueError as e:
         raise RequestError(f"response_format: {e}" if schema is not None else str(e),
                            "response_format" if schema is not None else None) from None
     return request
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice i of a request seeded `seed` (choice 0: `seed` itself)."""
+    return (seed + i * CHOICE_SEED_STEP) % 2**64
 
 
 def _response_format(body: dict):
