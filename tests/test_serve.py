@@ -301,6 +301,43 @@ def test_logprobs(client, server, reference):
     assert logprobs["text_offset"][0] == 0
 
 
+def test_top_logprobs_are_the_raw_distributions_most_likely(model, reference):
+    """The program returns each step's 5 most likely tokens under log_softmax
+    of the raw logits: transformers' top 5 on the same tokens, sorted, and
+    the chosen token's logprob among them where it is one of them."""
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.run.runner import LLMRunner
+
+    ids = reference.prompt(HELLO)
+    result = LLMRunner(model.pte, model.folder).generate(ids, max_new_tokens=8, temperature=1.0, seed=4)
+    lm = AutoModelForCausalLM.from_pretrained(model.folder).eval()
+    with torch.no_grad():
+        logits = lm(torch.tensor([ids + result.token_ids])).logits[0, len(ids) - 1:-1]
+    want = torch.topk(torch.log_softmax(logits.float(), -1), 5)
+    for step, (token, lp) in enumerate(zip(result.token_ids, result.logprobs)):
+        ids_, values = zip(*lp.top)
+        assert list(ids_) == want.indices[step].tolist() and list(values) == sorted(values, reverse=True)
+        torch.testing.assert_close(torch.tensor(values), want.values[step], atol=1e-4, rtol=1e-4)
+        assert dict(lp.top).get(token, lp) == pytest.approx(lp)
+
+
+def test_top_logprobs_in_requests(client, server):
+    reply = _chat(client, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    for entry in reply.choices[0].logprobs.content:
+        top = entry.top_logprobs
+        assert len(top) == 3 and [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+        assert (top[0].token, top[0].logprob) == (entry.token, pytest.approx(entry.logprob))  # greedy: the top one
+    status, body = _post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4,
+                                                     "temperature": 0.9, "seed": 2, "logprobs": 2})
+    tops = body["choices"][0]["logprobs"]["top_logprobs"]
+    assert status == 200 and len(tops) == len(body["choices"][0]["logprobs"]["tokens"])
+    assert all(1 <= len(t) <= 2 for t in tops)
+    status, body = _post(server, "/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 6})
+    assert status == 400 and body["error"]["param"] == "top_logprobs" and "the 5 this program" in \
+        body["error"]["message"]
+
+
 def test_multi_turn_equals_transformers_and_reuses_the_cache(client, reference):
     _, first = reference(HELLO)
     assert _chat(client, temperature=0, max_tokens=16).choices[0].message.content == first

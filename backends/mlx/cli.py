@@ -41,8 +41,9 @@ def cmd_export(args) -> int:
         export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
                    sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
                    quantize_embedding=args.quantize_embedding, history_size=args.history_size,
-                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, token_mask=not args.no_grammar,
-                   allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
+                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+                   token_mask=not args.no_grammar, allow_longer_context=args.allow_longer_context,
+                   max_draft_tokens=args.max_draft_tokens,
                    activations=args.activations, external_weights=args.external_weights,
                    progress=display and display.line)
     return 0
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logit-bias-size", type=int, default=16,
                    help="tokens a generate call can give a logit bias (default 16)")
     p.add_argument("--logprobs", action="store_true", help="also return each token's log-probability")
+    p.add_argument("--top-logprobs", type=int, default=0, metavar="K",
+                   help="also return the K most likely tokens and their log-probabilities at each step "
+                        "(at most 20; implies --logprobs; serve's top_logprobs)")
     p.add_argument("--no-grammar", action="store_true",
                    help="leave out the token mask input that structured output (generate --json-schema, "
                         "--regex, --grammar) fills")

@@ -34,6 +34,11 @@ EOS_IDS = "get_eos_ids"
 INPUT_NAMES = "emlx_input_names"  # a string: the method's input names, comma-separated
 SAMPLES = "emlx_samples"  # bool: the first output is token ids (else logits)
 LOGPROBS = "emlx_logprobs"  # bool: the second output is their log-probabilities
+# int K: then the K most likely tokens of each row, ids int64 [R, K] and
+# log-probabilities float32 [R, K], most likely first (absent: none)
+TOP_LOGPROBS = "emlx_top_logprobs"
+# the most TOP_LOGPROBS an export takes (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
 MODEL_TYPE = "emlx_model_type"
 QUANTIZATION = "emlx_quantization"
 MAX_DRAFT_TOKENS = "emlx_max_draft_tokens"  # int: drafts one call verifies (llm/export/speculative.py)
@@ -80,11 +85,11 @@ def head_metadata(input_names: list[str], logprobs: bool) -> dict:
 
 def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
                  logprobs: bool, sampler_inputs: tuple[str, ...], max_draft_tokens: int = 0,
-                 cache_rewind: int | None = None, weights_file: str | None = None) -> dict:
+                 cache_rewind: int | None = None, weights_file: str | None = None, top_logprobs: int = 0) -> dict:
     """The metadata of an LLM program: ExecuTorch's names, then ours.
     `cache_rewind`: None when the cache keeps every position, else how far
     back from its end a call may start (a ring-buffer cache); `weights_file`:
-    the .ptd holding the weights, or None."""
+    the .ptd holding the weights, or None; `top_logprobs`: K (TOP_LOGPROBS)."""
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     bos = config.get("bos_token_id")
@@ -106,6 +111,7 @@ def llm_metadata(config: dict, max_context: int, max_chunk: int, sampling: bool,
         CACHE_REWIND: cache_rewind or 0,
         MAX_DRAFT_TOKENS: max_draft_tokens,
         **({WEIGHTS_FILE: weights_file} if weights_file else {}),
+        **({TOP_LOGPROBS: top_logprobs} if top_logprobs else {}),
     }
 
 
@@ -122,6 +128,7 @@ class Contract:
     logprobs: bool
     metadata: dict[str, list] = field(repr=False)
     weights_file: str | None = None  # WEIGHTS_FILE
+    top_logprobs: int = 0  # TOP_LOGPROBS
 
     def one(self, name: str, kind: type, default=None, hint: str = _EXPORT_HINT):
         """A metadata method's single value of type `kind`; ValueError otherwise."""
@@ -162,6 +169,10 @@ def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract
     contract.input_names = contract.one(INPUT_NAMES, str, hint=hint).split(",")
     contract.samples = contract.one(SAMPLES, bool, hint=hint)
     contract.logprobs = contract.one(LOGPROBS, bool, False, hint=hint)
+    contract.top_logprobs = contract.one(TOP_LOGPROBS, int, 0, hint=hint)
+    if not 0 <= contract.top_logprobs <= MAX_TOP_LOGPROBS or (contract.top_logprobs and not contract.logprobs):
+        raise ValueError(f"this .pte's {TOP_LOGPROBS} ({contract.top_logprobs}) is not in [1, {MAX_TOP_LOGPROBS}] "
+                         f"beside {LOGPROBS}: {hint}")
     if WEIGHTS_FILE in metadata:
         contract.weights_file = contract.one(WEIGHTS_FILE, str, hint=hint)
     meta = program.metadata(method)

@@ -202,7 +202,7 @@ class Server:
             return error_response(499, "the client closed the request")
         if builder:
             [result] = results
-            logprobs = self._logprobs(_tokens(result), True, 0)["content"] if parsed.logprobs else None
+            logprobs = self._logprobs(_tokens(result), parsed)["content"] if parsed.logprobs else None
             return JSONResponse(builder.response(_status(result), result.text, logprobs,
                                                  response_usage(_usage(results))))
         choices = []
@@ -212,7 +212,7 @@ class Server:
                 choice["message"] = {"role": "assistant", "content": result.text}
             else:
                 choice["text"] = result.text
-            choice["logprobs"] = self._logprobs(_tokens(result), chat, 0) if parsed.logprobs else None
+            choice["logprobs"] = self._logprobs(_tokens(result), parsed) if parsed.logprobs else None
             choices.append(choice)
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                              "choices": choices, "usage": _usage(results)})
@@ -230,7 +230,8 @@ class Server:
 
         def chunk(index: int, text: str | None, tokens=(), finish: str | None = None, offset: int = 0) -> str:
             choice = {"index": index, "finish_reason": finish,
-                      "logprobs": self._logprobs(tokens, chat, offset) if job.request.logprobs and tokens else None}
+                      "logprobs": self._logprobs(tokens, job.request, offset) if job.request.logprobs and tokens
+                      else None}
             if chat:
                 choice["delta"] = {} if text is None else {"content": text}
             else:
@@ -273,7 +274,7 @@ class Server:
                 _, piece, tokens = item
                 if piece is None:  # the end of the one choice (its result comes from the future)
                     continue
-                found = self._logprobs(tokens, True, 0)["content"] if job.request.logprobs and tokens else []
+                found = self._logprobs(tokens, job.request)["content"] if job.request.logprobs and tokens else []
                 text += piece
                 logprobs += found
                 if piece or found:
@@ -292,19 +293,25 @@ class Server:
         finally:
             job.cancelled.set()  # the client left (or all was sent): stop at the next token
 
-    def _logprobs(self, tokens, chat: bool, offset: int) -> dict:
-        """OpenAI's logprobs of the chosen tokens (an eos id has no text and is left out)."""
+    def _logprobs(self, tokens, request: Request, offset: int = 0) -> dict:
+        """OpenAI's logprobs of the chosen tokens, each with the request's
+        number of most likely ones (an eos id has no text and is left out)."""
         decode = self.runner.tokenizer.decode
-        kept = [(decode([t]), lp) for t, lp in tokens if t not in self.runner.eos_ids]
-        if chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in kept]}
+        k = request.top_logprobs
+        kept = [(decode([t]), lp, [(decode([i]), v) for i, v in lp.top[:k]])
+                for t, lp in tokens if t not in self.runner.eos_ids]
+        if request.chat:
+            def entry(s: str, lp: float) -> dict:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(*alt) for alt in top]}
+                                for s, lp, top in kept]}
         offsets = []
-        for s, _ in kept:
+        for s, _, _ in kept:
             offsets.append(offset)
             offset += len(s)
-        return {"tokens": [s for s, _ in kept], "token_logprobs": [lp for _, lp in kept], "top_logprobs": None,
-                "text_offset": offsets}
+        return {"tokens": [s for s, _, _ in kept], "token_logprobs": [lp for _, lp, _ in kept],
+                "top_logprobs": [dict(top) for _, _, top in kept] if k else None, "text_offset": offsets}
 
 
 def _status(result: GenerationResult) -> str:

@@ -52,6 +52,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # of each token's entry
 
 
 def decode_body(raw: bytes):
@@ -244,7 +245,7 @@ def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Req
     schema = _response_format(body)
     if schema is not None:
         kwargs["json_schema"] = schema
-    request.logprobs = _logprobs(body, runner, chat)
+    request.logprobs, request.top_logprobs = _logprobs(body, runner, chat)
     request.stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -295,20 +296,22 @@ def _response_format(body: dict):
     return schema  # (compiled by the runner's prepare(), at the end of parse)
 
 
-def _logprobs(body: dict, runner: LLMRunner, chat: bool) -> bool:
+def _logprobs(body: dict, runner: LLMRunner, chat: bool) -> tuple[bool, int]:
+    """(whether each token's logprob is wanted, how many top alternatives)."""
     if chat:
-        wanted = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", 0)
-        if top:
-            raise RequestError("top_logprobs > 0 is not implemented: logprobs gives the chosen token's",
-                               "top_logprobs")
+        wanted, name = _bool(body, "logprobs"), "top_logprobs"
+        top = _int(body, name, 0) or 0
+        if top and not wanted:
+            raise RequestError("top_logprobs needs logprobs: true", name)
     else:  # the legacy field is the number of top logprobs; 0 gives the chosen token's only
-        top = _int(body, "logprobs", 0)
-        if top:
-            raise RequestError("logprobs > 0 (top logprobs) is not implemented: 0 gives the chosen token's",
-                               "logprobs")
-        wanted = top == 0
+        name = "logprobs"
+        top = _int(body, name, 0)
+        wanted, top = top is not None, top or 0
     if wanted and not runner.logprobs:
         raise RequestError("this program was exported without logprobs (executorch-mlx export --logprobs)",
                            "logprobs")
-    return wanted
+    available = runner.contract.top_logprobs
+    if top > available:
+        raise RequestError(f"{name} {top} exceeds the {available} this program returns (executorch-mlx export "
+                           f"--top-logprobs K, at most 20)", name)
+    return wanted, top

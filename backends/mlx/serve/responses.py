@@ -56,6 +56,8 @@ def chat_body(body) -> dict:
         if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
             raise RequestError("include must be a list of strings", "include")
         chat["logprobs"] = LOGPROBS_INCLUDE in include
+    if body.get("top_logprobs"):  # (asking for the top ones asks for the logprobs)
+        chat["logprobs"] = True
     return chat
 
 

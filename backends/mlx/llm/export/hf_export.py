@@ -235,13 +235,14 @@ class SampledLM(torch.nn.Module):
     for export; the token mask comes last and may be left out (a program
     without a grammar input)."""
 
-    def __init__(self, lm: CachedLM, logprobs: bool):
+    def __init__(self, lm: CachedLM, logprobs: bool, top_logprobs: int = 0):
         super().__init__()
         self.lm = lm
-        self.logprobs = logprobs
+        self.logprobs, self.top_logprobs = logprobs, top_logprobs
 
     def forward(self, input_ids, cache_position, *sampler):
-        return verify(self.lm, input_ids, cache_position, dict(zip(SAMPLER_INPUTS, sampler)), self.logprobs)
+        return verify(self.lm, input_ids, cache_position, dict(zip(SAMPLER_INPUTS, sampler)), self.logprobs,
+                      self.top_logprobs)
 
     # The inputs by name, for torch.export (dynamic shapes and input names follow them).
     forward.__signature__ = inspect.Signature(
@@ -296,11 +297,11 @@ def _with_full_mask(lm: CachedLM, module: torch.nn.Module, example: tuple, dynam
 
 def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, quantization: str,
              logprobs: bool = False, token_mask: bool = True, max_draft_tokens: int = 0,
-             cache_rewind: int | None = None, weights_file: str | None = None) -> dict:
+             cache_rewind: int | None = None, weights_file: str | None = None, top_logprobs: int = 0) -> dict:
     """Constant methods: ExecuTorch's LLM-runner names, then ours (emlx_*)."""
     names = SAMPLER_INPUTS if token_mask else tuple(n for n in SAMPLER_INPUTS if n != TOKEN_MASK)
     return program_contract.llm_metadata(config, max_context, max_chunk, sampling, quantization, logprobs, names,
-                                         max_draft_tokens, cache_rewind, weights_file)
+                                         max_draft_tokens, cache_rewind, weights_file, top_logprobs)
 
 
 def write_data_file(program, path: Path) -> None:
@@ -323,7 +324,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False, max_draft_tokens: int | None = None,
-               activations: str | None = None, external_weights: bool = False) -> Path:
+               activations: str | None = None, external_weights: bool = False, top_logprobs: int = 0) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -335,7 +336,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
-    chosen token's log-probability as a second output. `token_mask` (the
+    chosen token's log-probability as a second output, and `top_logprobs`
+    K (at most 20; it implies `logprobs`) the K most likely tokens and their
+    log-probabilities at each step as third and fourth. `token_mask` (the
     default) adds the token bitmask input that structured output fills with
     a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
     the model's max_position_embeddings needs `allow_longer_context`.
@@ -375,6 +378,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
         raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
                          f"{logit_bias_size}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
+            not 0 <= top_logprobs <= program_contract.MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {program_contract.MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if top_logprobs and not sampling:
+        raise ValueError("top_logprobs needs a sampling program (a --no-sampling program returns the logits)")
+    logprobs = logprobs or bool(top_logprobs)
     if max_draft_tokens is None:
         max_draft_tokens = min(DEFAULT_DRAFT_TOKENS, max_context - 2)
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
@@ -438,7 +447,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
         dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
         if sampling:
-            module = SampledLM(lm, logprobs)
+            module = SampledLM(lm, logprobs, top_logprobs)
             sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
                                        logit_bias_size=logit_bias_size,
                                        mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
@@ -461,7 +470,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         weights = output_path.with_suffix(".ptd") if external_weights else None
         partitioner = MLXPartitioner(activations, weights and weights.stem)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
-                        max_draft_tokens, rewind, weights and weights.name)
+                        max_draft_tokens, rewind, weights and weights.name, top_logprobs)
         edge = lower_whole(ep, partitioner, meta)
         del ep, module, lm, model  # the delegate's weights are in the named data store now
         refuse_ops_outside(partitioner, model_dir)

@@ -59,6 +59,16 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.where(ids >= 0, picked, float("-inf"))
 
 
+def top_token_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens under log_softmax of the raw logits
+    (NaN as -inf): ids int64 [R, k] and their log-probabilities [R, k], most
+    likely first (equal values in index order)."""
+    x = logits.float()
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    values, ids = torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1)
+    return ids, values
+
+
 class SamplingHead(torch.nn.Module):
     """`model(*args) -> logits` becomes `head(*args, temperature, ...) -> ids[B]`
     (and logprobs[B] with `logprobs=True`)."""

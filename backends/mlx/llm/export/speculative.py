@@ -30,7 +30,7 @@ import torch
 
 from ...serialization.sampler_params import PARAMS
 from ..sampler_inputs import TABLE_PARAMS
-from .sampling import token_logprobs
+from .sampling import token_logprobs, top_token_logprobs
 
 
 def accepted_prefix(sampled: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
@@ -46,9 +46,11 @@ def accepted_prefix(sampled: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
 
 
 def verify(lm: torch.nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor, sampler: dict,
-           logprobs: bool):
+           logprobs: bool, top_logprobs: int = 0):
     """The program's forward with verification (see the module doc):
-    `sampler` holds the sampler inputs by name (None: not taken)."""
+    `sampler` holds the sampler inputs by name (None: not taken). With
+    `logprobs`, the emitted tokens' log-probabilities follow, then, with
+    `top_logprobs` K, each row's K most likely tokens and theirs."""
     rows = sampler["history"].shape[0]
     logits = lm(input_ids, cache_position, rows)[0]  # [R, V]
     position = sampler["position"] + torch.arange(rows)
@@ -60,4 +62,7 @@ def verify(lm: torch.nn.Module, input_ids: torch.Tensor, cache_position: torch.T
         params.append(value)
     sampled = torch.ops.mlx.sample(logits, sampler["temperature"], sampler["seed"], position, *params)
     emitted = accepted_prefix(sampled, input_ids[0, input_ids.shape[1] - rows:])
-    return (emitted, token_logprobs(logits, emitted)) if logprobs else emitted
+    if not logprobs:
+        return emitted
+    return (emitted, token_logprobs(logits, emitted)) + (top_token_logprobs(logits, top_logprobs)
+                                                          if top_logprobs else ())

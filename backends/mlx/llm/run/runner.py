@@ -46,6 +46,20 @@ from ...serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
 from ..sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
 
 
+class Logprob(float):
+    """A generated token's log-probability, a float. From a program exported
+    with top_logprobs K, `top` holds the K most likely (token id,
+    log-probability) pairs of that step, most likely first."""
+
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, value: float, ids: list[int], values: list[float]) -> Logprob:
+        logprob = cls(value)
+        logprob.top = tuple(zip(ids, values))
+        return logprob
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the generated ids only
@@ -54,7 +68,7 @@ class GenerationResult:
     decode_tokens_per_s: float
     # or "eos", "stop" (a stop string), "cancelled" (by on_token), "grammar" (it allows nothing more)
     stop_reason: str = "max_new_tokens"
-    logprobs: list[float] | None = None  # per generated token, from a program exported with logprobs
+    logprobs: list[Logprob] | None = None  # per generated token, from a program exported with logprobs
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
     draft_tokens: int = 0  # tokens a drafter proposed (speculative decoding)
@@ -226,8 +240,13 @@ class LLMRunner(ProgramRunner):
             emitted = [int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1]
         for token in emitted:
             self._check_token(token, constrained)
-        logprobs = outputs[1].reshape(-1)[:len(emitted)].tolist() if self.logprobs else [None] * len(emitted)
-        return emitted, logprobs
+        if not self.logprobs:
+            return emitted, [None] * len(emitted)
+        values = outputs[1].reshape(-1)[:len(emitted)].tolist()
+        if not self.contract.top_logprobs:
+            return emitted, [Logprob(v) for v in values]
+        ids, tops = (outputs[i][:len(emitted)].tolist() for i in (2, 3))
+        return emitted, [Logprob.of(v, i, t) for v, i, t in zip(values, ids, tops)]
 
     def _check_token(self, token: int, constrained: bool) -> None:
         if not 0 <= token < self.vocab_size:
