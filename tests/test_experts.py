@@ -139,6 +139,22 @@ def test_topk_keeps_equal_values_in_index_order():
     assert values.tolist() == [[3.0, 3.0, 3.0, 2.0], [5.0] * 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [1, 20, 64, 65])
+def test_topk_of_long_rows_is_a_stable_sorts_first_k(dtype, k):
+    """Rows of 5000 values with many ties (our one-pass kernel up to k = 64,
+    MLX's argsort beyond): a stable descending sort's first k, equal values
+    in index order; a NaN ranks as -inf."""
+    x = (torch.randint(0, 50, (3, 5000)).float() / 7).to(dtype)
+    x[2, ::3] = float("-inf")
+    x[2, 5::7] = float("nan")
+    edge = lower(Fn(lambda x: tuple(torch.topk(x, k))), (x,))
+    values, indices = run(edge.to_executorch().buffer, [x])
+    want = torch.sort(torch.nan_to_num(x.float(), nan=float("-inf")), descending=True, stable=True)
+    assert torch.equal(indices, want.indices[:, :k])
+    assert torch.equal(values.float().nan_to_num(nan=float("-inf")), want.values[:, :k])
+
+
 def test_max_and_min_along_a_dim():
     x = rand((4, 9))
     check(lambda x: tuple(torch.max(x, dim=1)), x, nodes={"MaxNode", "ArgmaxNode"})
