@@ -350,6 +350,18 @@ def test_multi_turn_equals_transformers_and_reuses_the_cache(client, reference):
     assert cached < reply.usage.prompt_tokens
 
 
+def test_a_conversation_comes_back_to_its_cache_across_others(client):
+    """serve keeps other conversations' caches (--prompt-cache-bytes, 2 GiB
+    by default): A, then B, then A's next turn reuses A's prompt and more."""
+    first = [{"role": "user", "content": "Once upon a time"}]
+    a = _chat(client, first, temperature=0, max_tokens=8)
+    _chat(client, [{"role": "user", "content": "The quick brown fox"}], temperature=0, max_tokens=8)
+    turn = first + [{"role": "assistant", "content": a.choices[0].message.content},
+                    {"role": "user", "content": "and then"}]
+    again = _chat(client, turn, temperature=0, max_tokens=4)
+    assert again.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
+
+
 def test_concurrent_clients_equal_serial(client):
     requests = [dict(temperature=1.1, seed=s, max_tokens=16, messages=[{"role": "user", "content": p}])
                 for s, p in ((1, "The fox"), (2, "Once upon a time"), (3, "The sun rose"), (4, "The fox"))]
@@ -496,9 +508,6 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, referenc
     eos = [1, reference.tokenizer.convert_tokens_to_ids(CHAT_TOKENS[1])]
     want, _ = reference(ids=prompt, n=n, suppress_tokens=eos)  # eos banned: it runs to max_tokens
     fields = {"max_tokens": n, "temperature": 0, "logit_bias": {str(t): -100 for t in eos}}
-    status, body = _post(server, "/v1/completions", {"prompt": prompt, **fields})
-    # the reference is the server's answer too
-    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)
     conn = http.client.HTTPConnection("127.0.0.1", server[1], timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "stream": True, **fields}),
                  {"Content-Type": "application/json"})
@@ -510,6 +519,9 @@ def test_a_client_that_disconnects_stops_its_generation(server, client, referenc
     follow = _post(server, "/v1/completions", {"prompt": prompt + want[:-1], "max_tokens": 1, "temperature": 0})[1]
     cached = follow["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert len(prompt) <= cached < len(prompt) + n - 2, cached  # stopped well before the end
+    # the reference is the server's whole answer (after: the prompt cache would keep it for the follow-up)
+    status, body = _post(server, "/v1/completions", {"prompt": prompt, **fields})
+    assert body["choices"][0]["text"] == reference.tokenizer.decode(want, skip_special_tokens=True)
     assert _chat(client, temperature=0, max_tokens=16).choices[0].message.content == reference(HELLO)[1]
 
 

@@ -52,6 +52,10 @@ def load() -> ctypes.CDLL:
             lib.emlx_memory_budget.restype = ctypes.c_uint64
             lib.emlx_set_memory_budget.argtypes = [ctypes.c_uint64]
             lib.emlx_check_program.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64]
+            lib.emlx_state_snapshot.restype = ctypes.c_uint64
+            lib.emlx_state_snapshot.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+            lib.emlx_state_restore.argtypes = [ctypes.c_uint64]
+            lib.emlx_state_drop.argtypes = [ctypes.c_uint64]
             if not lib.emlx_registered():
                 raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
             return lib
@@ -85,7 +89,7 @@ def clear_last_error() -> None:
     load().emlx_clear_last_error()
 
 
-# Counts reset_state() calls: a runner that remembers what its cache holds
+# Counts reset_state() and restore_state() calls: a runner that remembers what its cache holds
 # (llm/run/runner.py) forgets it when this changes.
 reset_count = 0
 
@@ -97,6 +101,31 @@ def reset_state() -> None:
     reset_count += 1
     if load().emlx_reset_state() != 0:
         raise RuntimeError(last_error())
+
+
+def snapshot_state() -> tuple[int, int]:
+    """Holds the persistent state (KV caches) of every program loaded in
+    this process as it is now: (the snapshot's id, its bytes). Held by
+    reference: the programs' next updates copy what they change."""
+    size = ctypes.c_uint64()
+    snapshot = load().emlx_state_snapshot(ctypes.byref(size))
+    if snapshot == 0:
+        raise RuntimeError(last_error())
+    return snapshot, size.value
+
+
+def restore_state(snapshot: int) -> None:
+    """Sets every program's state back to `snapshot` (those loaded since: to
+    their initial state). Like reset_state, it tells every runner that its
+    cache holds something else now."""
+    global reset_count
+    reset_count += 1
+    if load().emlx_state_restore(snapshot) != 0:
+        raise RuntimeError(last_error())
+
+
+def drop_state(snapshot: int) -> None:
+    load().emlx_state_drop(snapshot)
 
 
 def memory_budget() -> int:

@@ -119,6 +119,10 @@ def cmd_serve(args) -> int:
               if getattr(args, name) is not None}  # (else ServeOptions' defaults)
     if any(v <= 0 for v in limits.values()):
         raise ValueError("--max-request-bytes and --header-timeout must be positive")
+    if args.prompt_cache_bytes is not None:
+        if args.prompt_cache_bytes < 0:
+            raise ValueError("--prompt-cache-bytes must be >= 0")
+        limits["prompt_cache_bytes"] = args.prompt_cache_bytes
     options = ServeOptions(host=args.host, port=args.port, model_name=args.model_name, quiet=args.quiet,
                            api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None,
                            allowed_hosts=_names(args.allowed_hosts), allowed_origins=_names(args.allowed_origins),
@@ -324,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the largest request body taken (default 8 MiB; larger: 413)")
     p.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS",
                    help="close a connection whose request headers take longer (default 10)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=None, metavar="N",
+                   help="keep other conversations' KV caches for their next turns, up to N bytes of them "
+                        "(default 2 GiB; 0: keep only the last one's)")
     _add_draft_flags(p)
     p.set_defaults(fn=cmd_serve)
     for command in sub.choices.values():

@@ -234,6 +234,32 @@ __attribute__((visibility("default"))) uint64_t emlx_memory_budget() {
     return 0;
   }
 }
+// Snapshots the mutable state (KV caches) of every loaded program: its id
+// (0 on failure, reason in emlx_last_error) and, in *bytes, its size.
+__attribute__((visibility("default"))) uint64_t emlx_state_snapshot(uint64_t* bytes) {
+  try {
+    size_t size = 0;
+    const uint64_t id = emlx::snapshot_all_state(size);
+    *bytes = size;
+    return id;
+  } catch (const std::exception& e) {
+    emlx::set_last_error(std::string("snapshot failed: ") + e.what());
+    return 0;
+  }
+}
+// Sets every loaded program's state back to snapshot `id` (programs loaded
+// since: their initial state). Returns 0, or -1 (reason in emlx_last_error).
+__attribute__((visibility("default"))) int emlx_state_restore(uint64_t id) {
+  try {
+    emlx::restore_all_state(id);
+    return 0;
+  } catch (const std::exception& e) {
+    emlx::set_last_error(std::string("restore failed: ") + e.what());
+    return -1;
+  }
+}
+// Forgets snapshot `id` (its memory is freed once no program uses it).
+__attribute__((visibility("default"))) void emlx_state_drop(uint64_t id) { emlx::drop_state_snapshot(id); }
 // Sets the mutable state (KV caches) of every loaded program back to its
 // initial value. Returns 0, or -1 on failure (reason in emlx_last_error).
 __attribute__((visibility("default"))) int emlx_reset_state() {

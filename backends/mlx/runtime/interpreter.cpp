@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -52,6 +53,11 @@ std::mutex& registry_mutex() {
 }
 std::set<Program*>& stateful_programs() {
   static std::set<Program*> s;
+  return s;
+}
+// Snapshots by id: each program's state then (under registry_mutex).
+std::map<uint64_t, std::map<const Program*, std::vector<mx::array>>>& state_snapshots() {
+  static std::map<uint64_t, std::map<const Program*, std::vector<mx::array>>> s;
   return s;
 }
 
@@ -260,6 +266,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
 Program::~Program() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   stateful_programs().erase(this);
+  for (auto& [id, snapshot] : state_snapshots()) snapshot.erase(this);
 }
 
 void Program::verify(const void* data, size_t size) {
@@ -457,6 +464,47 @@ void Program::reset_state() {
 void reset_all_state() {
   std::lock_guard<std::mutex> lock(registry_mutex());
   for (auto* p : stateful_programs()) p->reset_state();
+}
+
+std::vector<mx::array> Program::state() const {
+  std::lock_guard<std::mutex> lock(mlx_mutex());
+  return state_;
+}
+
+void Program::set_state(std::vector<mx::array> state) {
+  std::lock_guard<std::mutex> lock(mlx_mutex());
+  state_ = std::move(state);
+}
+
+uint64_t snapshot_all_state(size_t& bytes) {
+  static uint64_t next = 0;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& snapshot = state_snapshots()[++next];
+  bytes = 0;
+  for (auto* p : stateful_programs()) {
+    snapshot[p] = p->state();
+    bytes += p->state_bytes();
+  }
+  return next;
+}
+
+void restore_all_state(uint64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = state_snapshots().find(id);
+  if (it == state_snapshots().end()) throw std::invalid_argument("no state snapshot " + std::to_string(id));
+  for (auto* p : stateful_programs()) {
+    auto held = it->second.find(p);
+    if (held == it->second.end()) {
+      p->reset_state();
+    } else {
+      p->set_state(held->second);
+    }
+  }
+}
+
+void drop_state_snapshot(uint64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  state_snapshots().erase(id);
 }
 
 void Program::build(Interpreter& st, const std::vector<mx::array>& inputs) const {

@@ -104,6 +104,12 @@ class Program {
   // Sets every mutable buffer back to its initial value (a new conversation).
   void reset_state();
 
+  // The mutable buffers' current values, and setting them: references, not
+  // copies (a run then updates a copy, as MLX donates only unshared buffers).
+  std::vector<mlx::core::array> state() const;
+  void set_state(std::vector<mlx::core::array> state);
+  size_t state_bytes() const { return liveness_.state_bytes; }
+
  private:
   void verify(const void* data, size_t size);
   void plan_liveness();
@@ -128,6 +134,15 @@ class Program {
 
 // Resets the mutable state of every live Program in the process.
 void reset_all_state();
+
+// Snapshots of the mutable state of every live Program (a prompt cache
+// across conversations): `snapshot_all_state` returns a snapshot's id (> 0)
+// and its bytes; restoring it sets each program it holds back to it and
+// resets those loaded since; a snapshot is held until dropped (or its
+// programs are gone).
+uint64_t snapshot_all_state(size_t& bytes);
+void restore_all_state(uint64_t id);
+void drop_state_snapshot(uint64_t id);
 
 // Human-readable reason of the last failure on this thread (for Python).
 void set_last_error(const std::string& msg);

@@ -69,6 +69,7 @@ class ServeOptions:
     max_request_bytes: int = 8 * 1024 * 1024
     header_timeout: float = 10.0  # seconds for a request's headers
     body_timeout: float = 60.0  # seconds for its body (and at most 10 without a byte)
+    prompt_cache_bytes: int = 2 << 30  # other conversations' caches kept (0: none; llm/run/prompt_cache.py)
 
     @property
     def policy(self) -> AccessPolicy:
@@ -351,6 +352,7 @@ def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
         raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
     runner.chat_template  # loaded now, not by the first request
     runner.max_token_bytes  # measured now, not by the first request
+    runner.use_prompt_cache(options.prompt_cache_bytes)
     server = Server(runner, model_name, draft or {}, options)
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),

@@ -109,13 +109,13 @@ class DraftModel:
         nothing."""
         draft = self.runner
         if len(prompt) < draft.max_context:
-            self._feed(prompt, draft._reusable(prompt), sampler_for(draft, 0, prompt))
+            self._feed(prompt, draft.reusable(prompt), sampler_for(draft, 0, prompt))
 
     def propose(self, context: list[int], k: int, step: int, sampler_for: SamplerFor) -> list[int]:
         draft = self.runner
         k = min(k, draft.max_context - len(context))  # the last draft's entry must fit its cache
         drafts: list[int] = []
-        cached = draft._reusable(context)
+        cached = draft.reusable(context)
         for i in range(k):
             seen = context + drafts
             drafts.append(self._feed(seen, cached, sampler_for(draft, step + i, seen)))

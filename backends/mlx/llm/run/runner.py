@@ -140,6 +140,7 @@ class LLMRunner(ProgramRunner):
             self.input_shapes = {**self.input_shapes, "history": (1, self.input_shapes["history"][1])}
         self._cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
         self._cache_epoch = _reset_epoch()
+        self.prompt_cache = None  # use_prompt_cache
         # One generation at a time: the steps of two would interleave in the
         # one KV cache and give wrong tokens (see the module's docstring).
         self._lock = threading.Lock()
@@ -204,21 +205,42 @@ class LLMRunner(ProgramRunner):
         the conversation so far reuses its cache entries."""
         return self.generate(self.chat_prompt(messages, system_prompt), **kwargs)
 
-    def _reusable(self, ids: list[int]) -> int:
-        """How many leading ids need no prefill: the common prefix with what
-        the cache holds (at least one id is always run, for its logits)."""
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The ids whose entries the program's cache holds, from position 0."""
         epoch = _reset_epoch()
-        if epoch != self._cache_epoch:  # someone emptied every cache
+        if epoch != self._cache_epoch:  # someone emptied or replaced every cache
             self._cached, self._cache_epoch = [], epoch
+        return self._cached
+
+    @cached_tokens.setter
+    def cached_tokens(self, ids: list[int]) -> None:
+        """(after restoring a state snapshot that holds them: prompt_cache.py)"""
+        self._cached, self._cache_epoch = list(ids), _reset_epoch()
+
+    def reusable(self, ids: list[int], held: list[int] | None = None) -> int:
+        """How many leading ids need no prefill: the common prefix with what
+        the cache holds (`held`, default the live cache's `cached_tokens`;
+        at least one id is always run, for its logits)."""
+        held = self.cached_tokens if held is None else held
         n = 0
-        for a, b in zip(self._cached, ids):
+        for a, b in zip(held, ids):
             if a != b:
                 break
             n += 1
         n = min(n, len(ids) - 1)
-        if self.cache_wraps and len(self._cached) - n > self.cache_rewind:
+        if self.cache_wraps and len(held) - n > self.cache_rewind:
             n = 0  # too far back: the window of position n may be overwritten
         return n
+
+    def use_prompt_cache(self, max_bytes: int) -> None:
+        """Keeps other conversations' caches for their next turns, up to
+        `max_bytes` of them (llm/run/prompt_cache.py); 0 turns it off."""
+        from .prompt_cache import PromptCache
+
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
+        self.prompt_cache = PromptCache(max_bytes) if max_bytes else None
 
     def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor],
               constrained: bool = False) -> tuple[list[int], list[float | None]]:
@@ -413,7 +435,9 @@ class LLMRunner(ProgramRunner):
         # What the cache holds past the common prefix is overwritten or never
         # read: attention never looks past the current position, so no reset
         # (reset_state() would also empty the caches of other programs).
-        cached = self._reusable(ids)
+        if self.prompt_cache is not None:
+            self.prompt_cache.prepare(self, ids)
+        cached = self.reusable(ids)
 
         t0 = time.perf_counter()
         for start in range(cached, len(ids), self.max_chunk):

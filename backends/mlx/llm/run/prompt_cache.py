@@ -1,0 +1,79 @@
+"""Earlier conversations' caches, kept for their next turns (a prompt cache
+across conversations: `serve --prompt-cache-bytes`).
+
+One program has one KV cache, and a runner reuses the common prefix of a
+request with what it holds. A request that would keep less than half of
+that (another conversation) first has the state snapshotted, keyed by the
+tokens it holds (`snapshot_state`: by reference, so the next update copies
+what it changes); a request that shares more with a kept snapshot than with
+the live cache has that snapshot restored before it runs. Snapshots are
+dropped least recently used first to stay within `max_bytes` (each holds
+the whole state of the loaded programs, the KV caches and any draft model's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class _Kept:
+    tokens: list[int]
+    bytes: int
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"the prompt cache's size must be a number of bytes >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()  # by snapshot id, least recently used first
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.bytes for k in self._kept.values())
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def prepare(self, runner, ids: list[int]) -> None:
+        """Before `ids` run on `runner`: keep what its cache holds if they
+        would overwrite most of it; bring back a kept cache that shares more
+        of them than the live one does."""
+        from executorch_mlx._runtime_library import restore_state
+
+        held = runner.cached_tokens
+        live = runner.reusable(ids, held)
+        best = max(self._kept, key=lambda s: runner.reusable(ids, self._kept[s].tokens), default=None)
+        if best is not None and runner.reusable(ids, self._kept[best].tokens) <= live:
+            best = None
+        if held and live < len(held) // 2:
+            self._keep(held, best)
+        if best is not None:
+            restore_state(best)
+            runner.cached_tokens = list(self._kept[best].tokens)
+            self._kept.move_to_end(best)
+
+    def _keep(self, tokens: list[int], resumed: int | None) -> None:
+        """Snapshots the state holding `tokens`, then drops the least
+        recently used snapshots past max_bytes, never `resumed` (the one
+        about to be restored)."""
+        from executorch_mlx._runtime_library import drop_state, snapshot_state
+
+        for snapshot in [s for s, k in self._kept.items() if tokens[:len(k.tokens)] == k.tokens and s != resumed]:
+            drop_state(snapshot)  # an earlier point of the same conversation
+            del self._kept[snapshot]
+        snapshot, size = snapshot_state()
+        self._kept[snapshot] = _Kept(list(tokens), size)
+        while self.bytes > self.max_bytes:
+            oldest = next(s for s in self._kept if s != resumed)
+            drop_state(oldest)
+            del self._kept[oldest]
+
+    def clear(self) -> None:
+        from executorch_mlx._runtime_library import drop_state
+
+        for snapshot in self._kept:
+            drop_state(snapshot)
+        self._kept.clear()
