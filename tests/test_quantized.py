@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -208,9 +209,17 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
     builds = {}
     for build in ("avx2", "avx-vnni", "best"):
         out = tmp_path / f"{build}.pt"
-        subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
-                       env={**os.environ, "EMLX_X86_KERNELS": build})
-        builds[build] = torch.load(out)
+        if build == "best" and "EMLX_X86_KERNELS" not in os.environ:  # this process's own build
+            builds[build] = []
+            for pte, x in cases:
+                program = Runtime.get().load_program(Path(pte).read_bytes())  # alive while its method runs
+                method = program.load_method("forward")
+                builds[build].append((method.execute([x])[0].clone(),
+                                      [method.execute([x[i:i + 1]])[0] for i in range(len(x))]))
+        else:
+            subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
+                           env={**os.environ, "EMLX_X86_KERNELS": build})
+            builds[build] = torch.load(out)
         for (whole, rows), (pte, _) in zip(builds[build], cases):
             assert all(torch.equal(whole[i], row[0]) for i, row in enumerate(rows)), (build, pte)
     for (a, _), (b, _), (c, _) in zip(builds["avx2"], builds["avx-vnni"], builds["best"]):
@@ -236,7 +245,7 @@ def test_one_row_kernel_rounds_x_to_integers_and_nothing_else(bits, group_size):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m", [1, 5, 20])
+@pytest.mark.parametrize("m", [1, 20])
 def test_float_activations_multiply_x_by_the_dequantized_weights(bits, m):
     """Exported with activations="float", the kernel meets x unrounded, as
     MLX's quantized_matmul does: within float32 rounding of x @ w^T (one row,

@@ -17,7 +17,7 @@
 #include "kernels/rope.h"
 #include "kernels/sampler.h"
 #include "kernels/state_scan.h"
-#include "kernels/top_k.h"
+#include "kernels/largest.h"
 
 namespace emlx {
 
@@ -327,7 +327,7 @@ void exec_ArgTopKNode(Interpreter& st, const ir::ArgTopKNode* n) {
   const auto& a = st.get(n->a());
   const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema
   if (n->k() < 1 || n->k() > a.shape(axis)) throw std::invalid_argument("ArgTopKNode: k out of range");
-  if (axis == static_cast<int>(a.ndim()) - 1) return st.set(n->out(), arg_top_k(a, n->k()));
+  if (axis == static_cast<int>(a.ndim()) - 1) return st.set(n->out(), largest_indices(a, n->k()));
   // a stable sort of the negated values: largest first, ties in index order
   auto order = mx::argsort(mx::negative(a), axis);
   auto stop = a.shape();

@@ -10,9 +10,9 @@
 namespace emlx {
 
 // a [..., n] float, 1 <= k <= n -> int32 [..., k] along the last axis. Our
-// kernel on a CPU stream for float32 and bfloat16 with k <= kMaxTopK (NaN
+// kernel on a CPU stream for float32 and bfloat16 with k <= kMaxLargest (NaN
 // ranks as -inf); mlx::core::argsort of -a, sliced, otherwise.
-constexpr int kMaxTopK = 64;
-mlx::core::array arg_top_k(const mlx::core::array& a, int k, mlx::core::StreamOrDevice s = {});
+constexpr int kMaxLargest = 64;
+mlx::core::array largest_indices(const mlx::core::array& a, int k, mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx

@@ -1,4 +1,4 @@
-#include "top_k.h"
+#include "largest.h"
 
 #include <cmath>
 #include <cstdint>
@@ -32,13 +32,13 @@ void top_row(const void* row, bool bf16, int64_t n, int k, int32_t* out) {
 }
 
 // Input a [..., n] (any strides); output int32 [..., k].
-class ArgTopK : public CpuKernel {
+class LargestIndices : public CpuKernel {
  public:
-  ArgTopK(mx::Stream s, int k) : CpuKernel(s), k_(k) {}
+  LargestIndices(mx::Stream s, int k) : CpuKernel(s), k_(k) {}
 
-  const char* name() const override { return "EmlxArgTopK"; }
+  const char* name() const override { return "EmlxLargestIndices"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return k_ == static_cast<const ArgTopK&>(other).k_;
+    return k_ == static_cast<const LargestIndices&>(other).k_;
   }
 
  private:
@@ -61,10 +61,10 @@ class ArgTopK : public CpuKernel {
 
 }  // namespace
 
-mx::array arg_top_k(const mx::array& a, int k, mx::StreamOrDevice s) {
+mx::array largest_indices(const mx::array& a, int k, mx::StreamOrDevice s) {
   const int last = static_cast<int>(a.ndim()) - 1;
   const bool supported = (a.dtype() == mx::float32 || a.dtype() == mx::bfloat16) && a.ndim() > 0 && k >= 1 &&
-                         k <= kMaxTopK && k <= a.shape(-1);
+                         k <= kMaxLargest && k <= a.shape(-1);
   auto fallback = [k, last](const std::vector<mx::array>& in, mx::Stream s) {
     // a stable sort of the negated values: largest first, ties in index order
     auto order = mx::argsort(mx::negative(in[0], s), last, s);
@@ -75,7 +75,7 @@ mx::array arg_top_k(const mx::array& a, int k, mx::StreamOrDevice s) {
   mx::Shape shape = a.shape();
   if (!shape.empty()) shape.back() = k;
   return CpuKernel::build(s, supported, {a}, std::move(shape), mx::int32, fallback,
-                          [&](mx::Stream s) { return std::make_shared<ArgTopK>(s, k); });
+                          [&](mx::Stream s) { return std::make_shared<LargestIndices>(s, k); });
 }
 
 }  // namespace emlx
