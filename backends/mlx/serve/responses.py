@@ -12,6 +12,8 @@ built yet: tools, stored conversations (`previous_response_id`,
 
 from __future__ import annotations
 
+import json
+
 from ..serialization.sampler_params import SAMPLER_INPUTS
 from .requests import RequestError
 
@@ -144,8 +146,6 @@ class ResponseBuilder:
 
     def event(self, kind: str, **fields) -> str:
         """One server-sent event of the stream, numbered in order."""
-        import json
-
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"

@@ -67,7 +67,9 @@ class PromptCache:
         snapshot, size = snapshot_state()
         self._kept[snapshot] = _Kept(list(tokens), size)
         while self.bytes > self.max_bytes:
-            oldest = next(s for s in self._kept if s != resumed)
+            oldest = next((s for s in self._kept if s != resumed), None)
+            if oldest is None:  # (only the resumed one is left)
+                break
             drop_state(oldest)
             del self._kept[oldest]
 
