@@ -32,4 +32,5 @@ def lower_gather_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.cast(b.get(node.args[0]), out.dtype)
     b.bind(node, b.emit(ir.GatherQuantizedLinearNode, out.dtype, out.shape, x=x.tid,
                         indices=b.get(node.args[4]).tid, group_size=node.args[6], bits=node.args[7],
-                        float_activations=b.float_activations, **quantized_tables(b, node, 1, out.dtype, 8), **_bias(b, node, 5, out.dtype)))
+                        float_activations=b.float_activations, **quantized_tables(b, node, 1, out.dtype, 8),
+                        **_bias(b, node, 5, out.dtype)))

@@ -798,7 +798,8 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr,
                  "usage: emlx_runner MODEL.pte --prompt-ids ID,ID,... [--max-new-tokens N] [--seed S]\n      %s\n"
-                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N] [--data MODEL.ptd]\n"
+                 "       [--repetition-context-size N] [--logit-bias ID=VALUE]... [--memory-budget-kib N]\n"
+                 "       [--data MODEL.ptd]\n"
                  "       [--prompt-lookup | --draft-model DRAFT.pte] [--num-draft-tokens K] [--fixed-draft-length]\n",
                  flags.c_str());
     return 2;
