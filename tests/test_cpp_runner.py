@@ -175,5 +175,17 @@ def test_weights_in_a_data_file_beside_the_program(programs, shared, tmp_path, c
         LLMRunner(inside, data_path=moved)
     done = cpp(inside, "--prompt-ids", "1", "--data", str(moved))
     assert done.returncode == 2 and "holds its weights: it takes no --data file" in done.stderr
+    # A corrupt data file is refused before ExecuTorch reads its offsets (a
+    # flipped byte in its FlatBuffer crashed both runners): truncated, the
+    # root offset, a header size, a table's offset.
+    good = moved.read_bytes()
+    for case, bad in enumerate([good[:len(good) // 2], b"\xff" + good[1:], good[:20] + b"\x7f" + good[21:],
+                                good[:72] + bytes([good[72] ^ 0x40]) + good[73:]]):
+        corrupt = tmp_path / f"corrupt{case}.ptd"
+        corrupt.write_bytes(bad)
+        with pytest.raises(ValueError, match=f"corrupt data file {corrupt}"):
+            LLMRunner(pte, data_path=corrupt)
+        done = cpp(pte, "--prompt-ids", "1", "--data", str(corrupt))
+        assert done.returncode == 1 and f"corrupt data file {corrupt}" in done.stderr, (case, done.stderr)
     assert main(["export", str(folder), "-o", str(tmp_path / "cli.ptd"), "--external-weights", "--quiet"]) == 2
     assert "cli.ptd would be its own weights file" in capsys.readouterr().err

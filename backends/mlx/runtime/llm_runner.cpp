@@ -54,6 +54,7 @@
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
 extern "C" const char* emlx_backend_id();
 extern "C" int emlx_check_program(const char* path, const uint8_t* data, uint64_t size);  // program_checks.h
+extern "C" int emlx_check_data_file(const char* path);  // data_file_checks.cpp
 extern "C" const char* emlx_last_error();
 
 namespace {
@@ -643,6 +644,8 @@ struct WeightsData {
       throw std::runtime_error(pte + " keeps its weights in " + weights_file + "; " + path +
                                " cannot be read (keep the two files together, or give --data)");
     }
+    // ExecuTorch trusts the file's offsets: checked first, as the program is
+    if (emlx_check_data_file(path.c_str()) != 0) throw std::runtime_error(emlx_last_error());
     auto mapped = executorch::extension::MmapDataLoader::from(path.c_str());
     check(mapped.error(), "opening " + path);
     loader.emplace(std::move(mapped.get()));

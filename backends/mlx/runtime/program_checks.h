@@ -23,4 +23,8 @@ void check_program(const uint8_t* data, size_t size);
 // weights stay unread) and checks it as above.
 void check_program_file(const std::string& path);
 
+// The same for an ExecuTorch data file (.ptd, data_file_checks.cpp): its
+// header and FlatBuffer bound, every segment within the file.
+void check_data_file(const std::string& path);
+
 }  // namespace emlx

@@ -42,6 +42,12 @@ def weights_path(weights_file: str | None, given: str | Path | None, program: st
     if not path.is_file():
         raise FileNotFoundError(f"{label} keeps its weights in {weights_file}; {path} does not exist (keep the "
                                 f"two files together, or give the data file's path)")
+    from executorch_mlx._runtime_library import check_data_file
+
+    try:
+        check_data_file(path)  # ExecuTorch trusts the file's offsets
+    except ValueError as e:
+        raise ValueError(f"cannot load {label}: {e}") from None
     return path
 
 
