@@ -9,8 +9,10 @@
 One loaded program has one KV cache, so requests run one at a time, in
 arrival order, on one worker thread (the event loop never waits on a
 generation); the runner reuses the cache's common prefix with the last
-request (a conversation's next turn prefills only the new messages). A
-request whose client goes away is cancelled at its next token.
+request (a conversation's next turn prefills only the new messages), and
+its prompt cache keeps other conversations' caches for their next turns
+(--prompt-cache-bytes). A request whose client goes away is cancelled at
+its next token.
 Request fields and what they map to: docs/serve.md.
 
 Hostile input costs little: guard.py checks the headers (host, origin, API
