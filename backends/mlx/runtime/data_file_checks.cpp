@@ -12,18 +12,13 @@
 
 #include "flat_tensor_generated.h"
 #include "interpreter.h"  // set_last_error
+#include "program_checks.h"  // check_data_file, read_u64
 
 namespace emlx {
 namespace {
 
 [[noreturn]] void bad(const std::string& path, const std::string& why) {
   throw std::runtime_error("corrupt data file " + path + ": " + why);
-}
-
-uint64_t u64_at(const std::vector<uint8_t>& b, size_t at) {
-  uint64_t v;
-  std::memcpy(&v, b.data() + at, sizeof v);  // little-endian, as ExecuTorch writes it
-  return v;
 }
 
 }  // namespace
@@ -42,8 +37,8 @@ void check_data_file(const std::string& path) {
   }
   uint32_t length;
   std::memcpy(&length, head.data() + 12, sizeof length);
-  const uint64_t fb_offset = u64_at(head, 16), fb_size = u64_at(head, 24);
-  const uint64_t base = u64_at(head, 32), data = u64_at(head, 40);
+  const uint64_t fb_offset = read_u64(head.data() + 16), fb_size = read_u64(head.data() + 24);
+  const uint64_t base = read_u64(head.data() + 32), data = read_u64(head.data() + 40);
   if (length < 40 || fb_offset > file_size || fb_size > file_size - fb_offset || base > file_size ||
       data > file_size - base || fb_offset + fb_size > base) {
     bad(path, "its header's sizes do not fit its " + std::to_string(file_size) + " bytes (truncated?)");

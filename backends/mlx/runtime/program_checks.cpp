@@ -17,12 +17,6 @@ namespace {
 
 [[noreturn]] void bad(const std::string& why) { throw std::runtime_error("corrupt program: " + why); }
 
-uint64_t read_u64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, sizeof v);  // little-endian, as ExecuTorch writes it
-  return v;
-}
-
 // The extended header ("eh00" at byte 8) gives the FlatBuffer's size; a file
 // without one is all FlatBuffer. `head`: the file's first min(file_size, 40)
 // bytes. Returns the FlatBuffer's size, checked against the file's first.

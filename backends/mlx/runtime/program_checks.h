@@ -10,9 +10,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace emlx {
+
+// The little-endian uint64 at `p` (ExecuTorch's headers are little-endian).
+inline uint64_t read_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
 // The container's bytes from the start of the file; `size` must cover the
 // program FlatBuffer (the extended header's program_size). Throws

@@ -45,8 +45,9 @@ class PromptCache:
 
         held = runner.cached_tokens
         live = runner.reusable(ids, held)
-        best = max(self._kept, key=lambda s: runner.reusable(ids, self._kept[s].tokens), default=None)
-        if best is not None and runner.reusable(ids, self._kept[best].tokens) <= live:
+        gains = {s: runner.reusable(ids, k.tokens) for s, k in self._kept.items()}
+        best = max(gains, key=gains.get, default=None)
+        if best is not None and gains[best] <= live:
             best = None
         if held and live < len(held) // 2:
             self._keep(held, best)

@@ -57,6 +57,24 @@ const void* bias_row(const mx::array* bias, size_t e, size_t N) {
   return bias ? bias->data<uint8_t>() + e * N * bias->itemsize() : nullptr;
 }
 
+// x against each chosen expert's weights in floats: an expert at a time,
+// its rows of x (xf [T, K], a row shared by a token's experts, or [T * k, K])
+// in one call of a dense float kernel, `multiply(e, rows, m, y)` (rows
+// [m, K] -> y [m, N]); each pair's row written to out, its expert's bias added.
+template <class Multiply>
+void float_experts(const float* xf, size_t K, const mx::array& ids, bool shared, size_t E, const mx::array* bias,
+                   mx::array& out, Multiply&& multiply) {
+  const size_t k = ids.shape(1), N = out.shape(-1);
+  for (auto& [e, pairs] : experts_of(ids.data<uint32_t>(), ids.size(), E)) {
+    std::vector<float> rows(pairs.size() * K), y(pairs.size() * N);
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      std::memcpy(&rows[i * K], xf + (shared ? pairs[i] / k : pairs[i]) * K, K * sizeof(float));
+    }
+    multiply(e, rows.data(), pairs.size(), y.data());
+    for (size_t i = 0; i < pairs.size(); ++i) write_row(out, pairs[i], &y[i * N], N, bias_row(bias, e, N));
+  }
+}
+
 // The fallbacks' bias: each pair's expert's row added to y [T, k, N].
 mx::array plus_bias(const mx::array& y, const std::optional<mx::array>& bias, const mx::array& ids, mx::Stream s) {
   return bias ? mx::add(y, mx::take(*bias, ids, 0, s), s) : y;
@@ -118,17 +136,13 @@ class GatherQuantizedLinear : public CpuKernel {
       IntRows xq;
       if (activations == Activations::Float || !quantize_rows(xf, shared ? T : pairs, K, group, bits, xq)) {
         // x in floats (as asked, or because it holds a NaN or an infinity,
-        // which float products propagate as gather_qmm does): an expert at a
-        // time, its rows in one call of the dense float kernel.
-        for (auto& [e, chosen] : experts_of(ids, pairs, E)) {
-          std::vector<float> rows(chosen.size() * K), y(chosen.size() * N);
-          for (size_t i = 0; i < chosen.size(); ++i) std::memcpy(&rows[i * K], xf + x_row(chosen[i]) * K, K * 4);
+        // which float products propagate as gather_qmm does)
+        float_experts(xf, K, ids_array, shared, E, bias, out, [&](size_t e, const float* rows, size_t m, float* y) {
           const size_t at = e * N;
           const PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
                                   bf16, group, bits};
-          dequantized_linear_rows(rows.data(), chosen.size(), K, expert, N, y.data());
-          for (size_t i = 0; i < chosen.size(); ++i) write_row(out, chosen[i], &y[i * N], N, bias_row(bias, e, N));
-        }
+          dequantized_linear_rows(rows, m, K, expert, N, y);
+        });
         return;
       }
       // Each chosen expert's weights are read once per call, for all the
@@ -184,22 +198,17 @@ class GatherLinear : public CpuKernel {
     return [](const std::vector<mx::array>& inputs, mx::array& out) {
       const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
       const bool shared = x.ndim() == 2, bf16 = w.dtype() == mx::bfloat16;
-      const size_t T = ids_array.shape(0), k = ids_array.shape(1), K = x.shape(-1), N = out.shape(-1);
+      const size_t K = x.shape(-1), N = out.shape(-1);
       std::vector<uint8_t> packed;
       std::vector<float> converted;
       const float* xf = float_rows_of(x, packed, converted);
       const auto* wb = w.data<uint8_t>();
       const mx::array* bias = inputs.size() > 3 ? &inputs[3] : nullptr;
       const size_t expert_bytes = N * K * (bf16 ? 2 : 4);
-      // an expert at a time, its rows in one call of the dense float kernel
-      for (auto& [e, pairs] : experts_of(ids_array.data<uint32_t>(), T * k, w.shape(0))) {
-        std::vector<float> rows(pairs.size() * K), y(pairs.size() * N);
-        for (size_t i = 0; i < pairs.size(); ++i) {
-          std::memcpy(&rows[i * K], xf + (shared ? pairs[i] / k : pairs[i]) * K, K * sizeof(float));
-        }
-        float_linear_rows(rows.data(), pairs.size(), K, wb + e * expert_bytes, bf16, N, y.data());
-        for (size_t i = 0; i < pairs.size(); ++i) write_row(out, pairs[i], &y[i * N], N, bias_row(bias, e, N));
-      }
+      float_experts(xf, K, ids_array, shared, w.shape(0), bias, out,
+                    [&](size_t e, const float* rows, size_t m, float* y) {
+                      float_linear_rows(rows, m, K, wb + e * expert_bytes, bf16, N, y);
+                    });
     };
   }
 };
