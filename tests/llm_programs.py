@@ -55,15 +55,15 @@ def draft_program(shared) -> tuple[Path, Path]:
     return shared.get("llama-draft", build)
 
 
-def chat_program(shared, max_context: int) -> tuple[Path, Path]:
+def chat_program(shared, max_context: int, tools: bool = False) -> tuple[Path, Path]:
     """A one-layer Qwen2 chat folder (the README's MODEL_DIR) and its program
     with logprobs and the 5 most likely tokens of each step (model.pte): its
-    vocabulary has the two chat tokens more."""
+    vocabulary has the two chat tokens more (`tools`: and tool-call text)."""
 
     def build(root: Path) -> tuple[Path, Path]:
         folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
-                                    intermediate=64, chat=True)
+                                    intermediate=64, chat=True, tools=tools)
         return folder, export_llm(folder, root / "model.pte", max_context=max_context, top_logprobs=5,
                                   progress=None)
 
-    return shared.get(f"qwen2-chat-{max_context}", build)
+    return shared.get(f"qwen2-chat-{max_context}{'-tools' if tools else ''}", build)

@@ -30,8 +30,16 @@ from executorch_mlx.llm.model_folders import CHAT_TOKENS
 from llm_programs import chat_program
 from test_documented_commands import README, runnable
 
-MAX_CONTEXT = 256
+MAX_CONTEXT = 512  # (room for the tools the template lists)
 HELLO = [{"role": "user", "content": "Once upon a time"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "days"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Adds", "parameters": ADD}}]
 
 
 @dataclass
@@ -52,7 +60,7 @@ def model(shared, tmp_path_factory):
     is there, so that they load while the first tests run."""
     import pexpect
 
-    folder, pte = chat_program(shared, MAX_CONTEXT)
+    folder, pte = chat_program(shared, MAX_CONTEXT, tools=True)
     root = pte.parent
     port = _free_port()
     [line] = runnable(README, "serve")  # the README's serve line, run where model.pte and MODEL_DIR are
@@ -72,14 +80,18 @@ def model(shared, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     """transformers' greedy generation under the folder's chat template."""
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = model.folder
     tok = AutoTokenizer.from_pretrained(folder)
     lm = AutoModelForCausalLM.from_pretrained(folder).eval()
 
-    def prompt(messages) -> list[int]:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    def prompt(messages, tools=None) -> list[int]:
+        # transformers' template, encoded by tokenizer.json as the server encodes it (for a qwen2 folder
+        # transformers puts Qwen's own pre-tokenizer in front, which splits digits apart)
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text, add_special_tokens=False).ids
 
     def greedy(messages=None, n: int = 16, ids: list[int] | None = None, **kw) -> tuple[list[int], str]:
         if ids is None:
@@ -397,12 +409,111 @@ def test_concurrent_clients_equal_serial(client):
     ({"messages": HELLO, "response_format": {"type": "json_schema",
                                              "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
+    ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"messages": HELLO, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": HELLO, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": HELLO + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}]}, "messages"),
 ])
 def test_malformed_requests_get_400_naming_the_field(server, client, body, param):
     status, reply = _post(server, "/v1/chat/completions", {**body, "unknown_field": "ignored"})
     assert status == 400 and reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
     assert param in reply["error"]["message"] or param == "messages"
     assert _chat(client, temperature=0, max_tokens=2).usage.completion_tokens >= 1  # still answering
+
+
+# ------------------------------------------------------------ tool calls --
+def _arguments_valid(call) -> dict:
+    import jsonschema
+
+    schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schema)
+    return arguments
+
+
+def test_forced_tool_calls_always_validate(client):
+    """tool_choice required and a named function, random weights at T=1:
+    every answer is calls whose arguments validate (20/20 each)."""
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice in ("required", named):
+        for seed in range(20):
+            [choice_] = _chat(client, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed,
+                              max_tokens=128).choices
+            assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+            calls = choice_.message.tool_calls
+            assert calls and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+            for call in calls:
+                _arguments_valid(call)
+            if choice is named:
+                assert [c.function.name for c in calls] == ["add"]
+
+
+def test_streamed_tool_calls_equal_the_whole_answer(client):
+    whole = _chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, max_tokens=128)
+    calls, finish, content = {}, None, ""
+    for chunk in _chat(client, stream=True, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7,
+                       max_tokens=128):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+    want = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.choices[0].message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == want and finish == "tool_calls" and content == ""
+
+
+def test_tool_results_go_back_through_the_template(client, reference):
+    """The assistant's call and the tool's answer are rendered as
+    transformers renders them (the prompt's tokens), and the greedy answer
+    that follows is transformers' on that prompt."""
+    [call] = _chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, seed=3,
+                   temperature=1.0, max_tokens=64).choices[0].message.tool_calls
+    messages = HELLO + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    reply = _chat(client, messages, tools=TOOLS, temperature=0, max_tokens=12)
+    as_template_takes = [*HELLO, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "add", "arguments": _arguments_valid(call)}}]},
+        messages[-1]]
+    ids = reference.prompt(as_template_takes, TOOLS)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == reference(ids=ids, n=12)[1]
+
+
+def test_terminal_chat_with_tools_asks_for_each_result(model, tmp_path, capsys):
+    """`chat --tools`: a forced call is printed, its result asked for and
+    sent back as the tool's message; the model then answers freely."""
+    import io
+
+    from executorch_mlx.cli import main
+    from executorch_mlx.llm.run.chat_loop import ChatSettings, chat_loop
+    from executorch_mlx.llm.run.runner import LLMRunner
+
+    typed, asked = iter(["Once upon a time", "42"]), []
+
+    def read(prompt: str) -> str:
+        asked.append(prompt)
+        line = next(typed, None)
+        if line is None:
+            raise EOFError  # (the end of input ends the chat)
+        return line
+
+    out = io.StringIO()
+    settings = ChatSettings(max_new_tokens=48, sampling={"temperature": 1.0, "seed": 1}, tools=TOOLS,
+                            tool_choice={"type": "function", "function": {"name": "add"}})
+    assert chat_loop(LLMRunner(model.pte, model.folder), settings, read, out, io.StringIO()) == 0
+    assert asked == ["> ", "add result> ", "> "]
+    [arguments] = [line[len("[call add "):-1] for line in out.getvalue().splitlines() if line.startswith("[call add ")]
+    assert 0 <= json.loads(arguments)["a"] <= 99
+    (tmp_path / "tools.json").write_text("[{")
+    assert main(["chat", str(model.pte), "--tokenizer", str(model.folder), "--tools", str(tmp_path / "tools.json")]) \
+        != 0
+    assert "--tools" in capsys.readouterr().err
 
 
 def test_n_choices_are_each_what_its_seed_gives_alone(client, server):
@@ -471,6 +582,35 @@ def test_responses_stream_events_in_order_with_the_whole_text(client):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-5)
 
 
+def test_responses_function_tools(client, reference):
+    """Responses' flat function tools: a forced call comes back as a
+    function_call item (streamed: its events, the same call); the call and
+    its output sent back as input items are the chat messages they mean."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    kw = dict(model="model", input="Once upon a time", tools=tools, tool_choice={"type": "function", "name": "add"},
+              temperature=1.0, max_output_tokens=64, extra_body={"seed": 4})
+    reply = client.responses.create(**kw)
+    [call] = reply.output
+    assert call.type == "function_call" and call.name == "add" and reply.status == "completed"
+    jsonschema_args = json.loads(call.arguments)
+    assert 0 <= jsonschema_args["a"] <= 99 and set(jsonschema_args) == {"a"}
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert events[4].arguments == call.arguments and events[-1].response.output[0].name == "add"
+    follow = client.responses.create(model="model", tools=tools, temperature=0, max_output_tokens=8, input=[
+        {"role": "user", "content": "Once upon a time"},
+        {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "42"}])
+    messages = [*HELLO, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": "add", "arguments": jsonschema_args}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "42"}]
+    ids = reference.prompt(messages, TOOLS)
+    assert follow.usage.input_tokens == len(ids) and follow.output_text == reference(ids=ids, n=8)[1]
+
+
 def test_responses_text_format_json_schema_is_enforced(client):
     fmt = {"format": {"type": "json_schema", "name": "flag", "schema": {"type": "boolean"}, "strict": True}}
     for seed in range(2):
@@ -480,10 +620,12 @@ def test_responses_text_format_json_schema_is_enforced(client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f b"}]}, "tools"),
     ({"input": "hi", "previous_response_id": "resp-1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text"),

@@ -102,12 +102,33 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .llm.run.chat_loop import chat_loop
+    from .llm.run.chat_loop import ChatSettings, chat_loop
     from .llm.run.runner import LLMRunner
 
+    tools = _read_json(args.tools, "--tools") if args.tools else None
+    choice = args.tool_choice
+    if choice not in (None, "auto", "none", "required"):  # a function's name
+        choice = {"type": "function", "function": {"name": choice}}
     runner = LLMRunner(args.pte, args.tokenizer)
-    return chat_loop(runner, args.system_prompt, args.max_new_tokens,
-                     {**sampler_kwargs(args), **draft_kwargs(args, runner)})
+    return chat_loop(runner, ChatSettings(args.system_prompt, args.max_new_tokens,
+                                          {**sampler_kwargs(args), **draft_kwargs(args, runner)}, tools, choice))
+
+
+def _read_json(path: str, flag: str):
+    """A JSON file's value, read no further than a grammar's size (it becomes one)."""
+    from .llm.run.grammar import MAX_GRAMMAR_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_GRAMMAR_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{flag}: {path} is larger than {MAX_GRAMMAR_BYTES} bytes")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {path} is not JSON: {e}") from None
 
 
 def cmd_serve(args) -> int:
@@ -305,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model folder (tokenizer.json and a chat template), or the .gguf file")
     p.add_argument("--system-prompt", default=None, help="a system message at the start of the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--tools", default=None, metavar="FILE.json",
+                   help="functions the model may call (OpenAI's tools list); you type each call's result")
+    p.add_argument("--tool-choice", default=None, metavar="auto|none|required|NAME",
+                   help="auto (default): the model decides; required or a function's name: a call is forced")
     _add_sampler_flags(p)
     _add_draft_flags(p)
     p.set_defaults(fn=cmd_chat)

@@ -29,21 +29,58 @@ engineers measured tokens per second, again and again, until the numbers held.
 BOS, EOS = "<s>", "</s>"
 # ChatML, as Qwen's and SmolLM's instruct folders carry it: `<|im_end|>` ends a turn.
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
+# Qwen 2.5's tool markers: added tokens, but not special ones (they are text).
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+# ChatML with Qwen 2.5's tools (Hermes' <tool_call> format): a system block
+# lists the tools (with shorter instructions than Qwen's), an assistant's
+# calls and the tools' answers are rendered as Qwen renders them. Without
+# tools it is plain ChatML.
+CHATML = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0].role == 'system' %}"
+    "{{ messages[0].content + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nFor each call:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message.role == 'system' %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\\n' + (message.content or '') }}{% for call in message.tool_calls %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + "
+    "(call.function.arguments | tojson) + '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# What a chat folder's tokenizer also learns: the characters of tool calls
+# (JSON and its markup), so that a random model can write one.
+TOOL_TEXT = """\
+# Tools
+<tools>
+{"type": "function", "function": {"name": "add", "description": "Add", "parameters": {"type": "object",
+"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"],
+"additionalProperties": false}}}
+</tools>
+For each call:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "unit": "celsius", "ok": true}}
+</tool_call>
+[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, -2.5e+10, false, null, {"a_b": "x\\\\y/z"}]
+"""
 
 
 # Multi-byte characters for the all-bytes tokenizer's merges.
 WIDE_TEXT = "naïve café — “quoted” 日本語の文章 ⚡ emoji 🙂 façade über 東京 — ½ €5 "
 
 
-def train_tokenizer(vocab_size: int = 384, all_bytes: bool = False):
+def train_tokenizer(vocab_size: int = 384, all_bytes: bool = False, extra_text: str = ""):
     """A byte-level BPE trained on TEXT in well under a second. Characters
     absent from TEXT have no token: prompts should use TEXT's characters.
     With `all_bytes`, every byte has a token too (and multi-byte characters
     are merged): sampled text then holds split and broken UTF-8, as a real
-    byte-level tokenizer's does."""
+    byte-level tokenizer's does. `extra_text` is learned too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -54,7 +91,7 @@ def train_tokenizer(vocab_size: int = 384, all_bytes: bool = False):
     alphabet = pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS], show_progress=False,
                                   initial_alphabet=alphabet)
-    tok.train_from_iterator([TEXT + (WIDE_TEXT * 4 if all_bytes else "")] * 4, trainer)
+    tok.train_from_iterator([TEXT + extra_text + (WIDE_TEXT * 4 if all_bytes else "")] * 4, trainer)
     return tok
 
 
@@ -156,17 +193,21 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
 
 def write_model_folder(path: str | Path, family: str = "llama", *, layers: int = 2, hidden: int = 64,
                        heads: int = 4, kv_heads: int = 2, intermediate: int = 128, seed: int = 0,
-                       all_bytes: bool = False, chat: bool = False) -> Path:
+                       all_bytes: bool = False, chat: bool = False, tools: bool = False) -> Path:
     """Writes a random-weight `family` model and a trained tokenizer to `path`
     (`all_bytes`: see train_tokenizer). `chat`: an instruct folder's extras,
-    the ChatML template with its two special tokens, `<|im_end|>` an eos id
-    of generation_config.json only (as in Llama 3 and Qwen folders)."""
+    the ChatML template (with Qwen's tools) with its two special tokens,
+    `<|im_end|>` an eos id of generation_config.json only (as in Llama 3
+    and Qwen folders). `tools`: the tokenizer also learns TOOL_TEXT and has
+    the two tool-call tokens, so that the model can write a call."""
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
     path = Path(path)
-    tok = train_tokenizer(all_bytes=all_bytes)
+    tok = train_tokenizer(all_bytes=all_bytes, extra_text=TOOL_TEXT if tools else "")
     if chat:
         tok.add_special_tokens(list(CHAT_TOKENS))
+    if tools:
+        tok.add_tokens(list(TOOL_TOKENS))
     cfg = _config(family, tok.get_vocab_size(), layers, hidden, heads, kv_heads, intermediate)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()

@@ -206,13 +206,17 @@ class Server:
         if builder:
             [result] = results
             logprobs = self._logprobs(_tokens(result), parsed)["content"] if parsed.logprobs else None
-            return JSONResponse(builder.response(_status(result), result.text, logprobs,
-                                                 response_usage(_usage(results))))
+            calls = result.tool_calls or []
+            return JSONResponse(builder.response(_status(result), result.text if result.text.strip() or not calls
+                                                 else None, logprobs, response_usage(_usage(results)), calls))
         choices = []
         for i, result in enumerate(results):
-            choice = {"index": i, "finish_reason": FINISH_REASONS[result.stop_reason]}
+            choice = {"index": i, "finish_reason": _finish_reason(result)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": result.text}
+                if result.tool_calls:
+                    choice["message"] = {"role": "assistant", "content": result.text.strip() or None,
+                                         "tool_calls": [call.openai() for call in result.tool_calls]}
             else:
                 choice["text"] = result.text
             choice["logprobs"] = self._logprobs(_tokens(result), parsed) if parsed.logprobs else None
@@ -250,7 +254,11 @@ class Server:
             while (item := await job.queue.get()) is not _DONE:
                 index, piece, tokens = item
                 if piece is None:  # the choice's end: tokens is its result
-                    yield chunk(index, None, finish=FINISH_REASONS[tokens.stop_reason])
+                    if tokens.tool_calls:  # each call whole, in one delta
+                        yield _sse({**head, "choices": [{"index": index, "logprobs": None, "finish_reason": None,
+                                                         "delta": {"tool_calls": [call.openai(j) for j, call in
+                                                                                  enumerate(tokens.tool_calls)]}}]})
+                    yield chunk(index, None, finish=_finish_reason(tokens))
                     continue
                 yield chunk(index, piece, tokens, offset=offsets[index])
                 offsets[index] += len(piece)
@@ -272,7 +280,7 @@ class Server:
         try:
             for event in builder.opening():
                 yield event
-            text, logprobs = "", []
+            text, logprobs, opened = "", [], False
             while (item := await job.queue.get()) is not _DONE:
                 _, piece, tokens = item
                 if piece is None:  # the end of the one choice (its result comes from the future)
@@ -281,6 +289,10 @@ class Server:
                 text += piece
                 logprobs += found
                 if piece or found:
+                    if not opened:  # (an answer that is calls only has no message)
+                        opened = True
+                        for event in builder.message_opening():
+                            yield event
                     yield builder.delta(piece, found)
             try:
                 results = await future
@@ -290,8 +302,8 @@ class Server:
                 yield builder.event("response.failed", response=failed)
             else:
                 if results:
-                    for event in builder.closing(_status(results[0]), text, logprobs,
-                                                 response_usage(_usage(results))):
+                    usage, calls = response_usage(_usage(results)), results[0].tool_calls or []
+                    for event in builder.closing(_status(results[0]), text, logprobs, usage, calls, opened):
                         yield event
         finally:
             job.cancelled.set()  # the client left (or all was sent): stop at the next token
@@ -315,6 +327,10 @@ class Server:
             offset += len(s)
         return {"tokens": [s for s, _, _ in kept], "token_logprobs": [lp for _, lp, _ in kept],
                 "top_logprobs": [dict(top) for _, _, top in kept] if k else None, "text_offset": offsets}
+
+
+def _finish_reason(result: GenerationResult) -> str:
+    return "tool_calls" if result.tool_calls else FINISH_REASONS[result.stop_reason]
 
 
 def _status(result: GenerationResult) -> str:

@@ -158,7 +158,26 @@ def _logit_bias(body: dict, runner: LLMRunner) -> dict[int, float] | None:
     return out
 
 
-def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
+def _tool_use(body: dict, runner: LLMRunner):
+    """The request's tools (tool_calls.ToolUse), or None."""
+    tools = body.get("tools")
+    param = "tools" if tools is not None else "tool_choice"
+    try:
+        use = runner.tool_use(tools, body.get("tool_choice"), _optional_bool(body, "parallel_tool_calls", True))
+    except ValueError as e:
+        message = str(e)
+        raise RequestError(message, "tool_choice" if message.startswith("tool_choice") else param) from None
+    if use is not None and use.grammar is not None and body.get("response_format") is not None:
+        raise RequestError("response_format cannot be used with a required or named tool_choice (the call is "
+                           "forced by a grammar of its own)", "response_format")
+    return use
+
+
+def _optional_bool(body: dict, name: str, default: bool) -> bool:
+    return _bool(body, name) if body.get(name) is not None else default
+
+
+def _prompt(body: dict, runner: LLMRunner, chat: bool, tools: list[dict] | None = None) -> list[int]:
     if chat:
         try:
             messages = check_messages(body.get("messages"))
@@ -167,7 +186,7 @@ def _prompt(body: dict, runner: LLMRunner, chat: bool) -> list[int]:
         if not runner.has_chat_template:
             raise RequestError("this model's tokenizer folder has no chat template: use /v1/completions",
                                "messages")
-        ids = _tokenized(lambda: runner.chat_prompt(messages), "messages")
+        ids = _tokenized(lambda: runner.chat_prompt(messages, tools=tools), "messages")
         name = "messages"
     else:
         prompt = body.get("prompt")
@@ -215,7 +234,8 @@ def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Req
     if n > MAX_CHOICES:
         raise RequestError(f"n must be at most {MAX_CHOICES}, got {n}", "n")
     request = Request(chat=chat)
-    prompt_ids = _prompt(body, runner, chat)
+    tool_use = _tool_use(body, runner) if chat else None
+    prompt_ids = _prompt(body, runner, chat, tool_use and tool_use.tools)
     kwargs = _sampler_fields(body, runner)
     bias = _logit_bias(body, runner)
     if bias:
@@ -255,14 +275,16 @@ def parse(body, runner: LLMRunner, chat: bool, draft: dict | None = None) -> Req
     # OpenAI's defaults: temperature 1, and a different sample each time
     kwargs.setdefault("temperature", 1.0 if runner.samples else 0.0)
     kwargs.setdefault("seed", secrets.randbits(63))
-    if draft and schema is None:
+    if tool_use is not None:
+        kwargs["tool_use"] = tool_use
+    if draft and schema is None and (tool_use is None or tool_use.grammar is None):
         kwargs.update(draft)
     try:  # every field is checked above: what prepare() refuses here is the grammar
         request.plans = [runner.prepare(prompt_ids, **{**kwargs, "seed": choice_seed(kwargs["seed"], i)})
                          for i in range(n)]
     except ValueError as e:
-        raise RequestError(f"response_format: {e}" if schema is not None else str(e),
-                           "response_format" if schema is not None else None) from None
+        field = "response_format" if schema is not None else "tools" if "tool_use" in kwargs else None
+        raise RequestError(f"{field}: {e}" if field else str(e), field) from None
     return request
 
 

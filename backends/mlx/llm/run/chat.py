@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from .text_limits import check_unicode
+from .tool_calls import arguments_object
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # Stop strings are searched in the text after every token: their number and
@@ -42,7 +43,9 @@ def has_chat_template(folder: str | Path) -> bool:
 
 def check_messages(messages) -> list[dict]:
     """The messages as the template takes them: a non-empty list of {role,
-    content}; content a string or OpenAI's list of text parts (joined).
+    content}; content a string or OpenAI's list of text parts (joined). An
+    assistant's `tool_calls` (their arguments as objects, as templates take
+    them) and a tool message's `tool_call_id` and `name` are kept.
     ValueError naming what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
@@ -60,8 +63,31 @@ def check_messages(messages) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **_tool_fields(m, f"messages[{i}]")})
     return out
+
+
+def _tool_fields(message: dict, where: str) -> dict:
+    fields = {}
+    calls = message.get("tool_calls")
+    if calls is not None and message["role"] == "assistant":
+        if not isinstance(calls, list):
+            raise ValueError(f"{where}.tool_calls must be a list")
+        fields["tool_calls"] = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{where}.tool_calls[{j}] must be {{id, type, function: {{name, arguments}}}}")
+            arguments = arguments_object(function.get("arguments", "{}"), f"{where}.tool_calls[{j}].function.arguments")
+            fields["tool_calls"].append({"id": str(call.get("id", "")), "type": "function",
+                                         "function": {"name": function["name"], "arguments": arguments}})
+    if message["role"] == "tool":
+        for name in ("tool_call_id", "name"):
+            if message.get(name) is not None:
+                if not isinstance(message[name], str):
+                    raise ValueError(f"{where}.{name} must be a string")
+                fields[name] = message[name]
+    return fields
 
 
 class ChatTemplate:
@@ -73,14 +99,22 @@ class ChatTemplate:
         self.folder = Path(folder)
         self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
 
-    def render(self, messages: list[dict], system_prompt: str | None = None) -> str:
+    @property
+    def source(self) -> str:
+        """The template's text (all of them, where a folder names several)."""
+        template = self._tokenizer.chat_template
+        return "\n".join(template.values()) if isinstance(template, dict) else str(template or "")
+
+    def render(self, messages: list[dict], system_prompt: str | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text of `messages` (checked), ending with the assistant's
-        turn opened; `system_prompt` goes first unless a system message is there."""
+        turn opened; `system_prompt` goes first unless a system message is
+        there; `tools` (checked: tool_calls.check_tools) as the template shows them."""
         messages = check_messages(messages)
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
         try:
-            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       add_generation_prompt=True)
         except Exception as e:  # jinja raises its own errors (raise_exception in templates)
             raise ValueError(f"the chat template of {self.folder} refused these messages: {e}") from None
 
@@ -132,10 +166,12 @@ def _short(value) -> str:
 class StopText:
     """Text as it grows, emitted so that no stop string is ever shown: the
     tail that could still begin one is held back until it cannot. A stop
-    string may span tokens; once one appears the text ends before it."""
+    string may span tokens; once one appears the text ends before it.
+    `hold(text, final)`, if given, is the end of what may be emitted yet
+    (tool_calls.CallStart: nothing of a call)."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
+    def __init__(self, stops: list[str], hold=None):
+        self.stops, self.hold = stops, hold
         self.emitted = ""
         self.stopped = False
 
@@ -149,6 +185,8 @@ class StopText:
             end = len(text)
         else:
             end = len(text) - self._held(text)
+        if self.hold is not None:
+            end = min(end, self.hold(text, final))
         piece = text[len(self.emitted):end] if end > len(self.emitted) else ""
         self.emitted += piece
         return piece

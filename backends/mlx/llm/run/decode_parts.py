@@ -85,12 +85,17 @@ class TextOut:
     """The generated text as it grows: streamed to `on_text` and checked for
     stop strings. A multi-byte character split across tokens waits until it
     is complete; the final update emits whatever is left (an unfinished
-    character's U+FFFD included), so the pieces join to the result's text."""
+    character's U+FFFD included), so the pieces join to the result's text.
+    With `tool_use`, the text stops at the first tool call (never streamed),
+    and the final update reads the calls into `tool_calls` (if they do not
+    parse, the text was not a call: all of it is emitted)."""
 
-    def __init__(self, tokenizer, stops: list[str], on_text):
+    def __init__(self, tokenizer, stops: list[str], on_text, tool_use=None, eos_ids: set[int] = frozenset()):
         self.tokenizer, self.on_text = tokenizer, on_text
-        self.active = tokenizer is not None and (on_text is not None or bool(stops))
-        self.stop = StopText(stops)
+        self.tool_use, self.eos_ids, self.tool_calls = tool_use, eos_ids, None
+        self.calls = tool_use.call_start() if tool_use is not None else None
+        self.active = tokenizer is not None and (on_text is not None or bool(stops) or self.calls is not None)
+        self.stop = StopText(stops, self.calls.hold if self.calls is not None else None)
         self.text = ""  # the text of ids[:read]
         # Each step decodes only ids[start:], against ids[start:read] (the
         # last piece's tokens, which end on a whole character): the new text
@@ -102,6 +107,10 @@ class TextOut:
         """Emits the new text of `ids` (all generated so far); True at a stop string."""
         if not self.active or self.stop.stopped:
             return self.stop.stopped
+        if self.calls is not None and self.calls.ids:  # a special token that starts a call
+            for j in range(self.read, len(ids)):
+                if ids[j] in self.calls.ids:
+                    self.calls.see(ids[j], self.tokenizer.decode(ids[:j]))
         before = self.tokenizer.decode(ids[self.start:self.read])
         after = self.tokenizer.decode(ids[self.start:])
         if not after.startswith(before):
@@ -113,12 +122,21 @@ class TextOut:
         if len(ids) > self.read:  # (a repeated final call adds nothing, and keeps its window)
             self.text += after[len(before):]
             self.start, self.read = self.read, len(ids)
+        if final and self.calls is not None:
+            self._read_calls(ids)
         piece = self.stop.update(self.text, final)
         if piece and self.on_text is not None:
             self.on_text(piece)
         return self.stop.stopped
 
+    def _read_calls(self, ids: list[int]) -> None:
+        if self.calls.hold(self.text, True) < len(self.text) or self.calls.at is not None:
+            raw = self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=False)
+            self.tool_calls = self.tool_use.parse(raw)
+        if self.tool_calls is None:
+            self.calls.released = True
+
     def result(self, ids: list[int]) -> str:
-        if self.stop.stopped:
+        if self.stop.stopped or self.calls is not None:
             return self.stop.emitted
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

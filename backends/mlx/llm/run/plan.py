@@ -30,6 +30,7 @@ class Plan:
     constraint: object | None = None  # grammar.TokenConstraint
     drafter: object | None = None  # drafting.PromptLookup or DraftModel
     draft_length: object | None = None  # drafting.DraftLength
+    tool_use: object | None = None  # tool_calls.ToolUse: the answer's calls are read
     runner: object = field(default=None, repr=False)  # the LLMRunner that prepared it
     _ran: bool = field(default=False, repr=False)
 

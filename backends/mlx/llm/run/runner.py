@@ -4,6 +4,7 @@
     result = runner.generate("Once upon a time", max_new_tokens=32, temperature=0.8, seed=42,
                              on_text=lambda s: print(s, end="", flush=True))
     reply = runner.chat([{"role": "user", "content": "Hi"}], max_new_tokens=32)
+    called = runner.chat(messages, tools=tools, tool_choice="required")  # .tool_calls (tool_calls.py)
 
 The prompt prefills in one call (in chunks of the program's maximum length
 above it); each decode step is one call that returns the next token id,
@@ -23,6 +24,7 @@ cannot interleave); for parallel generations, use one runner per thread.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import nullcontext
@@ -42,6 +44,7 @@ from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .plan import Plan
 from .program_runner import ProgramRunner
 from .text_limits import check_fits, check_unicode, longest_token_bytes
+from .tool_calls import ToolFormat, ToolUse, check_tool_choice, check_tools, template_tool_format
 from ...serialization.sampler_params import ROW_PARAMS, TABLE_PARAMS
 from ..sampler_inputs import OFF, PENALTIES, TOKEN_MASK, logit_bias_tensors, sampling_inputs
 
@@ -63,7 +66,7 @@ class Logprob(float):
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # the generated ids only
-    text: str  # cut before a stop string
+    text: str  # cut before a stop string; with tools, the text before the first call
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     # or "eos", "stop" (a stop string), "cancelled" (by on_token), "grammar" (it allows nothing more)
@@ -73,6 +76,7 @@ class GenerationResult:
     cached_tokens: int = 0  # prompt tokens whose cache entries were reused, not prefilled
     draft_tokens: int = 0  # tokens a drafter proposed (speculative decoding)
     accepted_tokens: int = 0  # of those, the ones verification accepted
+    tool_calls: list | None = None  # tool_calls.ToolCall of a chat with tools, when the model called
     step_seconds: list[float] = field(default_factory=list, repr=False)
 
 
@@ -164,9 +168,10 @@ class LLMRunner(ProgramRunner):
             self._chat_template = ChatTemplate(self.tokenizer_dir)
         return self._chat_template
 
-    def chat_prompt(self, messages: list[dict], system_prompt: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[dict], system_prompt: str | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """The token ids of `messages` under the tokenizer folder's chat
-        template, the assistant's turn opened."""
+        template, the assistant's turn opened, `tools` shown as it shows them."""
         if self.chat_template is None:
             raise ValueError(f"the tokenizer folder {self.tokenizer_dir} has no chat template "
                              f"(tokenizer_config.json chat_template or chat_template.jinja)")
@@ -174,8 +179,40 @@ class LLMRunner(ProgramRunner):
             self.check_text(m.get("content") if isinstance(m, dict) else None, f"messages[{i}].content")
         if system_prompt is not None:
             self.check_text(system_prompt, "system prompt")
-        return self.encode(self.chat_template.render(messages, system_prompt), "messages",
+        return self.encode(self.chat_template.render(messages, system_prompt, tools), "messages",
                            add_special_tokens=False)  # the template wrote them
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The tool-call format the chat template teaches (None: no template, or one without tools)."""
+        return template_tool_format(self.chat_template.source) if self.chat_template is not None else None
+
+    def tool_use(self, tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolUse | None:
+        """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked
+        (ValueError) against this folder's template: None without tools."""
+        if tools is None or tools == []:
+            if tool_choice not in (None, "auto", "none"):
+                raise ValueError("tool_choice needs tools")
+            return None
+        tools = check_tools(tools)
+        choice = check_tool_choice(tool_choice, tools)
+        if not isinstance(parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls must be a boolean, got {parallel_tool_calls!r}")
+        form = self.tool_format
+        if form is None:
+            raise ValueError(f"the chat template of {self.tokenizer_dir} shows no tools in a format we read "
+                             f"(Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] or gpt-oss)")
+        added = self.tokenizer.get_added_tokens_decoder()
+        special = {t.content: i for i, t in added.items() if t.special}
+        whole = {t.content: i for i, t in added.items()}
+
+        def token(text: str) -> str:  # an added token by its id (llguidance reads them so), else the text
+            return f"<[{whole[text]}]>" if text in whole else json.dumps(text)
+
+        forced = choice not in ("auto", "none")
+        return ToolUse(tools, choice, form, parallel_tool_calls,
+                       form.grammar(tools, choice, parallel_tool_calls, token) if forced else None,
+                       {m: special[m] for m in form.starts if m in special})
 
     def check_text(self, text, what: str) -> None:
         """ValueError for text that is not valid Unicode; ContextLengthError
@@ -199,11 +236,15 @@ class LLMRunner(ProgramRunner):
         self.check_text(text, what)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat(self, messages: list[dict], system_prompt: str | None = None, **kwargs) -> GenerationResult:
+    def chat(self, messages: list[dict], system_prompt: str | None = None, *, tools: list[dict] | None = None,
+             tool_choice=None, parallel_tool_calls: bool = True, **kwargs) -> GenerationResult:
         """generate() on the chat template's rendering of `messages`
         ([{"role": "user", "content": "..."}, ...]). A follow-up that repeats
-        the conversation so far reuses its cache entries."""
-        return self.generate(self.chat_prompt(messages, system_prompt), **kwargs)
+        the conversation so far reuses its cache entries. `tools`,
+        `tool_choice` and `parallel_tool_calls` are OpenAI's (tool_calls.py):
+        the result's `tool_calls` holds the calls the model made."""
+        use = self.tool_use(tools, tool_choice, parallel_tool_calls)
+        return self.generate(self.chat_prompt(messages, system_prompt, use and use.tools), tool_use=use, **kwargs)
 
     @property
     def cached_tokens(self) -> list[int]:
@@ -301,7 +342,7 @@ class LLMRunner(ProgramRunner):
                 logit_bias: dict[int, float] | None = None, stop: str | list[str] | None = None,
                 json_schema=None, regex: str | None = None, grammar: str | None = None,
                 draft: LLMRunner | str | None = None, num_draft_tokens: int | None = None,
-                adaptive_drafting: bool = True, **params) -> Plan:
+                adaptive_drafting: bool = True, tool_use: ToolUse | None = None, **params) -> Plan:
         """One generation, checked and ready to run (ValueError for the first
         thing wrong): the prompt tokenized, the sampler inputs built, the
         grammar compiled, the drafter made. A Plan runs once.
@@ -324,7 +365,9 @@ class LLMRunner(ProgramRunner):
         `num_draft_tokens` tokens (default: the most the program verifies),
         which the program verifies in one call (llm/export/speculative.py): the
         output is exactly plain decoding's. `adaptive_drafting` drafts fewer
-        (or none for a while) when few are accepted (llm/run/drafting.py)."""
+        (or none for a while) when few are accepted (llm/run/drafting.py).
+        `tool_use` (tool_use()): the answer's calls are read into the
+        result's `tool_calls`, and a required or named call is forced."""
         unknown = sorted(set(params) - set(ROW_PARAMS))
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
@@ -363,11 +406,16 @@ class LLMRunner(ProgramRunner):
         # checked before anything runs; the history and the mask are filled in per step
         sampling = sampling_inputs(1, temperature, 0 if seed is None else seed, 0, vocab=self.vocab_size,
                                    **params) if self.samples else {}
+        if tool_use is not None and tool_use.grammar is not None:
+            if json_schema is not None or regex is not None or grammar is not None:
+                raise ValueError(f"a forced tool call (tool_choice {tool_use.choice!r}) is a grammar of its own: "
+                                 f"give no json_schema, regex or grammar with it")
+            grammar = tool_use.grammar
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         drafter = self.drafter(draft, num_draft_tokens, constraint is not None)
         draft_length = DraftLength(num_draft_tokens or self.max_draft_tokens, adaptive_drafting) if drafter else None
         return Plan(ids, max_new_tokens, sampling, repetition_context_size if penalized else 0, stops, constraint,
-                    drafter, draft_length, runner=self)
+                    drafter, draft_length, tool_use, runner=self)
 
     def run(self, plan: Plan, on_text: Callable[[str], None] | None = None,
             on_token: Callable[[int, float | None], bool] | None = None) -> GenerationResult:
@@ -447,7 +495,7 @@ class LLMRunner(ProgramRunner):
         prefill_s = time.perf_counter() - t0
 
         out = emitted
-        text = TextOut(self.tokenizer, plan.stops, on_text)
+        text = TextOut(self.tokenizer, plan.stops, on_text, plan.tool_use, self.eos_ids)
         rules = StopRules(self.eos_ids, plan.constraint, text, on_token, max_new_tokens)
         stop = rules.check(out, logprobs)
         steps, drafted, accepted = [], 0, 0
@@ -480,7 +528,7 @@ class LLMRunner(ProgramRunner):
                                 stop_reason=stop, step_seconds=steps,
                                 logprobs=logprobs if self.logprobs else None,
                                 prompt_tokens=len(ids), cached_tokens=cached, draft_tokens=drafted,
-                                accepted_tokens=accepted)
+                                accepted_tokens=accepted, tool_calls=text.tool_calls)
 
 def _reset_epoch() -> int:
     import executorch_mlx._runtime_library as library
