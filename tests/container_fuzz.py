@@ -4,7 +4,9 @@ a target, so that a crash (a signal) or a hang is counted, not fatal.
 
 Targets: `emlx_runner` (the C++ runner, a subprocess per case), and three
 Python ones: `LLMRunner` (load + generate), `generate` and `inspect` (the
-`executorch-mlx` command line's main()). Python cases run in a child forked
+`executorch-mlx` command line's main()); and the weights file of a program
+exported with external weights (.ptd), mutated instead of the program, through
+both runners (`emlx_runner .ptd`, `LLMRunner .ptd`). Python cases run in a child forked
 from a server process that has imported the package once and run nothing
 (spawning a Python per case costs ~8 s of imports on 2 cores, which the
 10 s hang limit could not tell from a hang); `spawn=True` runs the real
@@ -35,7 +37,8 @@ from pathlib import Path
 
 EMLX = "emlx_runner"
 PYTHON_TARGETS = ("LLMRunner", "generate", "inspect")
-TARGETS = (EMLX, *PYTHON_TARGETS)
+DATA_TARGETS = (f"{EMLX} .ptd", "LLMRunner .ptd")  # the .ptd mutated, the program as exported
+TARGETS = (EMLX, *PYTHON_TARGETS, *DATA_TARGETS)
 RAN, REFUSED, SIGNAL, HUNG, OTHER = "ran", "refused", "signal", "hung", "other"
 OUTCOMES = (RAN, REFUSED, SIGNAL, HUNG, OTHER)
 MAX_CONTEXT = 64
@@ -46,25 +49,29 @@ UNCAUGHT = 3  # a Python target's exit code for an exception that escaped
 
 
 # ---------------------------------------------------------------- program --
-def export_program(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
+def export_program(root: str | Path, seed: int = 0, external: bool = False) -> tuple[Path, Path]:
     """A tiny Llama folder (seeded weights, an all-bytes tokenizer: sampled
-    text splits UTF-8) exported at max context 64: (the .pte, the folder).
+    text splits UTF-8) exported at max context 64: (the .pte, the folder);
+    `external`: llama-external.pte, its weights in llama-external.ptd beside it.
     tests/test_hardening.py uses the same program. Run this in a process that
     forks no cases (export starts torch's thread pools; see run_python)."""
     from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
 
     root = Path(root)
-    folder = write_model_folder(root / "llama", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
-                                intermediate=64, seed=seed, all_bytes=True)
-    pte = export_llm(folder, root / "llama.pte", max_context=MAX_CONTEXT, progress=None)
+    folder = root / "llama"
+    if not (folder / "config.json").is_file():
+        write_model_folder(folder, "llama", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=seed,
+                           all_bytes=True)
+    pte = export_llm(folder, root / ("llama-external.pte" if external else "llama.pte"), max_context=MAX_CONTEXT,
+                     external_weights=external, progress=None)
     return Path(pte), folder
 
 
-def export_program_in_subprocess(root: str | Path, seed: int = 0) -> tuple[Path, Path]:
+def export_program_in_subprocess(root: str | Path, seed: int = 0, external: bool = False) -> tuple[Path, Path]:
     root = Path(root)
-    subprocess.run([sys.executable, __file__, "export", str(root), str(seed)], check=True)
-    return root / "llama.pte", root / "llama"
+    subprocess.run([sys.executable, __file__, "export", str(root), str(seed), str(int(external))], check=True)
+    return root / ("llama-external.pte" if external else "llama.pte"), root / "llama"
 
 
 # -------------------------------------------------------------- mutations --
@@ -155,17 +162,19 @@ def _last_line(text: str) -> str:
 
 
 # ---------------------------------------------------------------- targets --
-def run_emlx(cases_: list[Case], workdir: Path, timeout: float = 10.0) -> Report:
+def run_emlx(cases_: list[Case], workdir: Path, timeout: float = 10.0, program: Path | None = None) -> Report:
+    """`program`: the cases are mutants of its .ptd, given with --data."""
     from executorch_mlx._runtime_library import runner_binary
 
     runner = str(runner_binary())
-    path = workdir / "emlx.pte"
+    path = workdir / ("emlx.ptd" if program else "emlx.pte")
+    command = [runner, str(program), "--data", str(path)] if program else [runner, str(path)]
     report = Report()
     start = time.perf_counter()
     for case in cases_:
         path.write_bytes(case.data)
         try:
-            p = subprocess.run([runner, str(path), "--prompt-ids", PROMPT_IDS, "--max-new-tokens", NEW_TOKENS],
+            p = subprocess.run(command + ["--prompt-ids", PROMPT_IDS, "--max-new-tokens", NEW_TOKENS],
                                capture_output=True, text=True, errors="replace", timeout=timeout)
             outcome = classify(p.returncode)
             detail = _last_line(p.stderr) if p.returncode else ""
@@ -178,13 +187,14 @@ def run_emlx(cases_: list[Case], workdir: Path, timeout: float = 10.0) -> Report
     return report
 
 
-def _python_target(target: str, pte: str, folder: str) -> int:
-    """One case, in the forked child: the exit code it gives."""
+def _python_target(target: str, pte: str, folder: str, data: str | None = None) -> int:
+    """One case, in the forked child: the exit code it gives (`data`: the
+    program's .ptd, for LLMRunner)."""
     if target == "LLMRunner":
         from executorch_mlx.llm.run.runner import LLMRunner
 
         try:
-            LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=int(NEW_TOKENS))
+            LLMRunner(pte, folder, data_path=data).generate(PROMPT, max_new_tokens=int(NEW_TOKENS))
         except (ValueError, RuntimeError, OSError) as e:
             print(f"{type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
             return 1
@@ -197,20 +207,22 @@ def _python_target(target: str, pte: str, folder: str) -> int:
     return cli.main(["inspect", pte])
 
 
-def _spawn_command(target: str, pte: str, folder: str) -> list[str]:
+def _spawn_command(target: str, pte: str, folder: str, data: str | None = None) -> list[str]:
     cli = [sys.executable, "-m", "executorch_mlx.cli"]
     if target == "generate":
         return cli + ["generate", pte, "--tokenizer", folder, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS]
     if target == "inspect":
         return cli + ["inspect", pte]
     code = ("import sys\nfrom executorch_mlx.llm.run.runner import LLMRunner\n"
-            "try:\n    LLMRunner(sys.argv[1], sys.argv[2]).generate(%r, max_new_tokens=%s)\n"
+            "try:\n    LLMRunner(sys.argv[1], sys.argv[2], data_path=(sys.argv[3:] or [None])[0]).generate(\n"
+            "        %r, max_new_tokens=%s)\n"
             "except (ValueError, RuntimeError, OSError) as e:\n    sys.exit(f'{type(e).__name__}: {e}')\n"
             % (PROMPT, NEW_TOKENS))
-    return [sys.executable, "-c", code, pte, folder]
+    return [sys.executable, "-c", code, pte, folder] + ([data] if data else [])
 
 
-def _fork_case(target: str, pte: str, folder: str, log: Path, timeout: float) -> tuple[int | None, str]:
+def _fork_case(target: str, pte: str, folder: str, log: Path, timeout: float,
+               data: str | None = None) -> tuple[int | None, str]:
     """Runs one case in a forked child: (its exit code, negative for a
     signal; None if it ran over `timeout`) and its last stderr line."""
     pid = os.fork()
@@ -226,7 +238,7 @@ def _fork_case(target: str, pte: str, folder: str, log: Path, timeout: float) ->
             sys.stderr = open(2, "w", closefd=False)
             # A crash's traceback goes to the case's log, not to the caller's terminal (pytest's faulthandler).
             faulthandler.enable(file=sys.stderr)
-            code = _python_target(target, pte, folder)
+            code = _python_target(target, pte, folder, data)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
         except BaseException:  # noqa: BLE001 - reported as OTHER, with its traceback
@@ -253,10 +265,11 @@ def _fork_case(target: str, pte: str, folder: str, log: Path, timeout: float) ->
 
 
 def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, timeout: float = 10.0,
-               spawn: bool = False) -> Report:
+               spawn: bool = False, program: Path | None = None) -> Report:
     """Forks from this process unless `spawn`: call it from a process that has
     only imported (a server), never one that has run programs or torch ops
-    (a forked child gets no copies of their threads)."""
+    (a forked child gets no copies of their threads). `program`: the cases
+    are mutants of its .ptd (LLMRunner only)."""
     if not spawn:
         import executorch_mlx  # noqa: F401  imported once, before any fork
         from executorch_mlx import cli, inspector  # noqa: F401
@@ -266,7 +279,8 @@ def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, tim
             from executorch.exir._serialize._program import deserialize_pte_binary  # noqa: F401
 
             from executorch_mlx.lowering import registry  # noqa: F401
-    path = workdir / f"{target}.pte"
+    path = workdir / f"{target}.{'ptd' if program else 'pte'}"
+    pte, data = (str(program), str(path)) if program else (str(path), None)
     log = workdir / f"{target}.stderr"
     report = Report()
     start = time.perf_counter()
@@ -274,14 +288,14 @@ def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, tim
         path.write_bytes(case.data)
         if spawn:
             try:
-                p = subprocess.run(_spawn_command(target, str(path), str(folder)), capture_output=True, text=True,
+                p = subprocess.run(_spawn_command(target, pte, str(folder), data), capture_output=True, text=True,
                                    errors="replace", timeout=timeout)
                 rc, detail = p.returncode, _last_line(p.stderr)
                 escaped = "Traceback (most recent call last)" in p.stderr
             except subprocess.TimeoutExpired:
                 rc, detail = None, ""
         else:
-            rc, detail = _fork_case(target, str(path), str(folder), log, timeout)
+            rc, detail = _fork_case(target, pte, str(folder), log, timeout, data)
             escaped = False
         if rc is None:
             report.add(case, HUNG, f"over {timeout} s")
@@ -295,22 +309,26 @@ def run_python(target: str, cases_: list[Case], folder: Path, workdir: Path, tim
 
 
 def run_all(pte: Path, folder: Path, counts: dict[str, int], seed: int = 0, timeout: float = 10.0,
-            spawn: bool = False) -> dict[str, Report]:
-    """{target: report} for `counts[target]` mutants each."""
-    data = pte.read_bytes()
+            spawn: bool = False, external: Path | None = None) -> dict[str, Report]:
+    """{target: report} for `counts[target]` mutants each; `external`: the
+    program whose .ptd (beside it) the DATA_TARGETS mutate."""
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
         for target in TARGETS:
             n = counts.get(target, 0)
             if not n:
                 continue
+            program = external if target in DATA_TARGETS else None
+            if target in DATA_TARGETS and external is None:
+                raise ValueError(f"{target} needs a program exported with external weights")
+            data = (program.with_suffix(".ptd") if program else pte).read_bytes()
             mutants = cases(data, n, seed, target)
-            if target == EMLX:
-                reports[target] = run_emlx(mutants, Path(tmp), timeout)
+            if target.startswith(EMLX):
+                reports[target] = run_emlx(mutants, Path(tmp), timeout, program)
             else:
-                reports[target] = run_python(target, mutants, folder, Path(tmp), timeout, spawn)
+                reports[target] = run_python(target.split()[0], mutants, folder, Path(tmp), timeout, spawn, program)
     return reports
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["export"]:
-    export_program(sys.argv[2], int(sys.argv[3]))
+    export_program(sys.argv[2], int(sys.argv[3]), bool(int(sys.argv[4])))

@@ -33,6 +33,12 @@ def program(shared):
     return shared.get("tiny-llama", cf.export_program)
 
 
+@pytest.fixture(scope="module")
+def external(shared):
+    """The same program exported with its weights in llama-external.ptd."""
+    return shared.get("tiny-llama-external", lambda root: cf.export_program(root, external=True))
+
+
 def _emlx(pte: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(executorch_mlx.runner_binary()), str(pte), "--prompt-ids", "5,6",
                            "--max-new-tokens", "3"], capture_output=True, text=True, timeout=60)
@@ -186,7 +192,7 @@ def test_mutations_repeat_and_reach_every_region(program):
 
 def test_a_crash_or_a_hang_is_counted_not_fatal(monkeypatch, tmp_path):
     """The harness's own guarantee, on its forked Python path."""
-    def target(name, pte, folder):
+    def target(name, pte, folder, data=None):
         if name == "inspect":
             os.kill(os.getpid(), signal.SIGSEGV)
         if name == "generate":
@@ -203,15 +209,18 @@ def test_a_crash_or_a_hang_is_counted_not_fatal(monkeypatch, tmp_path):
         cf.RAN, cf.REFUSED, cf.REFUSED, cf.OTHER, cf.SIGNAL, cf.SIGNAL]
 
 
-def test_bounded_container_fuzzing(program):
-    """100 mutants through emlx_runner, 30 through the Python targets: no
-    signal, no hang, no escaped exception."""
+def test_bounded_container_fuzzing(program, external):
+    """100 mutants through emlx_runner, 30 through the Python targets, and 40
+    of the weights file (.ptd) through both runners: no signal, no hang, no
+    escaped exception."""
     pte, folder = program
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fuzz_container.py"), "--emlx", "100",
-                           "--llmrunner", "10", "--generate", "10", "--inspect", "10", "--seed", "3",
-                           "--program", str(pte), "--folder", str(folder)],
+                           "--llmrunner", "10", "--generate", "10", "--inspect", "10", "--emlx-ptd", "30",
+                           "--llmrunner-ptd", "10", "--seed", "3", "--program", str(pte), "--folder", str(folder),
+                           "--external", str(external[0])],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    for target, n in [("emlx_runner", 100), ("LLMRunner", 10), ("generate", 10), ("inspect", 10)]:
+    for target, n in [("emlx_runner", 100), ("LLMRunner", 10), ("generate", 10), ("inspect", 10),
+                      ("emlx_runner .ptd", 30), ("LLMRunner .ptd", 10)]:
         assert re.search(rf"^{target}: {n} cases: ran \d+, refused \d+, signal 0, hung 0, other 0 ", done.stdout,
                          re.M), done.stdout

@@ -137,8 +137,9 @@ def chat(served, **fields) -> tuple[int, dict, float]:
     return request(served, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "temperature": 0, **fields})
 
 
-def refused(reply: dict, code: int, status: int, seconds: float, param: str | None = None) -> str:
-    assert status == code and seconds < FAST, (status, seconds, reply)
+def refused(reply: dict, code: int, status: int, seconds: float, param: str | None = None,
+            limit: float = FAST) -> str:
+    assert status == code and seconds < limit, (status, seconds, reply)
     error = reply["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     return error["message"]
@@ -195,6 +196,20 @@ def test_deep_nesting_is_400(served):
     assert "nests deeper" in refused(reply, 400, status, seconds, "response_format")
 
 
+def _refusal_cpu_seconds(folder: Path, schema: dict) -> float:
+    """llguidance's CPU time to refuse `schema` in this process, on the folder's tokenizer."""
+    from tokenizers import Tokenizer
+
+    from executorch_mlx.llm.run.grammar import TokenConstraint, grammar_text, grammar_tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    lltok = grammar_tokenizer(tokenizer, tokenizer.get_vocab_size(), set())
+    start = time.process_time()
+    with pytest.raises(ValueError):
+        TokenConstraint(grammar_text(json_schema=schema), lltok)
+    return time.process_time() - start
+
+
 @pytest.mark.parametrize("schema,words", [
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "fails on its first tokens"),
     ({"type": "string", "pattern": "^((a{100}){100}){100}$"}, "fails on its first tokens"),
@@ -203,14 +218,18 @@ def test_deep_nesting_is_400(served):
     ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "Unsatisfiable"),
 ])
 def test_grammars_llguidance_rejects_are_400_without_its_state(served, schema, words):
-    """The billion-state pattern costs llguidance about a second of CPU
-    (0.9-1.3 s measured alone): held to 2 s of the server's CPU time, and to
-    twice that of wall time, which the other test worker shares."""
+    """The billion-state pattern costs llguidance a second or two of CPU
+    (0.9-1.3 s measured alone on one machine, 1.6 on another): the server
+    spends at most half as much again as llguidance's own refusal measured
+    here (the same machine and load), or 2 s; wall time twice that, which
+    the other test worker shares."""
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    own = _refusal_cpu_seconds(served.folder, schema)
     cpu = served.cpu_seconds()
     status, reply, seconds = chat(served, response_format=fmt)
-    assert served.cpu_seconds() - cpu < FAST
-    message = refused(reply, 400, status, seconds / 2, "response_format")
+    budget = max(FAST, 1.5 * own + 0.5)
+    assert served.cpu_seconds() - cpu < budget
+    message = refused(reply, 400, status, seconds, "response_format", limit=2 * budget)
     assert words in message and "\n" not in message and "<state>" not in message and "Parser" not in message
 
 

@@ -53,13 +53,7 @@ def tokenizer():
 
 def _use(tokenizer, key: str, choice: str = "required", parallel: bool = True) -> ToolUse:
     """ToolUse as LLMRunner.tool_use builds it for a template of format `key`."""
-    added = tokenizer.get_added_tokens_decoder()
-    whole = {t.content: i for i, t in added.items()}
-    special = {t.content: i for i, t in added.items() if t.special}
-    form = TOOL_FORMATS[key]
-    token = lambda text: f"<[{whole[text]}]>" if text in whole else json.dumps(text)  # noqa: E731
-    grammar = form.grammar(TOOLS, choice, parallel, token) if choice not in ("auto", "none") else None
-    return ToolUse(TOOLS, choice, form, parallel, grammar, {m: special[m] for m in form.starts if m in special})
+    return ToolUse.build(tokenizer, TOOL_FORMATS[key], TOOLS, choice, parallel)
 
 
 @pytest.mark.parametrize("key", sorted(TEMPLATES))
@@ -103,14 +97,18 @@ def test_parallel_calls_and_what_is_not_a_call():
     two = CALLS["hermes"] + "\n" + CALLS["hermes"].replace("get_weather", "add")
     assert [c.name for c in hermes.parse(two, hermes.call_id)] == ["get_weather", "add"]
     assert hermes.parse("no call here", hermes.call_id) is None
-    assert hermes.parse('<tool_call>\n{"name": "add", "arguments": {"a": 1', hermes.call_id) is None  # cut short
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1'  # by the token limit
+    assert hermes.parse(cut, hermes.call_id) is None
+    assert [c.name for c in hermes.parse(CALLS["hermes"] + "\n" + cut, hermes.call_id)] == ["get_weather"]
+    broken = '<tool_call>\n{"name": "add", "arguments": [}\n</tool_call>\n'
+    assert hermes.parse(broken + CALLS["hermes"], hermes.call_id) is None  # a broken call that is not the last
     llama = TOOL_FORMATS["llama3"]
     calls = llama.parse('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
                         llama.call_id)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {}), ("b", {"x": 1})]
     assert llama.parse("The answer is {not json", llama.call_id) is None
     mistral = TOOL_FORMATS["mistral"]
-    [call] = mistral.parse(CALLS["mistral"], mistral.call_id)
+    [call] = mistral.parse(CALLS["mistral"].replace("[{", " [{"), mistral.call_id)
     assert len(call.id) == 9 and call.id.isalnum()  # Mistral's templates take nine letters and digits
     harmony = TOOL_FORMATS["harmony"]
     [call] = harmony.parse(CALLS["harmony"] + "<|call|>", harmony.call_id)

@@ -330,7 +330,10 @@ class Server:
 
 
 def _finish_reason(result: GenerationResult) -> str:
-    return "tool_calls" if result.tool_calls else FINISH_REASONS[result.stop_reason]
+    """`tool_calls` when the model called (unless the token limit cut a last call short)."""
+    if result.tool_calls and result.stop_reason != "max_new_tokens":
+        return "tool_calls"
+    return FINISH_REASONS[result.stop_reason]
 
 
 def _status(result: GenerationResult) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .text_limits import check_unicode
+from .text_limits import check_unicode, prefix_tail
 from .tool_calls import arguments_object
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -184,19 +184,10 @@ class StopText:
         elif final:
             end = len(text)
         else:
-            end = len(text) - self._held(text)
+            end = len(text) - prefix_tail(text, self.stops)
         if self.hold is not None:
             end = min(end, self.hold(text, final))
         piece = text[len(self.emitted):end] if end > len(self.emitted) else ""
         self.emitted += piece
         return piece
 
-    def _held(self, text: str) -> int:
-        """The longest tail of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest

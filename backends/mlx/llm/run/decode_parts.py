@@ -107,7 +107,7 @@ class TextOut:
         """Emits the new text of `ids` (all generated so far); True at a stop string."""
         if not self.active or self.stop.stopped:
             return self.stop.stopped
-        if self.calls is not None and self.calls.ids:  # a special token that starts a call
+        if self.calls is not None and self.calls.ids and self.calls.at is None:  # a special token starts a call
             for j in range(self.read, len(ids)):
                 if ids[j] in self.calls.ids:
                     self.calls.see(ids[j], self.tokenizer.decode(ids[:j]))

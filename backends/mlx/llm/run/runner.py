@@ -24,7 +24,6 @@ cannot interleave); for parallel generations, use one runner per thread.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import nullcontext
@@ -202,17 +201,7 @@ class LLMRunner(ProgramRunner):
         if form is None:
             raise ValueError(f"the chat template of {self.tokenizer_dir} shows no tools in a format we read "
                              f"(Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] or gpt-oss)")
-        added = self.tokenizer.get_added_tokens_decoder()
-        special = {t.content: i for i, t in added.items() if t.special}
-        whole = {t.content: i for i, t in added.items()}
-
-        def token(text: str) -> str:  # an added token by its id (llguidance reads them so), else the text
-            return f"<[{whole[text]}]>" if text in whole else json.dumps(text)
-
-        forced = choice not in ("auto", "none")
-        return ToolUse(tools, choice, form, parallel_tool_calls,
-                       form.grammar(tools, choice, parallel_tool_calls, token) if forced else None,
-                       {m: special[m] for m in form.starts if m in special})
+        return ToolUse.build(self.tokenizer, form, tools, choice, parallel_tool_calls)
 
     def check_text(self, text, what: str) -> None:
         """ValueError for text that is not valid Unicode; ContextLengthError

@@ -39,3 +39,14 @@ def check_fits(text: str, what: str, max_context: int, longest: int) -> None:
     if least >= max_context:
         raise ContextLengthError(f"the {what} is {size} bytes, at least {least} tokens (a token of this vocabulary "
                                  f"covers at most {longest} bytes); this model's context is {max_context} tokens")
+
+
+def prefix_tail(text: str, strings: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of one of `strings`."""
+    longest = 0
+    for s in strings:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest

@@ -29,6 +29,8 @@ import secrets
 import string
 from dataclasses import dataclass, field
 
+from .text_limits import prefix_tail
+
 CHOICES = ("auto", "none", "required")
 # the most tools one request may list (OpenAI's limit)
 MAX_TOOLS = 128
@@ -128,19 +130,20 @@ class ToolFormat:
             call = '<tool_call>'
             rules = [f'start: {token(call)} "\\n" call "\\n" {token("</tool_call>")}' +
                      (f' ("\\n" {token(call)} "\\n" call "\\n" {token("</tool_call>")})*' if many else ""),
-                     f"call: %json {_json(_any([_call(f, 'arguments') for f in chosen]))}"]
+                     f"call: %json {_json(_any([_call_schema(f, 'arguments') for f in chosen]))}"]
         elif self.name == "llama3":
             sep = ' ("; " call)*' if many else ""
-            rules = [f"start: call{sep}", f"call: %json {_json(_any([_call(f, 'parameters') for f in chosen]))}"]
+            rules = [f"start: call{sep}", f"call: %json {_json(_any([_call_schema(f, 'parameters') for f in chosen]))}"]
         elif self.name == "mistral" and self.args_marker:
             alts = " | ".join(f'"{f["name"]}" {token("[ARGS]")} %json {_json(_params(f))}' for f in chosen)
             rules = [f"start: {token('[TOOL_CALLS]')} call" + (f" ({token('[TOOL_CALLS]')} call)*" if many else ""),
                      f"call: {alts}"]
         elif self.name == "mistral":
-            items = {"type": "array", "items": _any([_call(f, "arguments") for f in chosen]), "minItems": 1}
+            items = {"type": "array", "items": _any([_call_schema(f, "arguments") for f in chosen]), "minItems": 1}
             if not many:
                 items["maxItems"] = 1
-            rules = [f"start: {token('[TOOL_CALLS]')} %json {_json(items)}"]
+            # (Mistral Small 3's template writes a space before the list; 7B v0.3's none)
+            rules = [f"start: {token('[TOOL_CALLS]')} \" \"? %json {_json(items)}"]
         else:  # harmony: one call a message
             alts = " | ".join(f'"{f["name"]}" " " {token("<|constrain|>")} "json" {token("<|message|>")} '
                               f'%json {_json(_params(f))}' for f in chosen)
@@ -200,7 +203,7 @@ def _params(function: dict) -> dict:
     return function.get("parameters") or {"type": "object"}
 
 
-def _call(function: dict, key: str) -> dict:
+def _call_schema(function: dict, key: str) -> dict:
     return {"type": "object", "properties": {"name": {"const": function["name"]}, key: _params(function)},
             "required": ["name", key], "additionalProperties": False}
 
@@ -209,9 +212,9 @@ def _any(schemas: list[dict]) -> dict:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
-def _objects(text: str, separators: str) -> list | None:
+def _objects(text: str, separators: str) -> list:
     """The JSON values in `text`, one after another (between them only
-    whitespace and `separators`); None if something else is there."""
+    whitespace and `separators`), a last None where something else is."""
     decoder, values, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and (text[i].isspace() or text[i] in separators):
@@ -221,27 +224,38 @@ def _objects(text: str, separators: str) -> list | None:
         try:
             value, i = decoder.raw_decode(text, i)
         except ValueError:
-            return None
+            return values + [None]
         values.append(value)
 
 
-def _pairs(values, key: str) -> list | None:
-    if values is None or not all(isinstance(v, dict) for v in values):
-        return None
-    return [(v.get("name"), v.get(key, v.get("arguments"))) for v in values]
+def _one(text: str):
+    """The one JSON value `text` holds, or None."""
+    values = _objects(text, "")
+    return values[0] if len(values) == 1 else None
+
+
+def _call(value, key: str):
+    """(name, arguments) of a call object, or None."""
+    return (value.get("name"), value.get(key, value.get("arguments"))) if isinstance(value, dict) else None
+
+
+def _whole(found: list) -> list | None:
+    """The calls, each (name, arguments); a last one that did not parse (cut
+    short by the token limit) is left out when calls before it did; None if
+    another did not, or none did."""
+    if found and found[-1] is None:
+        found = found[:-1]
+    return found if found and None not in found else None
 
 
 def _hermes(raw: str):
     blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", raw, re.S)
-    values = [_objects(b, "") for b in blocks]
-    if not blocks or any(v is None or len(v) != 1 for v in values):
-        return None
-    return _pairs([v[0] for v in values], "arguments")
+    return _whole([_call(_one(b), "arguments") for b in blocks])
 
 
 def _llama3(raw: str):
     text = raw.split("<|python_tag|>", 1)[1] if "<|python_tag|>" in raw else raw
-    return _pairs(_objects(text, ";"), "parameters") if text.strip().startswith("{") else None
+    return _whole([_call(v, "parameters") for v in _objects(text, ";")]) if text.strip().startswith("{") else None
 
 
 def _mistral(raw: str):
@@ -249,26 +263,22 @@ def _mistral(raw: str):
         return None
     rest = raw.split("[TOOL_CALLS]", 1)[1]
     if rest.lstrip().startswith("["):
-        values = _objects(rest, "")
-        return _pairs(values[0], "arguments") if values and len(values) == 1 and isinstance(values[0], list) else None
-    calls = []
+        values = _one(rest)
+        return _whole([_call(v, "arguments") for v in values]) if isinstance(values, list) else None
+    found = []
     for part in rest.split("[TOOL_CALLS]"):
         name, marker, arguments = part.partition("[ARGS]")
-        values = _objects(arguments, "") if marker else None
-        if not values or len(values) != 1:
-            return None
-        calls.append((name.strip(), values[0]))
-    return calls
+        found.append((name.strip(), _one(arguments)) if marker and _one(arguments) is not None else None)
+    return _whole(found)
 
 
 def _harmony(raw: str):
-    calls = []
-    for match in re.finditer(r"to=functions\.([^\s<]+)(.*?)<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)", raw, re.S):
-        values = _objects(match.group(3), "")
-        if not values or len(values) != 1:
-            return None
-        calls.append((match.group(1), values[0]))
-    return calls or None
+    pattern = r"to=functions\.([^\s<]+)(.*?)<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)"
+    found = []
+    for match in re.finditer(pattern, raw, re.S):
+        arguments = _one(match.group(3))
+        found.append((match.group(1), arguments) if arguments is not None else None)
+    return _whole(found)
 
 
 # -------------------------------------------------------------- one request --
@@ -283,6 +293,21 @@ class ToolUse:
     parallel: bool = True
     grammar: str | None = None  # Lark text of the forced calls (required or named)
     special_ids: dict[str, int] = field(default_factory=dict)  # markers that are special tokens
+
+    @classmethod
+    def build(cls, tokenizer, form: ToolFormat, tools: list[dict], choice: str, parallel: bool) -> ToolUse:
+        """For a `tokenizers.Tokenizer`: a forced choice's grammar names the
+        format's markers that are added tokens by id (llguidance matches an
+        added token only so), and the special ones start a call by id."""
+        added = tokenizer.get_added_tokens_decoder()
+        whole = {t.content: i for i, t in added.items()}
+        special = {t.content: i for i, t in added.items() if t.special}
+
+        def token(text: str) -> str:
+            return f"<[{whole[text]}]>" if text in whole else json.dumps(text)
+
+        grammar = form.grammar(tools, choice, parallel, token) if choice not in ("auto", "none") else None
+        return cls(tools, choice, form, parallel, grammar, {m: special[m] for m in form.starts if m in special})
 
     @property
     def parses(self) -> bool:
@@ -332,10 +357,4 @@ class CallStart:
             return len(text)
         if not text.strip():
             return 0
-        tail = 0
-        for m in self.markers:
-            for k in range(min(len(m) - 1, len(text)), tail, -1):
-                if text.endswith(m[:k]):
-                    tail = k
-                    break
-        return len(text) - tail
+        return len(text) - prefix_tail(text, self.markers)
