@@ -485,6 +485,29 @@ def test_tool_results_go_back_through_the_template(client, reference):
     assert reply.choices[0].message.content == reference(ids=ids, n=12)[1]
 
 
+def test_a_template_without_tools_refuses_them_by_name(model, tmp_path):
+    """A folder whose template shows no tools: 400 `tools` (the server's
+    parse), ValueError from the Python API; without tools it chats."""
+    import shutil
+
+    from executorch_mlx.llm.run.runner import LLMRunner
+    from executorch_mlx.serve.requests import RequestError, parse
+
+    folder = Path(shutil.copytree(model.folder, tmp_path / "plain"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                               "{% endfor %}<|im_start|>assistant\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    runner = LLMRunner(model.pte, folder)
+    with pytest.raises(RequestError, match="shows no tools") as refused:
+        parse({"messages": HELLO, "tools": TOOLS}, runner, chat=True)
+    assert refused.value.param == "tools"
+    with pytest.raises(ValueError, match="shows no tools"):
+        runner.chat(HELLO, tools=TOOLS, max_new_tokens=2)
+    assert parse({"messages": HELLO, "tool_choice": "none"}, runner, chat=True).plans[0].tool_use is None
+
+
 def test_terminal_chat_with_tools_asks_for_each_result(model, tmp_path, capsys):
     """`chat --tools`: a forced call is printed, its result asked for and
     sent back as the tool's message; the model then answers freely."""
