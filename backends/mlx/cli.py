@@ -116,17 +116,14 @@ def cmd_chat(args) -> int:
 
 def _read_json(path: str, flag: str):
     """A JSON file's value, read no further than a grammar's size (it becomes one)."""
-    from .llm.run.grammar import MAX_GRAMMAR_BYTES
+    from .llm.run.grammar import read_text_file
 
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_GRAMMAR_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_GRAMMAR_BYTES:
-        raise ValueError(f"{flag}: {path} is larger than {MAX_GRAMMAR_BYTES} bytes")
+        text = read_text_file(path, flag.lstrip("-"))
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
     try:
-        return json.loads(data)
+        return json.loads(text)
     except ValueError as e:
         raise ValueError(f"{flag}: {path} is not JSON: {e}") from None
 

@@ -58,7 +58,7 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
         raise ValueError(f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}")
     if json_schema is not None:
         if isinstance(json_schema, (str, Path)) and not str(json_schema).lstrip().startswith(("{", "[")):
-            json_schema = _read(json_schema, "JSON schema")
+            json_schema = read_text_file(json_schema, "JSON schema")
         try:
             schema = json.loads(_bounded(json_schema, "JSON schema")) if isinstance(json_schema, str) else json_schema
         except json.JSONDecodeError as e:
@@ -80,7 +80,7 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
     if grammar is not None:
         text = str(grammar)
         if isinstance(grammar, Path) or (text.endswith(".lark") and "\n" not in text):
-            text = _read(grammar, "grammar")
+            text = read_text_file(grammar, "grammar")
         return _grammar(llguidance.LLMatcher.grammar_from_lark, _bounded(text, "grammar"))
     return None
 
@@ -99,7 +99,7 @@ def _bounded(text: str, what: str) -> str:
     return text
 
 
-def _read(path, what: str) -> str:
+def read_text_file(path, what: str) -> str:
     """A grammar file's text, read no further than the size taken (a path
     may name a device or a pipe that never ends)."""
     try:
