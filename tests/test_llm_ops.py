@@ -114,6 +114,18 @@ def test_index_put():
           nodes=["ScatterNode"])
 
 
+def test_index_put_with_several_index_tensors():
+    """Each row of a batch written at its own slots (a batched KV cache:
+    cache[row, :, slot] = new, the indexed axes apart), and on adjacent axes."""
+    rows, slots = torch.tensor([[1], [0]]), torch.tensor([[4, 2], [0, 3]])
+    check(lambda a, i, j, v: torch.ops.aten.index_put.default(a, [i, None, j], v), rand((2, 3, 5, 4)), rows, slots,
+          rand((2, 2, 3, 4)), nodes=["ScatterNode"])
+    check(lambda a, i, j, v: torch.ops.aten.index_put.default(a, [None, i, j], v), rand((3, 2, 5, 4)), rows, slots,
+          rand((3, 2, 2, 4)), nodes=["ScatterNode"])
+    check(lambda a, i, j, v: torch.ops.aten.index_put.default(a, [None, i, j], v), rand((3, 2, 5, 4)), rows, slots,
+          rand((4,)), nodes=["ScatterNode"])  # values broadcast
+
+
 def test_index_copy():
     idx = torch.tensor([3, 1])
     check(lambda a, i, v: a.index_copy(1, i, v), rand((2, 5, 3)), idx, rand((2, 2, 3)), nodes=["ScatterNode"])
@@ -229,6 +241,35 @@ def _cache_program():
     x, pos = rand((1, 3, 4)), torch.arange(3)
     edge = lower(Cache(), (x, pos), dynamic_shapes={"x": {1: seq}, "pos": {0: seq}}, strict=True)
     return edge
+
+
+class RowCache(torch.nn.Module):
+    """A toy batched KV cache [rows, heads, slots, width]: each row writes
+    its tokens at its own slots; returns each row's sum over the slots."""
+
+    def __init__(self, rows=2, heads=3, slots=8, width=4):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(rows, heads, slots, width), persistent=False)
+
+    def forward(self, x, slots):  # x [rows, heads, S, width], slots [rows, S]
+        rows = torch.arange(x.shape[0])[:, None]
+        self.cache[rows, :, slots] = x.transpose(1, 2)
+        return self.cache.sum(dim=2) + 0.0
+
+
+def test_a_batched_cache_writes_each_row_at_its_own_slots():
+    seq = torch.export.Dim("seq", min=1, max=8)
+    x, slots = rand((2, 3, 3, 4)), torch.tensor([[0, 1, 2], [4, 5, 6]])
+    edge = lower(RowCache(), (x, slots), dynamic_shapes={"x": {2: seq}, "slots": {1: seq}}, strict=True)
+    assert undelegated_ops(edge) == []
+    pte = edge.to_executorch().buffer
+    eager = RowCache()
+    steps = [(rand((2, 3, 3, 4)), torch.tensor([[0, 1, 2], [4, 5, 6]])),  # a prefill of 3 a row
+             (rand((2, 3, 1, 4)), torch.tensor([[3], [7]])),  # then one token a row, each at its own slot
+             (rand((2, 3, 2, 4)), torch.tensor([[5, 6], [0, 1]]))]
+    method = Runtime.get().load_program(pte).load_method("forward")
+    for x, slots in steps:  # the cache persists between calls, as eager's buffer does
+        torch.testing.assert_close(method.execute([x, slots])[0], eager(x, slots))
 
 
 def test_kv_cache_lives_in_the_delegate_and_persists():

@@ -238,12 +238,17 @@ def index_select(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 @handles(aten.index_put.default, aten.index_put_.default)
 def index_put(b: GraphBuilder, node: torch.fx.Node) -> None:
-    """x[..., idx, ...] = values (one integer index tensor, no accumulate):
-    a scatter along that axis, in place when x is a mutable buffer (KV cache
-    writes at cache_position)."""
-    axis, t = _advanced_index(node.args[1])
+    """x[..., idx, ...] = values (integer index tensors, no accumulate): a
+    scatter along their axes, in place when x is a mutable buffer (KV cache
+    writes at cache_position; with several, x[row, :, slot] = values writes
+    each row of a batch at its own slots)."""
     if node_arg(node, 3, "accumulate", False):
         raise Unsupported("index_put with accumulate=True")
+    tensors = [(i, t) for i, t in enumerate(node.args[1]) if t is not None]
+    if len(tensors) > 1:
+        _scatter_many(b, node, b.get(node.args[0]), tensors, b.get(node.args[2]))
+        return
+    axis, t = _advanced_index(node.args[1])
     _scatter(b, node, b.get(node.args[0]), axis, b.get(t), b.get(node.args[2]))
 
 
@@ -300,6 +305,52 @@ def _scatter(b: GraphBuilder, node: torch.fx.Node, x, axis: int, idx, values) ->
     out = meta_val(node)
     b.bind(node, b.emit(ir.ScatterNode, x.dtype, out.shape, a=x.tid, indices=[idx.tid], updates=values.tid,
                         axes=[axis]))
+
+
+def _scatter_many(b: GraphBuilder, node: torch.fx.Node, x, tensors: list, values) -> None:
+    """x[i0, ..., ik] = values for index tensors on several axes (torch's
+    advanced indexing: the indices broadcast to one shape I; the indexed
+    shape is I in place of adjacent axes, or I first when they are apart)."""
+    if any(meta_val(t).dtype == torch.bool for _, t in tensors):
+        raise Unsupported("boolean mask indexing (data-dependent shape)")
+    axes = [axis for axis, _ in tensors]
+    shape = _broadcast_shape([tuple(meta_val(t).shape) for _, t in tensors])
+    indices = []
+    for _, t in tensors:
+        idx = b.get(t)
+        if tuple(map(str, idx.shape)) != tuple(map(str, shape)):
+            idx = b.emit(ir.BroadcastToNode, idx.dtype, shape, a=idx.tid, shape=b.dims(shape))
+        indices.append(idx)
+    values = b.cast(values, x.dtype)
+    rest = [d for d in range(len(x.shape)) if d not in axes]
+    adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
+    before = [d for d in rest if d < axes[0]] if adjacent else []
+    target = tuple(x.shape[d] for d in before) + shape + tuple(x.shape[d] for d in rest if d not in before)
+    if tuple(map(str, values.shape)) != tuple(map(str, target)):
+        values = b.emit(ir.BroadcastToNode, x.dtype, target, a=values.tid, shape=b.dims(target))
+    k, lead = len(shape), len(before)
+    # MLX's scatter wants updates shaped I + x's shape with 1 on each indexed axis
+    perm = list(range(lead, lead + k)) + list(range(lead)) + list(range(lead + k, len(target)))
+    if perm != list(range(len(target))):
+        values = b.emit(ir.TransposeNode, x.dtype, tuple(target[p] for p in perm), a=values.tid, axes=perm)
+    slice_shape = tuple(1 if d in axes else x.shape[d] for d in range(len(x.shape)))
+    values = b.emit(ir.ExpandDimsNode, x.dtype, shape + slice_shape, a=values.tid, axes=[k + a for a in axes])
+    b.bind(node, b.emit(ir.ScatterNode, x.dtype, meta_val(node).shape, a=x.tid, indices=[i.tid for i in indices],
+                        updates=values.tid, axes=axes))
+
+
+def _broadcast_shape(shapes: list[tuple]) -> tuple:
+    """The shape `shapes` broadcast to (sizes may be symbolic: a size of 1
+    gives way to the other; two others must be the same size)."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for d in range(rank):
+        sizes = [s[d - rank + len(s)] for s in shapes if d - rank + len(s) >= 0]
+        wide = [n for n in sizes if not (_is_static(n) and int(n) == 1)]
+        if any(not _same_size(n, wide[0]) for n in wide):
+            raise Unsupported(f"index tensors of shapes {shapes} do not broadcast")
+        out.append(wide[0] if wide else 1)
+    return tuple(out)
 
 
 def _same_size(a, b) -> bool:
