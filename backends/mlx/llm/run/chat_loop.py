@@ -14,7 +14,6 @@ goes back to the model as the tool's message; the model then answers again
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
@@ -72,7 +71,8 @@ def chat_loop(runner: LLMRunner, settings: ChatSettings, read=input, out=sys.std
         except EOFError:
             print(file=out)
             return 0
-        messages = turn
+        if answers:  # (a message that found no room is not kept)
+            messages = turn
 
 
 def _answer(runner: LLMRunner, settings: ChatSettings, use, turn: list[dict], out, err) -> list[dict] | None:
