@@ -12,6 +12,7 @@ import json
 import pytest
 
 from executorch_mlx.llm.model_folders import CHAT_TOKENS, CHATML, TOOL_TEXT, TOOL_TOKENS, train_tokenizer
+from executorch_mlx.llm.run.channels import FinalChannel
 from executorch_mlx.llm.run.decode_parts import TextOut
 from executorch_mlx.llm.run.grammar import TokenConstraint, grammar_tokenizer
 from executorch_mlx.llm.run.tool_calls import (TOOL_FORMATS, ToolUse, check_tool_choice, check_tools,
@@ -22,7 +23,8 @@ PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
          {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-SPECIALS = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"]
+SPECIALS = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>",
+            "<|start|>", "<|end|>", "<|return|>"]
 ARGS = {"city": "Paris", "days": 3}
 # each family's template, as far as the format is read off it (pieces of the real ones)
 TEMPLATES = {
@@ -115,11 +117,11 @@ def test_parallel_calls_and_what_is_not_a_call():
     assert call.name == "get_weather" and json.loads(call.arguments) == ARGS
 
 
-def _stream(tokenizer, use: ToolUse, text: str) -> tuple[list[str], TextOut]:
+def _stream(tokenizer, use: ToolUse | None, text: str, channels=None) -> tuple[list[str], TextOut]:
     """TextOut fed `text`'s tokens one at a time, as a decode loop feeds it."""
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     pieces = []
-    out = TextOut(tokenizer, [], pieces.append, use)
+    out = TextOut(tokenizer, [], pieces.append, tool_use=use, channels=channels)
     for n in range(1, len(ids) + 1):
         out.update(ids[:n])
     out.update(ids, final=True)
@@ -162,3 +164,20 @@ def test_tool_choice():
         check_tool_choice({"type": "function", "function": {"name": "nope"}}, TOOLS)
     with pytest.raises(ValueError, match="one of auto, none, required"):
         check_tool_choice("always", TOOLS)
+
+
+def test_gpt_oss_content_is_its_final_channel(tokenizer):
+    """Harmony's channel names never reach the text; its calls are read from
+    the commentary channel."""
+    channels = lambda: FinalChannel.of(TEMPLATES["harmony"] + "<|channel|>", tokenizer)  # noqa: E731
+    answer = ("<|channel|>analysis<|message|>The fox ran.<|end|><|start|>assistant<|channel|>final<|message|>"
+              "The sun rose.<|return|>")
+    pieces, out = _stream(tokenizer, None, answer, channels())
+    ids = tokenizer.encode(answer, add_special_tokens=False).ids
+    assert "".join(pieces) == "The sun rose." == out.result(ids)
+    assert TextOut(tokenizer, [], None, channels=channels()).result(ids) == "The sun rose."  # not streamed
+    called = "<|channel|>analysis<|message|>The fox ran.<|end|><|start|>assistant" + CALLS["harmony"] + "<|call|>"
+    pieces, out = _stream(tokenizer, _use(tokenizer, "harmony", "auto"), called, channels())
+    [call] = out.tool_calls
+    assert "".join(pieces) == "" and call.name == "get_weather" and json.loads(call.arguments) == ARGS
+    assert FinalChannel.of(CHATML, tokenizer) is None  # a template without channels

@@ -41,6 +41,27 @@ def has_chat_template(folder: str | Path) -> bool:
         (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
 
 
+def template_source(folder: str | Path) -> str:
+    """The text of a folder's chat templates, read without transformers
+    (tokenizer_config.json's `chat_template`, a string or named ones, then
+    chat_template.jinja and chat_template.json); "" for none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ""
+    parts = []
+    template = _json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, str):
+        parts.append(template)
+    elif isinstance(template, list):
+        parts += [t.get("template", "") for t in template if isinstance(t, dict)]
+    for name in ("chat_template.jinja", "chat_template.json"):
+        try:
+            parts.append((folder / name).read_text())
+        except (OSError, UnicodeDecodeError):
+            pass
+    return "\n".join(p for p in parts if isinstance(p, str))
+
+
 def check_messages(messages) -> list[dict]:
     """The messages as the template takes them: a non-empty list of {role,
     content}; content a string or OpenAI's list of text parts (joined). An
@@ -102,8 +123,7 @@ class ChatTemplate:
     @property
     def source(self) -> str:
         """The template's text (all of them, where a folder names several)."""
-        template = self._tokenizer.chat_template
-        return "\n".join(template.values()) if isinstance(template, dict) else str(template or "")
+        return template_source(self.folder)
 
     def render(self, messages: list[dict], system_prompt: str | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text of `messages` (checked), ending with the assistant's

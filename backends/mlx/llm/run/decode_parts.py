@@ -88,11 +88,14 @@ class TextOut:
     character's U+FFFD included), so the pieces join to the result's text.
     With `tool_use`, the text stops at the first tool call (never streamed),
     and the final update reads the calls into `tool_calls` (if they do not
-    parse, the text was not a call: all of it is emitted)."""
+    parse, the text was not a call: all of it is emitted). With `channels`
+    (channels.FinalChannel: gpt-oss), the text is the final channel's only."""
 
-    def __init__(self, tokenizer, stops: list[str], on_text, tool_use=None, eos_ids: set[int] = frozenset()):
+    def __init__(self, tokenizer, stops: list[str], on_text, *, tool_use=None, eos_ids: set[int] = frozenset(),
+                 channels=None):
         self.tokenizer, self.on_text = tokenizer, on_text
         self.tool_use, self.eos_ids, self.tool_calls = tool_use, eos_ids, None
+        self.channels = channels
         self.calls = tool_use.call_start() if tool_use is not None else None
         self.active = tokenizer is not None and (on_text is not None or bool(stops) or self.calls is not None)
         self.stop = StopText(stops, self.calls.hold if self.calls is not None else None)
@@ -107,6 +110,9 @@ class TextOut:
         """Emits the new text of `ids` (all generated so far); True at a stop string."""
         if not self.active or self.stop.stopped:
             return self.stop.stopped
+        every = ids
+        if self.channels is not None:
+            ids = self.channels.visible(ids)
         if self.calls is not None and self.calls.ids and self.calls.at is None:  # a special token starts a call
             for j in range(self.read, len(ids)):
                 if ids[j] in self.calls.ids:
@@ -123,14 +129,15 @@ class TextOut:
             self.text += after[len(before):]
             self.start, self.read = self.read, len(ids)
         if final and self.calls is not None:
-            self._read_calls(ids)
+            self._read_calls(every)
         piece = self.stop.update(self.text, final)
         if piece and self.on_text is not None:
             self.on_text(piece)
         return self.stop.stopped
 
     def _read_calls(self, ids: list[int]) -> None:
-        if self.calls.hold(self.text, True) < len(self.text) or self.calls.at is not None:
+        # (gpt-oss's calls are in a channel of their own, never in the text)
+        if self.calls.hold(self.text, True) < len(self.text) or self.calls.at is not None or self.channels:
             raw = self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=False)
             self.tool_calls = self.tool_use.parse(raw)
         if self.tool_calls is None:
@@ -139,4 +146,6 @@ class TextOut:
     def result(self, ids: list[int]) -> str:
         if self.stop.stopped or self.calls is not None:
             return self.stop.emitted
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(self.channels.visible(ids) if self.channels is not None else ids)

@@ -37,7 +37,8 @@ import torch
 
 from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
-from .chat import ChatTemplate, check_stop, end_of_generation_ids, has_chat_template
+from .channels import FinalChannel
+from .chat import ChatTemplate, check_stop, end_of_generation_ids, has_chat_template, template_source
 from .decode_parts import SamplerFeed, StopRules, TextOut
 from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .plan import Plan
@@ -184,7 +185,18 @@ class LLMRunner(ProgramRunner):
     @property
     def tool_format(self) -> ToolFormat | None:
         """The tool-call format the chat template teaches (None: no template, or one without tools)."""
-        return template_tool_format(self.chat_template.source) if self.chat_template is not None else None
+        return template_tool_format(self._template_source) if self.tokenizer_dir is not None else None
+
+    def final_channel(self) -> FinalChannel | None:
+        """For a model that answers in channels (gpt-oss's harmony, seen in
+        its template): one answer's picker of the final channel's tokens."""
+        if self.tokenizer_dir is None or self.tokenizer is None:
+            return None
+        return FinalChannel.of(self._template_source, self.tokenizer)
+
+    @cached_property
+    def _template_source(self) -> str:
+        return template_source(self.tokenizer_dir)
 
     def tool_use(self, tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolUse | None:
         """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked
@@ -484,7 +496,8 @@ class LLMRunner(ProgramRunner):
         prefill_s = time.perf_counter() - t0
 
         out = emitted
-        text = TextOut(self.tokenizer, plan.stops, on_text, plan.tool_use, self.eos_ids)
+        text = TextOut(self.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=self.eos_ids,
+                       channels=self.final_channel())
         rules = StopRules(self.eos_ids, plan.constraint, text, on_token, max_new_tokens)
         stop = rules.check(out, logprobs)
         steps, drafted, accepted = [], 0, 0
