@@ -120,11 +120,6 @@ class ChatTemplate:
         self.folder = Path(folder)
         self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
 
-    @property
-    def source(self) -> str:
-        """The template's text (all of them, where a folder names several)."""
-        return template_source(self.folder)
-
     def render(self, messages: list[dict], system_prompt: str | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text of `messages` (checked), ending with the assistant's
         turn opened; `system_prompt` goes first unless a system message is
