@@ -34,11 +34,7 @@ def _json(path: Path) -> dict:
 
 
 def has_chat_template(folder: str | Path) -> bool:
-    folder = Path(folder)
-    if not folder.is_dir():
-        return False
-    return bool(_json(folder / "tokenizer_config.json").get("chat_template")) or \
-        (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file()
+    return bool(template_source(folder))
 
 
 def template_source(folder: str | Path) -> str:

@@ -38,7 +38,7 @@ import torch
 from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
 from .channels import FinalChannel
-from .chat import ChatTemplate, check_stop, end_of_generation_ids, has_chat_template, template_source
+from .chat import ChatTemplate, check_stop, end_of_generation_ids, template_source
 from .decode_parts import SamplerFeed, StopRules, TextOut
 from .gguf_tokenizer import gguf_tokenizer_folder, is_gguf_file
 from .plan import Plan
@@ -159,7 +159,7 @@ class LLMRunner(ProgramRunner):
 
     @property
     def has_chat_template(self) -> bool:
-        return self.tokenizer_dir is not None and has_chat_template(self.tokenizer_dir)
+        return bool(self._template_source)
 
     @property
     def chat_template(self) -> ChatTemplate | None:
@@ -185,18 +185,19 @@ class LLMRunner(ProgramRunner):
     @property
     def tool_format(self) -> ToolFormat | None:
         """The tool-call format the chat template teaches (None: no template, or one without tools)."""
-        return template_tool_format(self._template_source) if self.tokenizer_dir is not None else None
+        return template_tool_format(self._template_source)
 
     def final_channel(self) -> FinalChannel | None:
         """For a model that answers in channels (gpt-oss's harmony, seen in
         its template): one answer's picker of the final channel's tokens."""
-        if self.tokenizer_dir is None or self.tokenizer is None:
+        if self.tokenizer is None:
             return None
         return FinalChannel.of(self._template_source, self.tokenizer)
 
     @cached_property
     def _template_source(self) -> str:
-        return template_source(self.tokenizer_dir)
+        """The chat template's text, read once ("" for none)."""
+        return template_source(self.tokenizer_dir) if self.tokenizer_dir is not None else ""
 
     def tool_use(self, tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolUse | None:
         """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked
