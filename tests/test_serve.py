@@ -413,6 +413,7 @@ def test_concurrent_clients_equal_serial(client):
     ({"messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"messages": HELLO, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": HELLO, "tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"messages": HELLO, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": HELLO + [{"role": "assistant", "content": None, "tool_calls": [

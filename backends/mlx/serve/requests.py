@@ -162,8 +162,9 @@ def _tool_use(body: dict, runner: LLMRunner):
     """The request's tools (tool_calls.ToolUse), or None."""
     tools = body.get("tools")
     param = "tools" if tools is not None else "tool_choice"
+    parallel = _optional_bool(body, "parallel_tool_calls", True)  # (its own RequestError, named by its field)
     try:
-        use = runner.tool_use(tools, body.get("tool_choice"), _optional_bool(body, "parallel_tool_calls", True))
+        use = runner.tool_use(tools, body.get("tool_choice"), parallel)
     except ValueError as e:
         message = str(e)
         raise RequestError(message, "tool_choice" if message.startswith("tool_choice") else param) from None
