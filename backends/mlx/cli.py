@@ -45,7 +45,7 @@ def cmd_export(args) -> int:
                    token_mask=not args.no_grammar, allow_longer_context=args.allow_longer_context,
                    max_draft_tokens=args.max_draft_tokens,
                    activations=args.activations, external_weights=args.external_weights,
-                   progress=display and display.line)
+                   max_batch=args.max_batch, progress=display and display.line)
     return 0
 
 
@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-longer-context", action="store_true",
                    help="allow --max-context above the model's max_position_embeddings (positions never trained)")
     p.add_argument("--max-draft-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens one call can verify (speculative decoding; 0: none; default 8, at most 15)")
+                   help="draft tokens one call can verify (speculative decoding; 0: none; default 8, at most 15; "
+                        "0 with --max-batch)")
+    p.add_argument("--max-batch", type=int, default=1, metavar="N",
+                   help="run up to N sequences per call, each in its own cache row (serve batches requests "
+                        "continuously on it; default 1)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("inspect", help="print the MLX delegate graphs of a .pte")
     p.add_argument("pte")

@@ -49,6 +49,10 @@ CACHE_REWIND = "emlx_cache_rewind"
 # a string: the ExecuTorch data file (.ptd) that holds the weights, expected
 # beside the .pte; absent when the .pte holds them
 WEIGHTS_FILE = "emlx_weights_file"
+# int N: a batched program (llm/export/batched.py) runs up to N sequences per
+# call, its input_ids and cache_position [B, S] and its sampler inputs one
+# per row (absent: one sequence, cache_position [S])
+MAX_BATCH = "emlx_max_batch"
 # The first inputs of an LLM program.
 LLM_INPUTS = ("input_ids", "cache_position")
 

@@ -22,19 +22,32 @@ aten = torch.ops.aten
 _PASS_THROUGH = {aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.reshape.default,
                  aten.view.default, aten._unsafe_view.default, aten.alias.default}
 _CACHE_WRITES = {aten.index_copy_.default, aten.index_copy.default}
+# A batched program's write (llm/export/batched.py): cache[rows, :, positions] = ...
+_ROW_WRITES = {aten.index_put_.default, aten.index_put.default}
 
 
-def _written_slots(arg, max_context: int) -> torch.fx.Node | None:
+def _passes_through(node) -> bool:
+    """A node between a cache write and its attention that selects no slots
+    (a batched program's cache is sliced to the call's rows, on axis 0)."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+        return False
+    return node.target in _PASS_THROUGH or (node.target == aten.slice.Tensor and node.args[1] == 0)
+
+
+def _written_slots(arg, slots: int) -> torch.fx.Node | None:
     """The slot indices of the cache write feeding a key/value argument, if
-    it is a whole cache of `max_context` slots written along axis 2."""
+    it is a whole cache of `slots` slots written along axis 2 (a batched
+    cache's: each row's positions, [rows, S])."""
     node = arg
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+    while _passes_through(node):
         node = node.args[0]
-    if not (isinstance(node, torch.fx.Node) and node.target in _CACHE_WRITES and node.args[1] == 2):
-        return None
-    if node.meta["val"].shape[2] != max_context:  # a sliding-window cache may wrap around
-        return None
-    return node.args[2]
+    if not isinstance(node, torch.fx.Node) or node.meta["val"].shape[2] != slots:
+        return None  # (a sliding-window cache may wrap around)
+    if node.target in _CACHE_WRITES and node.args[1] == 2:
+        return node.args[2]
+    if node.target in _ROW_WRITES and len(node.args[1]) == 3 and node.args[1][1] is None:
+        return node.args[1][2]
+    return None
 
 
 def _reshape_transposed_views(attention: torch.fx.Node) -> None:
@@ -54,8 +67,9 @@ def _reshape_transposed_views(attention: torch.fx.Node) -> None:
             pending += node.users
 
 
-def attend_written_prefix(ep: ExportedProgram, max_context: int) -> int:
-    """Rewrites, in place, every masked attention over a full static cache;
+def attend_written_prefix(ep: ExportedProgram, slots: int) -> int:
+    """Rewrites, in place, every masked attention over a full static cache
+    of `slots` slots (the max context; a batched program's has one more);
     returns how many."""
     graph = ep.graph_module.graph
     rewritten = 0
@@ -69,15 +83,19 @@ def attend_written_prefix(ep: ExportedProgram, max_context: int) -> int:
             continue
         if options.get("enable_gqa", False):
             continue
-        written = _written_slots(k, max_context)
-        if written is None or _written_slots(v, max_context) is not written:
+        written = _written_slots(k, slots)
+        if written is None or _written_slots(v, slots) is not written:
             continue
-        if mask.meta["val"].shape[-1] not in (1, max_context):
+        if mask.meta["val"].shape[-1] not in (1, slots):
             continue
         scale = options.get("scale")
         if scale is None:
             scale = q.meta["val"].shape[-1] ** -0.5
         with graph.inserting_before(node):
+            if written.meta["val"].dim() != 1:  # the op takes the slots written as one list
+                flat = graph.call_function(aten.reshape.default, (written, [-1]))
+                flat.meta["val"] = written.meta["val"].reshape(-1)
+                written = flat
             new = graph.call_function(torch.ops.mlx.written_attention.default,
                                       (q, k, v, mask, written, float(scale)))
         new.meta = dict(node.meta)

@@ -40,6 +40,7 @@ from ...lowering.weight_files import weight_files
 from ...progress import CountingWriter, counter
 from ...serialization.sampler_params import ROW_PARAMS
 from .attention import attend_written_prefix
+from .batched import BatchedLM, SampledRows, batched_example
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
@@ -63,6 +64,7 @@ assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-
 # compute exactly as a decode step does.
 MAX_DRAFT_TOKENS = 15
 DEFAULT_DRAFT_TOKENS = 8
+MAX_BATCH = 64  # sequences one batched program runs at once (export --max-batch)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -81,16 +83,17 @@ def read_config(model_dir: str | Path) -> dict:
     return config
 
 
-def refuse_ops_outside(partitioner, model_dir: str | Path) -> None:
+def refuse_ops_outside(partitioner, model_dir: str | Path, model_path: str = "wrapper.model.") -> None:
     """An LLM runs whole in the delegate: an op with no MLX lowering would
     run on ExecuTorch's portable kernels (with the cache copied to the host
     each step), so it is an error naming the op and its module instead.
-    Size bookkeeping may stay outside."""
+    Size bookkeeping may stay outside. `model_path`: where the Hugging Face
+    model sits in the exported module (a prefix of its modules' paths)."""
     from ...partitioner import SIZE_OUTSIDE
 
     def module(op: str, why: str) -> str:
         # the Hugging Face model's own path, without our wrappers around it
-        return partitioner.outside_modules[op, why].rsplit(CachedLM.MODEL_PATH, 1)[-1] or "the model"
+        return partitioner.outside_modules[op, why].rsplit(model_path, 1)[-1] or "the model"
 
     missing = [f"{op} in {module(op, why)} ({why})" for op, why in partitioner.outside if why != SIZE_OUTSIDE]
     if missing:
@@ -155,9 +158,6 @@ class CachedLM(torch.nn.Module):
     """(input_ids [1, S], cache_position [S]) -> logits of the last position [1, 1, V],
     with a static KV cache registered as buffers (transformers' exportable
     cache: the writes are `index_put` on them)."""
-
-    # where the Hugging Face model sits in this module (a prefix of its modules' paths)
-    MODEL_PATH = "wrapper.model."
 
     def __init__(self, model, max_context: int, ring_chunk: int | None = None, snapshots: int = 1):
         """`ring_chunk`: put the sliding-window layers on ring buffers for
@@ -324,7 +324,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
                quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False, max_draft_tokens: int | None = None,
-               activations: str | None = None, external_weights: bool = False, top_logprobs: int = 0) -> Path:
+               activations: str | None = None, external_weights: bool = False, top_logprobs: int = 0,
+               max_batch: int = 1) -> Path:
     """Exports the model folder to `output_path` (a .pte); returns its path.
 
     `max_context` is the KV cache length: prompt plus generated tokens never
@@ -351,6 +352,8 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     so mlx-lm compute); default "float" for an mlx-lm folder, else "int8".
     `external_weights` writes the weights to ExecuTorch's data file beside
     the program (model.pte: model.ptd), which the runners load with it.
+    `max_batch` N > 1 writes a program that runs up to N sequences at once,
+    each in its own cache row (llm/export/batched.py; it verifies no drafts).
 
     Checked before any work (llm/export/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -384,8 +387,15 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     if top_logprobs and not sampling:
         raise ValueError("top_logprobs needs a sampling program (a --no-sampling program returns the logits)")
     logprobs = logprobs or bool(top_logprobs)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch must be in [1, {MAX_BATCH}], got {max_batch!r}")
+    if max_batch > 1 and not sampling:
+        raise ValueError("max_batch needs a sampling program (a --no-sampling program returns one row's logits)")
+    if max_batch > 1 and max_draft_tokens:
+        raise ValueError("a batched program verifies no drafts: give max_draft_tokens 0 (or leave it out) with "
+                         "max_batch")
     if max_draft_tokens is None:
-        max_draft_tokens = min(DEFAULT_DRAFT_TOKENS, max_context - 2)
+        max_draft_tokens = 0 if max_batch > 1 else min(DEFAULT_DRAFT_TOKENS, max_context - 2)
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
             not 0 <= max_draft_tokens <= min(MAX_DRAFT_TOKENS, max_context - 2):
         raise ValueError(f"max_draft_tokens must be in [0, {min(MAX_DRAFT_TOKENS, max_context - 2)}] (a verify call "
@@ -431,33 +441,41 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         if quantize is not None:
             layers = quantize_model(model, fmt, embedding=quantize_embedding)
             stage(f"quantized {len(layers)} layers to {fmt}")
-        # sliding-window layers on rings take calls of at most a window (llm/export/ring_cache.py)
-        chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
-        max_chunk = chunk or max_context - 1
-        lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
-        rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
-        if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/export/state_cache.py)
-            chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
-            stage(f"{len(lm.states.states)} state layers, states kept after each of the last {max_draft_tokens + 1} "
-                  "positions")
-        if chunk:
-            slots = next(iter(lm.rings.values())).max_cache_len
-            stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {slots} slots, calls of up to {chunk} tokens")
-        seq = torch.export.Dim("seq", min=1, max=max_chunk)
-        example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
-        dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
-        if sampling:
-            module = SampledLM(lm, logprobs, top_logprobs)
-            sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
-                                       logit_bias_size=logit_bias_size,
-                                       mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
-            dynamic.update({name: None for name in sampler})
-            if max_draft_tokens:  # the history's rows are the rows sampled: 1 + the drafts
-                sampler["history"] = sampler["history"].expand(2, -1).contiguous()
-                dynamic["history"] = {0: torch.export.Dim("rows", min=1, max=max_draft_tokens + 1)}
-            example += tuple(sampler.values())
+        sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
+                                   logit_bias_size=logit_bias_size,
+                                   mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
+        model_path, slots, lm = "wrapper.model.", max_context, None  # (the module's path to the model; cache slots)
+        if max_batch > 1:
+            max_chunk, rewind, model_path, slots = max_context - 1, None, "lm.model.", max_context + 1
+            module = SampledRows(BatchedLM(model, max_context, max_batch), logprobs, top_logprobs)
+            example, dynamic = batched_example(sampler, max_batch, max_chunk)
+            stage(f"up to {max_batch} sequences per call, each in its own cache row")
         else:
-            module = lm
+            # sliding-window layers on rings take calls of at most a window (llm/export/ring_cache.py)
+            chunk = ring_chunk(model, max_context, MAX_DRAFT_TOKENS + 1)
+            max_chunk = chunk or max_context - 1
+            lm = CachedLM(model, max_context, chunk, snapshots=max_draft_tokens + 1)
+            rewind = chunk  # how far back a call may start, when not every position stays (the program contract)
+            if lm.states is not None:  # a call may start up to max_draft_tokens before the end (llm/export/state_cache.py)
+                chunk, max_chunk, rewind = None, max_context - 1, max_draft_tokens
+                stage(f"{len(lm.states.states)} state layers, states kept after each of the last "
+                      f"{max_draft_tokens + 1} positions")
+            if chunk:
+                ring = next(iter(lm.rings.values())).max_cache_len
+                stage(f"{len(lm.rings)} sliding-window layers on ring buffers of {ring} slots, calls of up to "
+                      f"{chunk} tokens")
+            seq = torch.export.Dim("seq", min=1, max=max_chunk)
+            example = (torch.tensor([[0, 0, 0]], dtype=torch.int64), torch.arange(3))
+            dynamic = {program_contract.LLM_INPUTS[0]: {1: seq}, program_contract.LLM_INPUTS[1]: {0: seq}}
+            if sampling:
+                module = SampledLM(lm, logprobs, top_logprobs)
+                dynamic.update({name: None for name in sampler})
+                if max_draft_tokens:  # the history's rows are the rows sampled: 1 + the drafts
+                    sampler["history"] = sampler["history"].expand(2, -1).contiguous()
+                    dynamic["history"] = {0: torch.export.Dim("rows", min=1, max=max_draft_tokens + 1)}
+                example += tuple(sampler.values())
+            else:
+                module = lm
         stage("exporting (torch.export)")
         # the export stack is imported after every check (weights included): a refused export is quick
         from ...lowering.unused_constants import drop_unused_constants
@@ -465,15 +483,17 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         from ...partitioner import MLXPartitioner
 
         ep = trace(module, example, dynamic, model_dir)
-        attend_written_prefix(ep, max_context)
+        attend_written_prefix(ep, slots)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
         weights = output_path.with_suffix(".ptd") if external_weights else None
         partitioner = MLXPartitioner(activations, weights and weights.stem)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
                         max_draft_tokens, rewind, weights and weights.name, top_logprobs)
+        if max_batch > 1:
+            meta[program_contract.MAX_BATCH] = max_batch
         edge = lower_whole(ep, partitioner, meta)
         del ep, module, lm, model  # the delegate's weights are in the named data store now
-        refuse_ops_outside(partitioner, model_dir)
+        refuse_ops_outside(partitioner, model_dir, model_path)
         drop_unused_constants(edge.exported_program())
         program = edge.to_executorch()
         if weights is not None:  # first: the old program fails to find its weights in it, never runs on them

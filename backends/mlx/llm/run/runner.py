@@ -142,6 +142,12 @@ class LLMRunner(ProgramRunner):
             # Its size reads as the most rows it takes; a call samples as many
             # rows as its history has: one, unless drafts are verified.
             self.input_shapes = {**self.input_shapes, "history": (1, self.input_shapes["history"][1])}
+        # A batched program (llm/export/batched.py) runs up to max_batch rows a
+        # call; this runner's own generations run one, in row 0 (batch.py runs many).
+        self.max_batch = self.contract.one(program_contract.MAX_BATCH, int, 1)
+        if self.max_batch > 1:
+            self.input_shapes = {name: shape if name in llm_inputs else (1, *shape[1:])
+                                 for name, shape in self.input_shapes.items()}
         self._cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
         self._cache_epoch = _reset_epoch()
         self.prompt_cache = None  # use_prompt_cache
@@ -290,7 +296,8 @@ class LLMRunner(ProgramRunner):
         """One call: `ids` at positions start, start + 1, ...; returns the
         emitted tokens (one, or with drafts last in `ids` and a history row
         per draft, the accepted drafts and the next token) and their logprobs."""
-        values = [torch.tensor([ids], dtype=torch.int64), torch.arange(start, start + len(ids), dtype=torch.int64)]
+        positions = torch.arange(start, start + len(ids), dtype=torch.int64)
+        values = [torch.tensor([ids], dtype=torch.int64), positions[None] if self.max_batch > 1 else positions]
         known, self._cached = self._cached[:start], []  # unknown if the call fails
         outputs = self.execute(values + sampling)
         self._cached = known + ids

@@ -1,0 +1,280 @@
+"""Continuous batching: many generations at once on a batched program
+(`export --max-batch N`, llm/export/batched.py).
+
+    batch = Batch(runner)                       # runner: an LLMRunner of a batched program
+    future = batch.submit(runner.prepare(...), on_text, on_token)
+    result = future.result()                    # the GenerationResult, as runner.run gives it
+
+Each generation holds a cache row from its admission to its end. One thread
+runs the calls: before each, waiting plans take free rows; each call then
+feeds every running row its next tokens (a prompt chunk, or the token it
+sampled last), so a new request prefills between the others' decode steps
+and a row is free again as soon as its generation ends. Rows keep what
+they hold after their generation: a request that extends what a free row
+holds (a conversation's next turn) takes that row and prefills only what
+follows, so the rows are a prompt cache of up to N conversations.
+
+A generation's tokens are the ones it gets alone: each row samples with its
+own seed at its own decode step, and the model computes every row as it
+computes one (batched.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .decode_parts import SamplerFeed, StopRules, TextOut
+from .plan import Plan
+
+# The most prompt tokens a row prefills in a call while other rows decode:
+# the decoding rows pad to the call's length, so a long chunk slows them.
+INTERLEAVED_CHUNK = 32
+
+
+@dataclass
+class _Sequence:
+    """One generation in its row."""
+
+    plan: Plan
+    future: Future
+    feed: SamplerFeed
+    rules: StopRules
+    text: TextOut
+    fed: int  # tokens of `tokens` whose keys and values the row holds
+    tokens: list[int]  # the prompt, then what was generated
+    cached: int
+    logprobs: list = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    steps: list[float] = field(default_factory=list)
+
+    @property
+    def out(self) -> list[int]:
+        return self.tokens[len(self.plan.prompt_ids):]
+
+    def take(self, limit: int) -> list[int]:
+        """The tokens this call feeds: the next chunk of the prompt, or the last token sampled."""
+        return self.tokens[self.fed:self.fed + limit]
+
+    def sampler(self, runner) -> list[torch.Tensor]:
+        return self.feed(runner, len(self.out), self.tokens)
+
+
+class Batch:
+    """Generations of an LLMRunner's batched program, run together (see the module doc)."""
+
+    def __init__(self, runner):
+        if runner.max_batch < 2:
+            raise ValueError("continuous batching needs a batched program (export --max-batch N, N >= 2)")
+        self.runner = runner
+        self.rows: list[_Sequence | None] = [None] * runner.max_batch
+        self._held: list[list[int]] = [[] for _ in self.rows]  # row 0's is the runner's cached_tokens
+        self._used = [0.0] * len(self.rows)  # when each row last ended (least recently used goes first)
+        self._epoch = _reset_epoch()
+        self._waiting: deque[tuple[Plan, Future, Callable | None, Callable | None]] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._idle = None  # the sampler inputs of a row that runs no generation, made on first use
+        self._thread = threading.Thread(target=self._loop, name="batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, plan: Plan, on_text: Callable[[str], None] | None = None,
+               on_token: Callable[[int, float | None], bool] | None = None) -> Future:
+        """Queues a plan of the runner's prepare(); the future's result is its
+        GenerationResult (or the exception that ended it). `on_text` and
+        `on_token` are run()'s, called on the batch's thread."""
+        if plan.drafter is not None:
+            raise ValueError("a batched program verifies no drafts: prepare the plan without a draft")
+        plan.claim(self.runner)
+        future = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the batch is closed")
+            self._waiting.append((plan, future, on_text, on_token))
+            self._wake.notify()
+        return future
+
+    def close(self) -> None:
+        """Ends the thread once the running and waiting generations are done."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def held(self, row: int) -> list[int]:
+        """The token ids whose entries cache row `row` holds, from position 0."""
+        if row == 0:
+            return self.runner.cached_tokens
+        epoch = _reset_epoch()
+        if epoch != self._epoch:  # someone emptied every cache
+            self._held, self._epoch = [[] for _ in self.rows], epoch
+        return self._held[row]
+
+    def _set_held(self, row: int, ids: list[int]) -> None:
+        if row == 0:
+            self.runner.cached_tokens = ids
+        else:
+            self.held(row)
+            self._held[row] = ids
+
+    # ------------------------------------------------------ scheduling --
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not any(self.rows):
+                    if self._closed:
+                        return
+                    self._wake.wait()
+                self._admit()
+            if any(self.rows):
+                try:
+                    self._step()
+                except Exception as e:  # (our own bug: no generation waits forever on it)
+                    self._fail(range(len(self.rows)), e)
+
+    def _admit(self) -> None:
+        """Waiting plans into free rows, in arrival order."""
+        while self._waiting:
+            plan, future, on_text, on_token = self._waiting[0]
+            row = self._place(plan.prompt_ids)
+            if row is None:
+                return
+            self._waiting.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            ids, runner = plan.prompt_ids, self.runner
+            cached = runner.reusable(ids, self.held(row))
+            text = TextOut(runner.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=runner.eos_ids,
+                           channels=runner.final_channel())
+            rules = StopRules(runner.eos_ids, plan.constraint, text, on_token, plan.max_new_tokens)
+            self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), rules, text, cached, list(ids), cached)
+            self._set_held(row, self.held(row)[:cached])
+
+    def _place(self, ids: list[int]) -> int | None:
+        """The free row for a prompt: the one whose held tokens it extends
+        most (keeping at least half of them), else an empty one (the lowest:
+        calls run the rows up to the highest running one), else the least
+        recently used; None when every row runs."""
+        free = [r for r, seq in enumerate(self.rows) if seq is None]
+        if not free:
+            return None
+        reuse = {r: self.runner.reusable(ids, self.held(r)) for r in free}
+        extends = [r for r in free if self.held(r) and reuse[r] >= max(1, len(self.held(r)) // 2)]
+        if extends:
+            return max(extends, key=lambda r: (reuse[r], -r))
+        empty = [r for r in free if not self.held(r)]
+        return min(empty) if empty else min(free, key=lambda r: self._used[r])
+
+    # ----------------------------------------------------------- a call --
+    def _step(self) -> None:
+        runner = self.runner
+        top = max(r for r, seq in enumerate(self.rows) if seq is not None) + 1
+        decoding = any(seq is not None and seq.fed >= len(seq.plan.prompt_ids) for seq in self.rows)
+        limit = INTERLEAVED_CHUNK if decoding else runner.max_chunk
+        takes = [seq.take(limit) if seq is not None else [] for seq in self.rows[:top]]
+        length = max(len(t) for t in takes)
+        ids = torch.zeros(top, length, dtype=torch.int64)
+        positions = torch.empty(top, length, dtype=torch.int64)
+        sampler = []
+        for r in range(top):
+            seq, take = self.rows[r], takes[r]
+            start = seq.fed if seq is not None else len(self.held(r))
+            end = start + len(take)
+            # pads first, at the slots after the row's tokens (the scratch slot past the context)
+            pads = [min(end + j, runner.max_context) for j in range(length - len(take))]
+            ids[r, length - len(take):] = torch.tensor(take, dtype=torch.int64)
+            positions[r] = torch.tensor(pads + list(range(start, end)), dtype=torch.int64)
+            sampler.append(seq.sampler(runner) if seq is not None else self._idle_sampler())
+        values = [torch.cat(column) for column in zip(*sampler)]
+        t = time.perf_counter()
+        try:
+            with runner._lock:
+                outputs = runner.execute([ids, positions] + values)
+        except Exception as e:
+            self._fail(range(top), e)
+            return
+        seconds = time.perf_counter() - t
+        for r in range(top):
+            seq = self.rows[r]
+            if seq is None:
+                continue
+            seq.fed += len(takes[r])
+            self._set_held(r, seq.tokens[:seq.fed])
+            if seq.fed < len(seq.tokens):
+                continue  # more of the prompt to come
+            if seq.out:
+                seq.steps.append(seconds)
+            else:
+                seq.prefill_s = time.perf_counter() - seq.started
+            try:
+                self._emit(seq, outputs, r)
+                reason = seq.rules.check(seq.out, seq.logprobs)
+            except Exception as e:  # (an invalid token, the grammar's or a callback's error)
+                self._end(r, error=e)
+                continue
+            if reason is not None:
+                self._end(r, reason)
+
+    def _emit(self, seq: _Sequence, outputs: list, row: int) -> None:
+        """Appends row `row`'s sampled token (and its logprobs) to its sequence."""
+        from .runner import Logprob
+
+        token = int(outputs[0][row])
+        self.runner._check_token(token, seq.plan.constraint is not None)
+        seq.tokens.append(token)
+        if not self.runner.logprobs:
+            seq.logprobs.append(None)
+        elif not self.runner.contract.top_logprobs:
+            seq.logprobs.append(Logprob(float(outputs[1][row])))
+        else:
+            seq.logprobs.append(Logprob.of(float(outputs[1][row]), outputs[2][row].tolist(),
+                                           outputs[3][row].tolist()))
+
+    def _fail(self, rows, error: Exception) -> None:
+        """Ends the generations of `rows` with `error`: what those cache rows
+        hold is unknown now."""
+        for r in rows:
+            self._set_held(r, [])
+            if self.rows[r] is not None:
+                self._end(r, error=error)
+
+    def _end(self, row: int, reason: str | None = None, error: Exception | None = None) -> None:
+        """Frees row `row`, its generation's result (ended for `reason`) or `error` set."""
+        from .runner import GenerationResult
+
+        seq, self.rows[row] = self.rows[row], None
+        self._used[row] = time.perf_counter()
+        if error is not None:
+            seq.future.set_exception(error)
+            return
+        out, plan = seq.out, seq.plan
+        seq.text.update(out, final=True)
+        prompt = len(plan.prompt_ids)
+        seq.future.set_result(GenerationResult(
+            token_ids=out, text=seq.text.result(out),
+            prefill_tokens_per_s=(prompt - seq.cached) / seq.prefill_s if seq.prefill_s else 0.0,
+            decode_tokens_per_s=(len(out) - 1) / sum(seq.steps) if seq.steps else 0.0,
+            stop_reason=reason, step_seconds=seq.steps,
+            logprobs=seq.logprobs if self.runner.logprobs else None, prompt_tokens=prompt,
+            cached_tokens=seq.cached, tool_calls=seq.text.tool_calls))
+
+    def _idle_sampler(self) -> list[torch.Tensor]:
+        """A row with no generation below a running one: greedy, its token unused."""
+        if self._idle is None:
+            names = self.runner.input_names[2:]
+            given = {"seed": torch.tensor(0), "position": torch.tensor(0), "temperature": torch.tensor(0.0)}
+            self._idle = self.runner.sampler_values(names, {k: v for k, v in given.items() if k in names})
+        return self._idle
+
+
+def _reset_epoch() -> int:
+    import executorch_mlx._runtime_library as library
+
+    return library.reset_count
