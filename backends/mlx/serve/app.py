@@ -6,13 +6,16 @@
     POST /v1/completions         prompt (text or token ids) -> generate
     POST /v1/responses           OpenAI's Responses API: as a chat request (responses.py)
 
-One loaded program has one KV cache, so requests run one at a time, in
+A program exported with one cache row runs requests one at a time, in
 arrival order, on one worker thread (the event loop never waits on a
 generation); the runner reuses the cache's common prefix with the last
 request (a conversation's next turn prefills only the new messages), and
 its prompt cache keeps other conversations' caches for their next turns
-(--prompt-cache-bytes). A request whose client goes away is cancelled at
-its next token.
+(--prompt-cache-bytes). A batched program (export --max-batch N) runs up
+to N generations at once, admitted between its calls (llm/run/batch.py):
+the choices of a request with n > 1 run side by side, and each cache row
+keeps its last conversation for its next turn. A request whose client goes
+away is cancelled at its next token.
 Request fields and what they map to: docs/serve.md.
 
 Hostile input costs little: guard.py checks the headers (host, origin, API
@@ -44,6 +47,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..llm.run.batch import Batch
 from ..llm.run.grammar import GrammarError
 from ..llm.run.runner import GenerationResult, LLMRunner
 from .body import BodyError, read_body
@@ -89,55 +93,91 @@ def _sse(data) -> str:
 
 
 class _Job:
-    """One request's generation on the worker thread, its choices one after
-    another. Streamed, each choice's pieces of text with their tokens, then
-    its result, reach the event loop through a queue: (index, piece,
-    tokens), then (index, None, result)."""
+    """One request's generation: its choices one after another on the
+    worker thread (`run`), or side by side on a batched program (`submit`).
+    Streamed, each choice's pieces of text with their tokens, then its
+    result, reach the event loop through a queue: (index, piece, tokens),
+    then (index, None, result), and _DONE after the last choice."""
 
     def __init__(self, request: Request, runner: LLMRunner, loop: asyncio.AbstractEventLoop):
         self.request, self.runner, self.loop = request, runner, loop
         streamed = request.stream
         self.cancelled = threading.Event()
         self.queue: asyncio.Queue | None = asyncio.Queue() if streamed else None
-        self.index = 0  # the choice running
-        self.tokens: list[tuple[int, float | None]] = []  # not yet sent with a piece of text
+        # each choice's tokens not yet sent with a piece of text
+        self.tokens: list[list[tuple[int, float | None]]] = [[] for _ in request.plans]
 
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-    def _on_token(self, token: int, logprob: float | None) -> bool:
-        self.tokens.append((token, logprob))
-        return self.cancelled.is_set()
+    def _callbacks(self, index: int):
+        """Choice `index`'s on_text (None unless streamed) and on_token."""
+        def on_token(token: int, logprob: float | None) -> bool:
+            self.tokens[index].append((token, logprob))
+            return self.cancelled.is_set()
 
-    def _on_text(self, piece: str) -> None:
-        tokens, self.tokens = self.tokens, []
-        self._put((self.index, piece, tokens))
+        def on_text(piece: str) -> None:
+            tokens, self.tokens[index] = self.tokens[index], []
+            self._put((index, piece, tokens))
+
+        return (on_text if self.queue is not None else None), on_token
+
+    def _finished(self, index: int, result: GenerationResult) -> None:
+        if self.queue is not None:
+            if self.tokens[index]:
+                self._callbacks(index)[0]("")
+            self._put((index, None, result))
 
     def run(self) -> list[GenerationResult] | None:
         """Each choice's result; None when its client left before it ran."""
         results = []
         try:
-            for self.index, plan in enumerate(self.request.plans):
+            for index, plan in enumerate(self.request.plans):
                 if self.cancelled.is_set():  # its client left (while it waited, or during a choice)
                     return results or None
-                results.append(self.runner.run(plan, on_text=self._on_text if self.queue else None,
-                                               on_token=self._on_token))
-                if self.queue is not None:
-                    if self.tokens:
-                        self._on_text("")
-                    self._put((self.index, None, results[-1]))
+                on_text, on_token = self._callbacks(index)
+                results.append(self.runner.run(plan, on_text=on_text, on_token=on_token))
+                self._finished(index, results[-1])
             return results
         finally:
             if self.queue is not None:
                 self._put(_DONE)
+
+    def submit(self, batch: Batch) -> asyncio.Future:
+        """Every choice into `batch` at once; the future of their results."""
+        done = self.loop.create_future()
+        futures = [batch.submit(plan, *self._callbacks(i)) for i, plan in enumerate(self.request.plans)]
+        left = [len(futures)]
+
+        def finish() -> None:  # on the event loop, after the last choice
+            if self.queue is not None:
+                self.queue.put_nowait(_DONE)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                done.set_exception(errors[0])
+            else:
+                done.set_result([f.result() for f in futures])
+
+        def ended(index: int, future) -> None:  # on the batch's thread
+            if future.exception() is None:
+                self._finished(index, future.result())
+            left[0] -= 1
+            if not left[0]:
+                self.loop.call_soon_threadsafe(finish)
+
+        for i, future in enumerate(futures):
+            future.add_done_callback(lambda f, i=i: ended(i, f))
+        return done
 
 
 class Server:
     def __init__(self, runner: LLMRunner, model_name: str, draft: dict, options: ServeOptions):
         self.runner, self.model_name, self.draft, self.options = runner, model_name, draft, options
         self.created = int(time.time())
-        # One worker: requests run one at a time, in the order they came.
+        # One worker: requests run one at a time, in the order they came;
+        # a batched program runs them together instead.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self.batch = Batch(runner) if runner.max_batch > 1 else None
         # Requests are checked (and their prompts tokenized) beside it, off the event loop.
         self.checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="check")
 
@@ -187,7 +227,8 @@ class Server:
         head = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.model_name}
         builder = (ResponseBuilder((head["id"], f"msg-{uuid.uuid4().hex[:24]}"), head["created"], self.model_name,
                                    body) if api == "response" else None)
-        future = loop.run_in_executor(self.worker, job.run)  # queued now: arrival order
+        # queued now: arrival order
+        future = job.submit(self.batch) if self.batch else loop.run_in_executor(self.worker, job.run)
         if parsed.stream:
             events = self._stream_response(job, future, builder) if builder else self._stream(job, future, head)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -371,9 +412,12 @@ def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
     `options`: the access policy and the limits on requests."""
     if runner.tokenizer is None:
         raise ValueError("the server needs the runner's tokenizer (pass tokenizer_dir)")
+    if runner.max_batch > 1 and draft:
+        raise ValueError("a batched program verifies no drafts: serve it without --draft")
     runner.chat_template  # loaded now, not by the first request
     runner.max_token_bytes  # measured now, not by the first request
-    runner.use_prompt_cache(options.prompt_cache_bytes)
+    if runner.max_batch == 1:  # (a batched program's rows keep their conversations)
+        runner.use_prompt_cache(options.prompt_cache_bytes)
     server = Server(runner, model_name, draft or {}, options)
     return Starlette(routes=[
         Route("/health", server.health, methods=["GET"]),
