@@ -3,6 +3,7 @@ this process on the same .pte, in the same run.
 
     .venv/bin/python benchmarks/bench_serve.py                       # ~104M Llama, int4, 1 2 4 8 clients
     .venv/bin/python benchmarks/bench_serve.py --clients 4 --requests 16 --quantize none
+    .venv/bin/python benchmarks/bench_serve.py --max-batch 1               # the one-row program only
 
 The model: the ~104M config of bench_llm.py (8 layers, hidden 1024, GQA
 16/4, vocab 32000, tied embeddings; random weights) with a ChatML template
@@ -12,19 +13,22 @@ address); every client streams, with the eos ids banned so that each
 answer has exactly --max-tokens tokens. The counts and the wall time are
 bounded (--clients <= 16, --requests <= 64, --timeout).
 
-Printed: one client against in-process (time to first token, decode
-tokens/s); then for each count of concurrent clients (--clients, default 1
-2 4 8; each round at least two requests a client), aggregate tokens/s (all
-answers' tokens over the round's wall time) and its ratio to one client's,
-requests/s, time to first token p50/p99 (the queue is part of it: requests
-run one at a time) and decode tokens/s per request; a multi-turn
-follow-up's time to first token against a cold request of the same
-conversation (its prefix reused).
-Musts: server decode >= 90% of in-process (one client, and each round of
-up to 4); follow-up <= 25% of cold.
-Issue 38's goals, printed as met or not (continuous batching is what would
-meet them): 4 clients' aggregate >= 2.5x one client's at fp32, >= 1.6x at
-int4; their TTFT p99 <= 2x one client's TTFT plus one prefill.
+Two programs of the same weights are served in turn: the one-row program
+(requests run one at a time) and one exported with --max-batch N (default
+4; continuous batching). For each: one client against in-process (time to
+first token, decode tokens/s; in-process runs the one-row program); then
+for each count of concurrent clients (--clients, default 1 2 4 8; each
+round at least two requests a client), aggregate tokens/s (all answers'
+tokens over the round's wall time) and its ratio to one client's,
+requests/s, time to first token p50/p99 (the queue is part of it) and
+decode tokens/s per request; a multi-turn follow-up's time to first token
+against a cold request of the same conversation (its prefix reused).
+Musts: the one-row server's decode >= 90% of in-process (one client, and
+each round of up to 4); follow-up <= 25% of cold.
+Issue 38's goals for the batched program, printed as met or not: 4
+clients' aggregate >= 2.5x one client's at fp32, >= 1.6x at int4; their
+TTFT p99 <= 2x one client's TTFT plus one prefill; one client's decode
+within 5% of the one-row program's.
 """
 
 from __future__ import annotations
@@ -144,6 +148,88 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
+def serve_rounds(pte: Path, folder: Path, args, prompts: list, bias: dict, rounds: dict, tmp: Path) -> dict:
+    """The server of `pte` under one client, then each round of concurrent
+    clients, then a multi-turn follow-up against a cold request."""
+    port = free_port()
+    log = open(tmp / f"server-{pte.stem}.log", "w+")
+    server = subprocess.Popen([sys.executable, "-m", "executorch_mlx.cli", "serve", str(pte), "--tokenizer",
+                               str(folder), "--host", "127.0.0.1", "--port", str(port), "--quiet"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.timeout
+    try:
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the server did not start: {log.read()[-2000:]}")
+                time.sleep(0.2)
+        body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
+                                    "temperature": 0.8, "seed": i, "logit_bias": bias}
+        stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
+        single = [stream_chat(port, body(i, messages), args.timeout)
+                  for i, messages in enumerate(prompts[:max(2, args.requests // 2)])]
+
+        loads = {c: concurrent(port, c, rounds[c], lambda i: body(i, prompts[i]), deadline) for c in args.clients}
+
+        # Multi-turn: a follow-up of a first turn the server answered (its prefix cached), against a
+        # cold conversation of the same length whose text it never saw (the prompt cache keeps
+        # every conversation it answered: a cold request must be a new one).
+        words = STORY.split()
+        first_turn = [{"role": "user", "content": STORY}]
+        answer = stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)["text"]
+        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+        unseen = [{"role": "user", "content": " ".join(words[7:] + words[:7])}] + turn
+        cold = stream_chat(port, {**body(97, unseen), "max_tokens": 8}, args.timeout)
+        follow = stream_chat(port, {**body(97, first_turn + turn), "max_tokens": 8}, args.timeout)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+    return {"single": single, "loads": loads, "cold": cold, "follow": follow}
+
+
+def report(label: str, run: dict, local: list, args, rounds: dict) -> dict:
+    """Prints one program's tables; its figures the goals need."""
+    single, loads, cold, follow = run["single"], run["loads"], run["cold"], run["follow"]
+    single_decode = statistics.median(r["decode"] for r in single)
+    local_decode = statistics.median(r["decode"] for r in local)
+    single_ttft = statistics.median(r["ttft"] for r in single)
+    print(f"\n{label}: {len(single)} requests one at a time, through the server and in-process (the one-row "
+          f"program); {args.max_tokens} tokens each, T=0.8, {args.quantize}")
+    print("| metric | server | in-process | server / in-process |")
+    print("|---|---|---|---|")
+    print(f"| time to first token, one client, median (s) | {single_ttft:.3f} | "
+          f"{statistics.median(r['ttft'] for r in local):.3f} | "
+          f"{single_ttft / statistics.median(r['ttft'] for r in local):.2f} |")
+    print(f"| decode tokens/s, one client, median | {single_decode:.1f} | {local_decode:.1f} | "
+          f"{single_decode / local_decode:.2f} |")
+    print(f"| multi-turn follow-up TTFT (s) | {follow['ttft']:.3f} (cached {follow['cached']} of "
+          f"{follow['prompt']}) | cold {cold['ttft']:.3f} (cached {cold['cached']}) | "
+          f"{follow['ttft'] / cold['ttft']:.2f} of cold |")
+
+    print(f"\n{label}, concurrent clients: each round at least {args.requests} requests and two a client")
+    print("| clients | requests | aggregate tokens/s | x one client | requests/s | TTFT p50 / p99 (s) | "
+          "decode tokens/s per request |")
+    print("|---|---|---|---|---|---|---|")
+    aggregate = {c: sum(r["tokens"] for r in done) / wall for c, (done, wall) in loads.items()}
+    for c, (done, wall) in loads.items():
+        ttfts = [r["ttft"] for r in done]
+        ratio = f"{aggregate[c] / aggregate[1]:.2f}" if 1 in aggregate else "-"
+        print(f"| {c} | {len(done)} of {rounds[c]} | {aggregate[c]:.1f} | {ratio} | {len(done) / wall:.2f} | "
+              f"{percentile(ttfts, 50):.3f} / {percentile(ttfts, 99):.3f} | "
+              f"{statistics.median(r['decode'] for r in done):.1f} |")
+    # (up to 4 clients: beyond, this process's own client threads take a share of the 2 cores)
+    server_decode = min([statistics.median(r["decode"] for r in done) for c, (done, _) in loads.items() if c <= 4]
+                        or [single_decode])
+    return {"single_decode": single_decode, "local_decode": local_decode, "server_decode": server_decode,
+            "single_ttft": single_ttft, "aggregate": aggregate, "follow": follow["ttft"], "cold": cold["ttft"],
+            "p99": {c: percentile([r["ttft"] for r in done], 99) for c, (done, _) in loads.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8],
@@ -155,23 +241,35 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="seconds the server part may take at most")
     ap.add_argument("--pte", type=Path, help="reuse this .pte and --folder instead of exporting")
     ap.add_argument("--folder", type=Path)
+    ap.add_argument("--max-batch", type=int, default=4, help="rows of the batched program (1: none)")
+    ap.add_argument("--batched-pte", type=Path, help="reuse this batched .pte (of --folder's weights)")
     args = ap.parse_args()
-    if not (all(1 <= c <= 16 for c in args.clients) and 1 <= args.requests <= 64 and 2 <= args.max_tokens <= 512):
-        ap.error("--clients must be in [1, 16], --requests in [1, 64], --max-tokens in [2, 512]")
+    if not (all(1 <= c <= 16 for c in args.clients) and 1 <= args.requests <= 64 and 2 <= args.max_tokens <= 512
+            and 1 <= args.max_batch <= 16):
+        ap.error("--clients must be in [1, 16], --requests in [1, 64], --max-tokens in [2, 512], --max-batch in "
+                 "[1, 16]")
     rounds = {c: min(64, max(args.requests, 2 * c)) for c in args.clients}  # requests of each round
 
     from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.run.runner import LLMRunner
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
-    folder, pte = args.folder, args.pte
-    if pte is None:
-        folder = write_folder(tmp / "model")
+    folder, pte, batched = args.folder, args.pte, args.batched_pte
+    if (pte or batched) and not folder:
+        ap.error("--pte and --batched-pte need --folder (the model folder they were exported from)")
+    folder = folder or write_folder(tmp / "model")
+
+    def export(rows: int) -> Path:
         t = time.perf_counter()
-        pte = export_llm(folder, tmp / "model.pte", max_context=args.max_context,
+        out = export_llm(folder, tmp / f"model-batch{rows}.pte", max_context=args.max_context, max_batch=rows,
                          quantize=None if args.quantize == "none" else args.quantize, progress=None)
-        print(f"exported {pte.stat().st_size / 2**20:.1f} MiB ({args.quantize}) in {time.perf_counter() - t:.0f} s",
-              flush=True)
+        print(f"exported {out.name}: {out.stat().st_size / 2**20:.1f} MiB ({args.quantize}) in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+        return out
+
+    pte = pte or export(1)
+    if batched is None and args.max_batch > 1:
+        batched = export(args.max_batch)
     print(f"{os.cpu_count()} cores; load average before measuring: {load_average()}", flush=True)
 
     runner = LLMRunner(pte, folder)
@@ -192,88 +290,28 @@ def main() -> int:
                             on_text=lambda s: first or first.append(time.perf_counter()))
         local.append({"ttft": first[0] - t, "decode": r.decode_tokens_per_s})
 
-    port = free_port()
-    log = open(tmp / "server.log", "w+")
-    server = subprocess.Popen([sys.executable, "-m", "executorch_mlx.cli", "serve", str(pte), "--tokenizer",
-                               str(folder), "--host", "127.0.0.1", "--port", str(port), "--quiet"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.timeout
-    try:
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"the server did not start: {log.read()[-2000:]}")
-                time.sleep(0.2)
-        bias = {str(t): -100 for t in runner.eos_ids}
-        body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
-                                    "temperature": 0.8, "seed": i, "logit_bias": bias}
-        stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
-        single = [stream_chat(port, body(i, messages), args.timeout) for i, messages in enumerate(prompts[:len(local)])]
-
-        loads = {c: concurrent(port, c, rounds[c], lambda i: body(i, prompts[i]), deadline) for c in args.clients}
-
-        # Multi-turn: a follow-up of a first turn the server answered (its prefix cached), against a
-        # cold conversation of the same length whose text it never saw (the prompt cache keeps
-        # every conversation it answered: a cold request must be a new one).
-        first_turn = [{"role": "user", "content": STORY}]
-        answer = stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)["text"]
-        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
-        unseen = [{"role": "user", "content": " ".join(words[7:] + words[:7])}] + turn
-        cold = stream_chat(port, {**body(97, unseen), "max_tokens": 8}, args.timeout)
-        follow = stream_chat(port, {**body(97, first_turn + turn), "max_tokens": 8}, args.timeout)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-
-    single_decode = statistics.median(r["decode"] for r in single)
-    local_decode = statistics.median(r["decode"] for r in local)
-    single_ttft = statistics.median(r["ttft"] for r in single)
-    print(f"\n{len(local)} requests one at a time, through the server and in-process; {args.max_tokens} tokens "
-          f"each, T=0.8, {args.quantize}")
-    print("| metric | server | in-process | server / in-process |")
-    print("|---|---|---|---|")
-    print(f"| time to first token, one client, median (s) | {single_ttft:.3f} | "
-          f"{statistics.median(r['ttft'] for r in local):.3f} | "
-          f"{single_ttft / statistics.median(r['ttft'] for r in local):.2f} |")
-    print(f"| decode tokens/s, one client, median | {single_decode:.1f} | {local_decode:.1f} | "
-          f"{single_decode / local_decode:.2f} |")
-    print(f"| multi-turn follow-up TTFT (s) | {follow['ttft']:.3f} (cached {follow['cached']} of "
-          f"{follow['prompt']}) | cold {cold['ttft']:.3f} (cached {cold['cached']}) | "
-          f"{follow['ttft'] / cold['ttft']:.2f} of cold |")
-
-    print(f"\nconcurrent clients: each round at least {args.requests} requests and two a client")
-    print("| clients | requests | aggregate tokens/s | x one client | requests/s | TTFT p50 / p99 (s) | "
-          "decode tokens/s per request |")
-    print("|---|---|---|---|---|---|---|")
-    aggregate = {c: sum(r["tokens"] for r in done) / wall for c, (done, wall) in loads.items()}
-    for c, (done, wall) in loads.items():
-        ttfts = [r["ttft"] for r in done]
-        ratio = f"{aggregate[c] / aggregate[1]:.2f}" if 1 in aggregate else "-"
-        print(f"| {c} | {len(done)} of {rounds[c]} | {aggregate[c]:.1f} | {ratio} | {len(done) / wall:.2f} | "
-              f"{percentile(ttfts, 50):.3f} / {percentile(ttfts, 99):.3f} | "
-              f"{statistics.median(r['decode'] for r in done):.1f} |")
-    # (up to 4 clients: beyond, this process's own client threads take a share of the 2 cores)
-    server_decode = min([statistics.median(r["decode"] for r in done) for c, (done, _) in loads.items() if c <= 4]
-                        or [single_decode])
-
-    ok_decode = single_decode >= 0.9 * local_decode and server_decode >= 0.9 * local_decode
-    ok_turn = follow["ttft"] <= 0.25 * cold["ttft"]
+    bias = {str(t): -100 for t in runner.eos_ids}
+    one = report("one-row program", serve_rounds(pte, folder, args, prompts, bias, rounds, tmp), local, args, rounds)
+    ok_decode = one["single_decode"] >= 0.9 * one["local_decode"] and one["server_decode"] >= 0.9 * one["local_decode"]
+    ok_turn = one["follow"] <= 0.25 * one["cold"]
     print(f"\nmust: server decode >= 90% of in-process: {'yes' if ok_decode else 'NO'}; "
           f"follow-up TTFT <= 25% of cold: {'yes' if ok_turn else 'NO'}")
-    goal = {"none": 2.5, "int4": 1.6}.get(args.quantize)
-    if 1 in loads and 4 in loads:
-        p99 = percentile([r["ttft"] for r in loads[4][0]], 99)
-        # (one client's TTFT is about one prefill: the bound is that TTFT twice, plus one prefill)
-        print(f"goals of issue 38 (continuous batching): 4 clients' aggregate {aggregate[4] / aggregate[1]:.2f}x one "
-              f"client's" + (f" (goal >= {goal}x: {'met' if aggregate[4] / aggregate[1] >= goal else 'not met'})"
-                             if goal else "") +
-              f"; TTFT p99 {p99:.3f} s (goal <= 3 x {single_ttft:.3f} s: "
-              f"{'met' if p99 <= 3 * single_ttft else 'not met'})")
+    if batched is not None and args.max_batch > 1:
+        label = f"--max-batch {args.max_batch} program"
+        many = report(label, serve_rounds(batched, folder, args, prompts, bias, rounds, tmp), local, args, rounds)
+        ok_turn = ok_turn and many["follow"] <= 0.25 * many["cold"]
+        print(f"\nmust: follow-up TTFT <= 25% of cold: {'yes' if many['follow'] <= 0.25 * many['cold'] else 'NO'}")
+        goal = {"none": 2.5, "int4": 1.6}.get(args.quantize)
+        one_client = many["single_decode"] / one["single_decode"]
+        print(f"goals of issue 38 ({label}): one client's decode {one_client:.2f}x the one-row program's "
+              f"(goal >= 0.95: {'met' if one_client >= 0.95 else 'not met'})")
+        if 1 in many["aggregate"] and 4 in many["aggregate"]:
+            ratio, p99 = many["aggregate"][4] / many["aggregate"][1], many["p99"][4]
+            # (one client's TTFT is about one prefill: the bound is that TTFT twice, plus one prefill)
+            print(f"  4 clients' aggregate {ratio:.2f}x one client's" +
+                  (f" (goal >= {goal}x: {'met' if ratio >= goal else 'not met'})" if goal else "") +
+                  f"; TTFT p99 {p99:.3f} s (goal <= 3 x {many['single_ttft']:.3f} s: "
+                  f"{'met' if p99 <= 3 * many['single_ttft'] else 'not met'})")
     print(f"load average at end: {load_average()}")
     return 0 if ok_decode and ok_turn else 1
 

@@ -67,3 +67,15 @@ def chat_program(shared, max_context: int, tools: bool = False) -> tuple[Path, P
                                   progress=None)
 
     return shared.get(f"qwen2-chat-{max_context}{'-tools' if tools else ''}", build)
+
+
+def batched_program(shared) -> tuple[Path, Path]:
+    """Llama's family folder exported with --max-batch 3 and logprobs (as its
+    one-row sampled program): llm/export/batched.py."""
+
+    def build(root: Path) -> tuple[Path, Path]:
+        folder, _ = family_program(shared, "llama")
+        return folder, export_llm(folder, root / "batched.pte", max_context=MAX_CONTEXT, logprobs=True, max_batch=3,
+                                  progress=None)
+
+    return shared.get("llama-batch3", build)

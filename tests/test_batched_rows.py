@@ -1,100 +1,141 @@
-"""Issue 38 item 2's foundation: a Hugging Face Llama traced with a batch of
-rows, each at its own positions, lowers whole to MLX and gives each row the
-logits transformers gives that row alone.
+"""Issue 38 item 2: batched programs (export --max-batch N,
+llm/export/batched.py) and continuous batching on them (llm/run/batch.py).
 
-The rows' KV cache is [rows, kv heads, slots, head dim]; a call writes each
-row's tokens at that row's slots (index_put on the row and slot axes: one
-ScatterNode), masks each row's queries to the slots at or before their
-positions (a 4D mask, which transformers takes as it is), and rotates them
-by those positions. A row with fewer tokens than the call's length pads with
-tokens written at a scratch slot (the last), which no query of that row
-attends to before its positions reach it. Export does not build such programs
-yet (`--max-batch`): this holds the lowering and the numerics they need.
-"""
+Plans run side by side, admitted while others decode, each give the tokens
+and log-probabilities of the one-row program of the same weights; export
+refuses what batched programs do not build yet, naming it."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
-from harness import lower, node_types, undelegated_ops
-from transformers.cache_utils import Cache
+from llm_programs import MAX_CONTEXT, batched_program, family_program
 
-from executorch.runtime import Runtime
-from executorch_mlx.llm.model_folders import write_model_folder
+from executorch_mlx.llm.run.batch import INTERLEAVED_CHUNK, Batch
+from executorch_mlx.llm.run.runner import LLMRunner
 
-SLOTS = 64
-SCRATCH = SLOTS - 1
-
-
-class RowCache(Cache):
-    """transformers' cache interface over the program's per-row buffers."""
-
-    def __init__(self, owner: torch.nn.Module, positions: torch.Tensor):
-        self.owner, self.positions, self.layers = owner, positions, []
-
-    def update(self, keys, values, layer_idx, cache_kwargs=None):
-        k, v = getattr(self.owner, f"keys_{layer_idx}"), getattr(self.owner, f"values_{layer_idx}")
-        rows = torch.arange(keys.shape[0])[:, None]
-        k[rows, :, self.positions] = keys.transpose(1, 2)
-        v[rows, :, self.positions] = values.transpose(1, 2)
-        return k, v
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # (positions are given: transformers does not count them from here)
+# (prompt ids, prepare()'s keywords): greedy and sampled rows with settings of their own; the long prompt
+# prefills in interleaved chunks once the others decode
+CASES = [
+    (list(range(5, 12)), dict(max_new_tokens=12)),
+    ([(7 * i) % 200 + 3 for i in range(INTERLEAVED_CHUNK + 9)], dict(max_new_tokens=10, temperature=1.1, seed=4,
+                                                                       top_k=20)),
+    ([9, 4], dict(max_new_tokens=16, temperature=0.9, seed=2**63 + 5, repetition_penalty=1.4,
+                  logit_bias={12: 2.0, 30: float("-inf")})),
+    ([100, 101, 102], dict(max_new_tokens=9, temperature=0.7, seed=8, min_p=0.05, presence_penalty=0.5)),
+]
 
 
-class RowsLM(torch.nn.Module):
-    """(input_ids [rows, S], positions [rows, S]) -> each row's last logits [rows, V]."""
-
-    def __init__(self, model, rows: int):
-        super().__init__()
-        self.model = model
-        cfg = model.config
-        shape = (rows, cfg.num_key_value_heads, SLOTS, cfg.hidden_size // cfg.num_attention_heads)
-        for i in range(cfg.num_hidden_layers):
-            self.register_buffer(f"keys_{i}", torch.zeros(shape), persistent=False)
-            self.register_buffer(f"values_{i}", torch.zeros(shape), persistent=False)
-
-    def forward(self, input_ids, positions):
-        mask = torch.arange(SLOTS)[None, None, None, :] <= positions[:, None, :, None]
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         past_key_values=RowCache(self, positions), cache_position=positions[0])
-        return out.logits[:, -1, :]
+@pytest.fixture(scope="module")
+def runners(shared):
+    """(the batched program's runner, the one-row program's), of one folder's weights."""
+    folder, pte = batched_program(shared)
+    return LLMRunner(pte, folder), LLMRunner(family_program(shared, "llama")[1], folder)
 
 
-def test_each_row_decodes_at_its_own_position_as_it_would_alone(tmp_path):
-    from transformers import AutoModelForCausalLM
+def _same(result, alone) -> None:
+    assert result.token_ids == alone.token_ids and result.stop_reason == alone.stop_reason
+    torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
 
-    folder = write_model_folder(tmp_path / "llama", "llama", layers=1, hidden=64, heads=4, kv_heads=2,
-                                intermediate=128)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    seq = torch.export.Dim("seq", min=1, max=16)
-    example = (torch.randint(3, 200, (2, 4)), torch.arange(4).repeat(2, 1))
-    with torch.no_grad():
-        edge = lower(RowsLM(model, 2), example, dynamic_shapes={"input_ids": {1: seq}, "positions": {1: seq}})
-    assert undelegated_ops(edge) == [] and "ScatterNode" in node_types(edge)
-    pte = edge.to_executorch().buffer  # (kept: the loaded program reads it)
-    method = Runtime.get().load_program(pte).load_method("forward")
 
-    def alone(tokens: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return model(torch.tensor([tokens])).logits[0, -1]
+def test_plans_side_by_side_equal_the_one_row_program(runners):
+    """Three rows at once, a fourth admitted when one ends (more plans than
+    rows), some arriving while others decode: each equals the one-row
+    program alone; a batched program's own generate runs row 0 the same."""
+    batched, single = runners
+    alone = [single.generate(ids, **kw) for ids, kw in CASES]
+    assert len(set(map(tuple, (a.token_ids for a in alone)))) == len(CASES)
+    batch = Batch(batched)
+    decoding = threading.Event()
 
-    torch.manual_seed(0)
-    a, b = torch.randint(3, 200, (8,)).tolist(), torch.randint(3, 200, (8,)).tolist()
-    calls = [  # (row 0's tokens and positions, row 1's), each call's rows as long as each other
-        ((a[:3], [0, 1, 2]), (b[:3], [0, 1, 2])),  # both prefill 3
-        ((a[3:5], [3, 4]), ([b[3], 0], [3, SCRATCH])),  # row 0 two more; row 1 one and a pad
-        ((a[5:6], [5]), (b[4:5], [4])),  # one token each, at different positions
-        ((a[6:7], [6]), (b[5:6], [5])),
-    ]
-    seen = [[], []]
-    for call in calls:
-        ids = torch.tensor([tokens for tokens, _ in call])
-        positions = torch.tensor([slots for _, slots in call])
-        out = method.execute([ids, positions])[0]
-        for row, (tokens, slots) in enumerate(call):
-            real = [t for t, s in zip(tokens, slots) if s != SCRATCH]
-            seen[row] += real
-            if slots[-1] != SCRATCH:  # (a row whose last query is a pad returns nothing to compare)
-                torch.testing.assert_close(out[row], alone(seen[row]), atol=1e-4, rtol=1e-4)
-    assert seen == [a[:7], b[:6]]
+    def seen(token, logprob) -> bool:
+        decoding.set()
+        return False
+
+    try:
+        first = [batch.submit(batched.prepare(CASES[0][0], **CASES[0][1]), on_token=seen),
+                 batch.submit(batched.prepare(CASES[1][0], **CASES[1][1]))]
+        assert decoding.wait(60)
+        late = [batch.submit(batched.prepare(ids, **kw)) for ids, kw in CASES[2:]]
+        for future, want in zip(first + late, alone):
+            _same(future.result(60), want)
+    finally:
+        batch.close()
+    _same(batched.generate(CASES[2][0], **CASES[2][1]), alone[2])
+
+
+def test_conversations_are_kept_and_brought_back_into_any_row(runners):
+    """A, then B in the same row (A kept in a snapshot), then a long X in that
+    row; A's next turn, sent while X decodes, runs in the next row with A's
+    row copied into it: it prefills only what follows, and X, beside it, is
+    unchanged. Each equals the one-row program alone."""
+    batched, single = runners
+    ids, kw = CASES[0]
+    long_ids, long_kw = CASES[1]
+    batch = Batch(batched)
+    decoding = threading.Event()
+    try:
+        first = batch.submit(batched.prepare(ids, **kw)).result(60)
+        other = batch.submit(batched.prepare([50, 51, 52, 53], max_new_tokens=4)).result(60)
+        long = batch.submit(batched.prepare(long_ids, **long_kw), on_token=lambda t, lp: decoding.set())
+        assert decoding.wait(60)
+        turn = ids + first.token_ids + [60, 61]
+        again = batch.submit(batched.prepare(turn, max_new_tokens=6)).result(60)
+        _same(long.result(60), single.generate(long_ids, **long_kw))
+        assert len(batch.kept) == 2  # A's and B's conversations
+    finally:
+        batch.close()
+    assert other.cached_tokens == 0 and again.cached_tokens == len(ids) + len(first.token_ids) - 1
+    _same(again, single.generate(turn, max_new_tokens=6))
+
+
+def test_a_failing_row_ends_alone(runners):
+    """A callback that raises ends its own generation with that error; the row beside it goes on."""
+    batched, single = runners
+
+    def boom(token, logprob):
+        raise KeyError("client gone")
+
+    batch = Batch(batched)
+    try:
+        failing = batch.submit(batched.prepare(CASES[3][0], **CASES[3][1]), on_token=boom)
+        fine = batch.submit(batched.prepare(CASES[0][0], **CASES[0][1]))
+        with pytest.raises(KeyError, match="client gone"):
+            failing.result(60)
+        _same(fine.result(60), single.generate(CASES[0][0], **CASES[0][1]))
+    finally:
+        batch.close()
+
+
+def test_batch_refuses_what_it_cannot_run(runners):
+    batched, single = runners
+    with pytest.raises(ValueError, match="needs a batched program"):
+        Batch(single)
+    with pytest.raises(ValueError, match="verifies no drafts"):
+        batched.prepare([1, 2], draft="prompt-lookup")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_batch=0), "max_batch must be in"),
+    (dict(max_batch=2, sampling=False), "max_batch needs a sampling program"),
+    (dict(max_batch=2, max_draft_tokens=3), "verifies no drafts"),
+])
+def test_export_checks_max_batch_first(shared, tmp_path, kwargs, message):
+    from executorch_mlx.llm.export.hf_export import export_llm
+
+    folder, _ = family_program(shared, "llama")
+    with pytest.raises(ValueError, match=message):
+        export_llm(folder, tmp_path / "x.pte", max_context=MAX_CONTEXT, progress=None, **kwargs)
+
+
+@pytest.mark.parametrize("family,message", [("gemma3", "sliding-window layers"), ("lfm2", "state caches")])
+def test_export_refuses_what_batched_programs_do_not_build(shared, tmp_path, family, message):
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.model_folders import write_model_folder
+    from llm_programs import FAMILY_LAYERS
+
+    folder = shared.get(family, lambda r: write_model_folder(r / family, family, layers=FAMILY_LAYERS.get(family, 1)))
+    with pytest.raises(NotImplementedError, match=f"--max-batch .*{message}"):
+        export_llm(folder, tmp_path / "x.pte", max_context=MAX_CONTEXT, max_batch=2, progress=None)

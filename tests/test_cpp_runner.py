@@ -189,3 +189,14 @@ def test_weights_in_a_data_file_beside_the_program(programs, shared, tmp_path, c
         assert done.returncode == 1 and f"corrupt data file {corrupt}" in done.stderr, (case, done.stderr)
     assert main(["export", str(folder), "-o", str(tmp_path / "cli.ptd"), "--external-weights", "--quiet"]) == 2
     assert "cli.ptd would be its own weights file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature,flags", [(0.0, []), (1.1, ["--top-p", "0.9", "--repetition-penalty", "1.3"])])
+def test_cpp_runner_runs_a_batched_program_in_row_0(programs, shared, temperature, flags):
+    """A --max-batch program (llm/export/batched.py) gives the one-row program's ids."""
+    from llm_programs import batched_program
+
+    kwargs = dict(top_p=0.9, repetition_penalty=1.3) if flags else {}
+    want = LLMRunner(programs["sampled"]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=5,
+                                                       **kwargs)
+    assert cpp_ids(batched_program(shared)[1], PROMPT, 8, temperature, 5, *flags) == want.token_ids

@@ -158,8 +158,8 @@ def test_n_choices_run_side_by_side_as_each_seed_alone(client):
     assert texts == alone and len(set(texts)) > 1
 
 
-def test_rows_keep_their_conversations(client):
-    """A, then B, then A's next turn: A's row still holds A's prompt."""
+def test_conversations_come_back_across_others(client):
+    """A, then B (in A's row: A is kept), then A's next turn reuses A's prompt."""
     first = [{"role": "user", "content": "Once upon a time"}]
     a = _chat(client, first, temperature=0, max_tokens=8)
     _chat(client, [{"role": "user", "content": "The quick brown fox"}], temperature=0, max_tokens=8)

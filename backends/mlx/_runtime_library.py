@@ -57,6 +57,7 @@ def load() -> ctypes.CDLL:
             lib.emlx_state_snapshot.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             lib.emlx_state_restore.argtypes = [ctypes.c_uint64]
             lib.emlx_state_drop.argtypes = [ctypes.c_uint64]
+            lib.emlx_state_copy_row.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
             if not lib.emlx_registered():
                 raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
             return lib
@@ -129,6 +130,14 @@ def restore_state(snapshot: int) -> None:
     global reset_count
     reset_count += 1
     if load().emlx_state_restore(snapshot) != 0:
+        raise RuntimeError(last_error())
+
+
+def copy_state_row(snapshot: int, source: int, target: int, rows: int) -> None:
+    """Row `source` of `snapshot` into row `target` of the live state of the
+    programs it holds, in their buffers of `rows` rows (a batched program's
+    cache rows: llm/run/batch.py); every other row stays as it is."""
+    if load().emlx_state_copy_row(snapshot, source, target, rows) != 0:
         raise RuntimeError(last_error())
 
 

@@ -69,7 +69,7 @@ DRAFT_BACKOFF_MIN, DRAFT_BACKOFF_GROWTH, DRAFT_BACKOFF_MAX = 4, 4, 256
 CPP_CONSTANTS = {
     "kMaxSeqLen": MAX_SEQ_LEN, "kMaxContextLen": MAX_CONTEXT_LEN, "kVocabSize": VOCAB_SIZE, "kEosIds": EOS_IDS,
     "kInputNames": INPUT_NAMES, "kSamples": SAMPLES, "kLogprobs": LOGPROBS, "kBosId": BOS_ID,
-    "kMaxDraftTokens": MAX_DRAFT_TOKENS, "kWeightsFile": WEIGHTS_FILE,
+    "kMaxDraftTokens": MAX_DRAFT_TOKENS, "kWeightsFile": WEIGHTS_FILE, "kMaxBatch": MAX_BATCH,
     "kInputIds": LLM_INPUTS[0], "kCachePosition": LLM_INPUTS[1],
 }
 # ... and numbers.

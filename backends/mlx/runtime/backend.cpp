@@ -258,6 +258,18 @@ __attribute__((visibility("default"))) int emlx_state_restore(uint64_t id) {
     return -1;
   }
 }
+// Copies row `from` of snapshot `id` into row `to` of the live state of the
+// programs it holds, in their buffers of `rows` rows (a batched program's
+// cache rows). Returns 0, or -1 (reason in emlx_last_error).
+__attribute__((visibility("default"))) int emlx_state_copy_row(uint64_t id, int64_t from, int64_t to, int64_t rows) {
+  try {
+    emlx::copy_state_row(id, from, to, rows);
+    return 0;
+  } catch (const std::exception& e) {
+    emlx::set_last_error(std::string("row copy failed: ") + e.what());
+    return -1;
+  }
+}
 // Forgets snapshot `id` (its memory is freed once no program uses it).
 __attribute__((visibility("default"))) void emlx_state_drop(uint64_t id) { emlx::drop_state_snapshot(id); }
 // Sets the mutable state (KV caches) of every loaded program back to its

@@ -502,6 +502,36 @@ void restore_all_state(uint64_t id) {
   }
 }
 
+void Program::copy_row(const std::vector<mx::array>& held, int64_t from, int64_t to, int64_t rows) {
+  std::lock_guard<std::mutex> lock(mlx_mutex());
+  use_thread_stream();
+  if (held.size() != state_.size()) throw std::invalid_argument("the snapshot is not this program's state");
+  for (size_t i = 0; i < state_.size(); ++i) {
+    const auto& live = state_[i];
+    if (live.ndim() < 1 || live.shape(0) != rows || held[i].shape() != live.shape()) continue;
+    mx::Shape start(live.ndim(), 0), stop = live.shape();
+    start[0] = static_cast<int>(from), stop[0] = static_cast<int>(from + 1);
+    auto row = mx::slice(held[i], start, stop);
+    start[0] = static_cast<int>(to), stop[0] = static_cast<int>(to + 1);
+    state_[i] = mx::slice_update(live, row, start, stop);
+  }
+  mx::eval(state_);
+}
+
+void copy_state_row(uint64_t id, int64_t from, int64_t to, int64_t rows) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = state_snapshots().find(id);
+  if (it == state_snapshots().end()) throw std::invalid_argument("no state snapshot " + std::to_string(id));
+  if (rows < 1 || from < 0 || from >= rows || to < 0 || to >= rows) {
+    throw std::invalid_argument("rows " + std::to_string(from) + " and " + std::to_string(to) + " are not both in [0, " +
+                                std::to_string(rows) + ")");
+  }
+  for (auto* p : stateful_programs()) {
+    auto held = it->second.find(p);
+    if (held != it->second.end()) p->copy_row(held->second, from, to, rows);
+  }
+}
+
 void drop_state_snapshot(uint64_t id) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   state_snapshots().erase(id);

@@ -118,6 +118,7 @@ struct Metadata {
   bool samples = false;
   int64_t max_context = 0, max_chunk = 0, vocab_size = 0, bos_id = -1;
   int64_t max_draft_tokens = 0;  // drafts one call verifies (0: none, or a program from before)
+  int64_t max_batch = 1;  // rows a call takes (export --max-batch); this runner runs row 0
   std::set<int64_t> eos_ids;
   std::string weights_file;  // the .ptd holding its weights (export --external-weights), or ""
 };
@@ -166,6 +167,8 @@ Metadata read_metadata(et::Program& program) {
   }
   if (values.count(contract::kBosId)) md.bos_id = integer(contract::kBosId);
   if (values.count(contract::kMaxDraftTokens)) md.max_draft_tokens = integer(contract::kMaxDraftTokens);
+  if (values.count(contract::kMaxBatch)) md.max_batch = integer(contract::kMaxBatch);
+  if (md.max_batch < 1) throw wrong(contract::kMaxBatch, "at least 1");
   if (values.count(contract::kWeightsFile)) {
     if (!one(contract::kWeightsFile).isString()) throw wrong(contract::kWeightsFile, "a string");
     md.weights_file = std::string(one(contract::kWeightsFile).toString());
@@ -361,6 +364,7 @@ class Generator {
           throw std::runtime_error("this .pte's input '" + name + "' is not [batch, size]: export it with "
                                    "executorch-mlx export");
         }
+        if (md.max_batch > 1) sizes[0] = 1;  // (reported as the most rows a call takes; this runner runs one)
         return sizes;
       }
       return {};
@@ -371,16 +375,19 @@ class Generator {
     auto need = [&](const char* name, bool on) {
       if (on && !has(name)) throw UsageError(std::string("this program was exported without ") + name);
     };
+    // one value, or a batched program's one row of values
+    const Sizes one = md.max_batch > 1 ? Sizes{1} : Sizes{};
     for (int i = 0; i < kNumSamplerInputs; ++i) {
       if (!has_flag(i)) continue;
       const auto& p = kSamplerInputs[i];
       need(p.name, p.kind == 'r' && o.on(i));
-      inputs_[p.name] = p.integer ? make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.integer[i]})
-                                  : make_tensor_ptr(Sizes{}, std::vector<float>{static_cast<float>(o.value[i])});
+      inputs_[p.name] = p.integer ? make_tensor_ptr(one, std::vector<int64_t>{o.integer[i]})
+                                  : make_tensor_ptr(one, std::vector<float>{static_cast<float>(o.value[i])});
     }
     need("logit_bias_ids", !o.logit_bias.empty());
-    inputs_["seed"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{o.seed});
-    inputs_["position"] = make_tensor_ptr(Sizes{}, std::vector<int64_t>{0});
+    inputs_["seed"] = make_tensor_ptr(one, std::vector<int64_t>{o.seed});
+    inputs_["position"] = make_tensor_ptr(one, std::vector<int64_t>{0});
+    batched_ = md.max_batch > 1;
     if (has("history")) {
       const Sizes h = shape("history");
       if (penalized_ && context_size_ > h.at(1)) {
@@ -424,7 +431,7 @@ class Generator {
     std::vector<int64_t> positions(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) positions[i] = start + static_cast<int64_t>(i);
     inputs_[contract::kInputIds] = make_tensor_ptr(Sizes{1, n}, std::vector<int64_t>(ids));
-    inputs_[contract::kCachePosition] = make_tensor_ptr(Sizes{n}, std::move(positions));
+    inputs_[contract::kCachePosition] = make_tensor_ptr(batched_ ? Sizes{1, n} : Sizes{n}, std::move(positions));
     inputs_["position"]->mutable_data_ptr<int64_t>()[0] = position;
     if (history_size_) {
       // A row per token sampled (the program samples as many rows as the
@@ -485,6 +492,7 @@ class Generator {
   int64_t context_size_;
   bool penalized_;
   int64_t history_size_ = 0;  // 0: the program takes no history
+  bool batched_ = false;  // a batched program (export --max-batch): cache_position [1, S], one row of sampler values
   std::map<std::string, TensorPtr> inputs_;
 };
 

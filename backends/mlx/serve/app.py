@@ -13,8 +13,8 @@ request (a conversation's next turn prefills only the new messages), and
 its prompt cache keeps other conversations' caches for their next turns
 (--prompt-cache-bytes). A batched program (export --max-batch N) runs up
 to N generations at once, admitted between its calls (llm/run/batch.py):
-the choices of a request with n > 1 run side by side, and each cache row
-keeps its last conversation for its next turn. A request whose client goes
+the choices of a request with n > 1 run side by side, and conversations
+are kept for their next turns as with one row (--prompt-cache-bytes). A request whose client goes
 away is cancelled at its next token.
 Request fields and what they map to: docs/serve.md.
 
@@ -177,7 +177,7 @@ class Server:
         # One worker: requests run one at a time, in the order they came;
         # a batched program runs them together instead.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
-        self.batch = Batch(runner) if runner.max_batch > 1 else None
+        self.batch = Batch(runner, options.prompt_cache_bytes) if runner.max_batch > 1 else None
         # Requests are checked (and their prompts tokenized) beside it, off the event loop.
         self.checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="check")
 
@@ -416,7 +416,7 @@ def create_app(runner: LLMRunner, model_name: str, draft: dict | None = None,
         raise ValueError("a batched program verifies no drafts: serve it without --draft")
     runner.chat_template  # loaded now, not by the first request
     runner.max_token_bytes  # measured now, not by the first request
-    if runner.max_batch == 1:  # (a batched program's rows keep their conversations)
+    if runner.max_batch == 1:  # (a batched program keeps its rows' conversations: llm/run/batch.py)
         runner.use_prompt_cache(options.prompt_cache_bytes)
     server = Server(runner, model_name, draft or {}, options)
     return Starlette(routes=[

@@ -9,10 +9,15 @@ Each generation holds a cache row from its admission to its end. One thread
 runs the calls: before each, waiting plans take free rows; each call then
 feeds every running row its next tokens (a prompt chunk, or the token it
 sampled last), so a new request prefills between the others' decode steps
-and a row is free again as soon as its generation ends. Rows keep what
-they hold after their generation: a request that extends what a free row
-holds (a conversation's next turn) takes that row and prefills only what
-follows, so the rows are a prompt cache of up to N conversations.
+and a row is free again as soon as its generation ends.
+
+A call runs the rows up to the highest one running (pads in the others),
+so a plan always takes the lowest free row. Conversations move instead:
+the tokens a row held are kept in a state snapshot before another
+conversation overwrites them (prompt_cache.KeptRows, up to
+`prompt_cache_bytes`), and a plan that shares more with a kept row, or with
+another free row, than with its own has that row copied into its own first:
+it prefills only what follows (a conversation's next turn).
 
 A generation's tokens are the ones it gets alone: each row samples with its
 own seed at its own decode step, and the model computes every row as it
@@ -70,13 +75,15 @@ class _Sequence:
 class Batch:
     """Generations of an LLMRunner's batched program, run together (see the module doc)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, prompt_cache_bytes: int = 2 << 30):
+        from .prompt_cache import KeptRows
+
         if runner.max_batch < 2:
             raise ValueError("continuous batching needs a batched program (export --max-batch N, N >= 2)")
         self.runner = runner
+        self.kept = KeptRows(prompt_cache_bytes, runner.max_batch)
         self.rows: list[_Sequence | None] = [None] * runner.max_batch
         self._held: list[list[int]] = [[] for _ in self.rows]  # row 0's is the runner's cached_tokens
-        self._used = [0.0] * len(self.rows)  # when each row last ended (least recently used goes first)
         self._epoch = _reset_epoch()
         self._waiting: deque[tuple[Plan, Future, Callable | None, Callable | None]] = deque()
         self._wake = threading.Condition()
@@ -102,11 +109,13 @@ class Batch:
         return future
 
     def close(self) -> None:
-        """Ends the thread once the running and waiting generations are done."""
+        """Ends the thread once the running and waiting generations are done;
+        drops the kept conversations."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join()
+        self.kept.clear()
 
     def held(self, row: int) -> list[int]:
         """The token ids whose entries cache row `row` holds, from position 0."""
@@ -141,37 +150,50 @@ class Batch:
 
     def _admit(self) -> None:
         """Waiting plans into free rows, in arrival order."""
-        while self._waiting:
-            plan, future, on_text, on_token = self._waiting[0]
-            row = self._place(plan.prompt_ids)
-            if row is None:
-                return
-            self._waiting.popleft()
+        while self._waiting and None in self.rows:
+            plan, future, on_text, on_token = self._waiting.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
-            ids, runner = plan.prompt_ids, self.runner
-            cached = runner.reusable(ids, self.held(row))
+            row, runner = self.rows.index(None), self.runner
+            try:
+                cached = self._bring(plan.prompt_ids, row)
+            except Exception as e:  # (the runtime's: what the row holds is unknown)
+                self._set_held(row, [])
+                future.set_exception(e)
+                continue
             text = TextOut(runner.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=runner.eos_ids,
                            channels=runner.final_channel())
             rules = StopRules(runner.eos_ids, plan.constraint, text, on_token, plan.max_new_tokens)
+            ids = plan.prompt_ids
             self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), rules, text, cached, list(ids), cached)
-            self._set_held(row, self.held(row)[:cached])
 
-    def _place(self, ids: list[int]) -> int | None:
-        """The free row for a prompt: the one whose held tokens it extends
-        most (keeping at least half of them), else an empty one (the lowest:
-        calls run the rows up to the highest running one), else the least
-        recently used; None when every row runs."""
-        free = [r for r, seq in enumerate(self.rows) if seq is None]
-        if not free:
-            return None
-        reuse = {r: self.runner.reusable(ids, self.held(r)) for r in free}
-        extends = [r for r in free if self.held(r) and reuse[r] >= max(1, len(self.held(r)) // 2)]
-        if extends:
-            return max(extends, key=lambda r: (reuse[r], -r))
-        empty = [r for r in free if not self.held(r)]
-        return min(empty) if empty else min(free, key=lambda r: self._used[r])
+    def _bring(self, ids: list[int], row: int) -> int:
+        """Makes free row `row` hold the longest prefix of `ids` there is (its
+        own, another free row's or a kept one's), keeping the conversation it
+        held unless `ids` extend it; the count of tokens it holds for them."""
+        from executorch_mlx._runtime_library import copy_state_row, drop_state, snapshot_state
 
+        reusable, held = self.runner.reusable, self.held(row)
+        here = reusable(ids, held)
+        others = {r: reusable(ids, self.held(r)) for r, seq in enumerate(self.rows) if seq is None and r != row}
+        source = max(others, key=others.get, default=None)
+        snapshot, kept = self.kept.best(ids, reusable)
+        best = max(here, others.get(source, 0), kept)
+        if held and here < max(1, len(held) // 2) and held not in [self.held(r) for r in others]:
+            self.kept.keep(held, row)  # (another conversation: kept before it is overwritten)
+        if best == here:
+            tokens = held
+        elif source is not None and others[source] == best:
+            moved, _ = snapshot_state()
+            try:
+                copy_state_row(moved, source, row, len(self.rows))
+            finally:
+                drop_state(moved)
+            tokens = self.held(source)
+        else:
+            tokens = self.kept.restore(snapshot, row)
+        self._set_held(row, list(tokens[:best]))
+        return best
     # ----------------------------------------------------------- a call --
     def _step(self) -> None:
         runner = self.runner
@@ -250,7 +272,6 @@ class Batch:
         from .runner import GenerationResult
 
         seq, self.rows[row] = self.rows[row], None
-        self._used[row] = time.perf_counter()
         if error is not None:
             seq.future.set_exception(error)
             return

@@ -9,6 +9,12 @@ what it changes); a request that shares more with a kept snapshot than with
 the live cache has that snapshot restored before it runs. Snapshots are
 dropped least recently used first to stay within `max_bytes` (each holds
 the whole state of the loaded programs, the KV caches and any draft model's).
+
+A batched program's rows (llm/run/batch.py) keep theirs with `KeptRows`: a
+row about to take another conversation has the state snapshotted first,
+kept as that row's tokens, and a request that shares more with a kept row
+than with any free live row has that row copied into the row it runs in
+(`copy_state_row`), the other rows as they are.
 """
 
 from __future__ import annotations
@@ -73,6 +79,68 @@ class PromptCache:
                 break
             drop_state(oldest)
             del self._kept[oldest]
+
+    def clear(self) -> None:
+        from executorch_mlx._runtime_library import drop_state
+
+        for snapshot in self._kept:
+            drop_state(snapshot)
+        self._kept.clear()
+
+
+@dataclass
+class _KeptRow:
+    tokens: list[int]
+    row: int  # the snapshot's row that holds them
+    bytes: int
+
+
+class KeptRows:
+    """Conversations of a batched program's cache rows, kept in snapshots
+    for their next turns, least recently used dropped first past `max_bytes`."""
+
+    def __init__(self, max_bytes: int, rows: int):
+        PromptCache(max_bytes)  # (the same check of max_bytes)
+        self.max_bytes, self.rows = max_bytes, rows
+        self._kept: OrderedDict[int, _KeptRow] = OrderedDict()  # by snapshot id, least recently used first
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def best(self, ids: list[int], reusable) -> tuple[int | None, int]:
+        """The kept snapshot sharing the most with `ids` (reusable(ids, tokens)
+        tokens) and that count; (None, 0) for none."""
+        gains = {s: reusable(ids, k.tokens) for s, k in self._kept.items()}
+        best = max(gains, key=gains.get, default=None)
+        return (best, gains[best]) if best is not None else (None, 0)
+
+    def keep(self, tokens: list[int], row: int) -> int | None:
+        """Snapshots the state, keeping row `row`'s `tokens` (an earlier point
+        of their conversation is dropped); the snapshot's id, or None when
+        nothing may be kept (max_bytes 0)."""
+        from executorch_mlx._runtime_library import drop_state, snapshot_state
+
+        if not self.max_bytes:
+            return None
+        for snapshot in [s for s, k in self._kept.items() if tokens[:len(k.tokens)] == k.tokens]:
+            drop_state(snapshot)
+            del self._kept[snapshot]
+        snapshot, size = snapshot_state()
+        self._kept[snapshot] = _KeptRow(list(tokens), row, size)
+        while self._kept and sum(k.bytes for k in self._kept.values()) > self.max_bytes:
+            oldest = next(iter(self._kept))
+            drop_state(oldest)
+            del self._kept[oldest]
+        return snapshot if snapshot in self._kept else None
+
+    def restore(self, snapshot: int, row: int) -> list[int]:
+        """Copies the kept row of `snapshot` into live row `row`; its tokens."""
+        from executorch_mlx._runtime_library import copy_state_row
+
+        kept = self._kept[snapshot]
+        copy_state_row(snapshot, kept.row, row, self.rows)
+        self._kept.move_to_end(snapshot)
+        return list(kept.tokens)
 
     def clear(self) -> None:
         from executorch_mlx._runtime_library import drop_state

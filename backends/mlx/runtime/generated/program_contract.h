@@ -18,6 +18,7 @@ constexpr const char* kLogprobs = "emlx_logprobs";
 constexpr const char* kBosId = "get_bos_id";
 constexpr const char* kMaxDraftTokens = "emlx_max_draft_tokens";
 constexpr const char* kWeightsFile = "emlx_weights_file";
+constexpr const char* kMaxBatch = "emlx_max_batch";
 constexpr const char* kInputIds = "input_ids";
 constexpr const char* kCachePosition = "cache_position";
 constexpr int64_t kPromptLookupMaxNgram = 3;
