@@ -57,7 +57,9 @@ def load() -> ctypes.CDLL:
             lib.emlx_state_snapshot.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             lib.emlx_state_restore.argtypes = [ctypes.c_uint64]
             lib.emlx_state_drop.argtypes = [ctypes.c_uint64]
-            lib.emlx_state_copy_row.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+            lib.emlx_state_snapshot_row.restype = ctypes.c_uint64
+            lib.emlx_state_snapshot_row.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)]
+            lib.emlx_state_copy_row.argtypes = [ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64]
             if not lib.emlx_registered():
                 raise RuntimeError(f"{path}: backend registration failed (is the id already taken?)")
             return lib
@@ -133,11 +135,21 @@ def restore_state(snapshot: int) -> None:
         raise RuntimeError(last_error())
 
 
-def copy_state_row(snapshot: int, source: int, target: int, rows: int) -> None:
-    """Row `source` of `snapshot` into row `target` of the live state of the
-    programs it holds, in their buffers of `rows` rows (a batched program's
-    cache rows: llm/run/batch.py); every other row stays as it is."""
-    if load().emlx_state_copy_row(snapshot, source, target, rows) != 0:
+def snapshot_state_row(row: int, rows: int) -> tuple[int, int]:
+    """Keeps row `row` of every loaded program's buffers of `rows` rows (a
+    batched program's cache rows: llm/run/batch.py), copied: (the snapshot's
+    id, its bytes). drop_state forgets it."""
+    size = ctypes.c_uint64()
+    snapshot = load().emlx_state_snapshot_row(row, rows, ctypes.byref(size))
+    if snapshot == 0:
+        raise RuntimeError(last_error())
+    return snapshot, size.value
+
+
+def copy_state_row(snapshot: int, row: int, rows: int) -> None:
+    """Puts a snapshot_state_row back as row `row` (in place); every other
+    row stays as it is."""
+    if load().emlx_state_copy_row(snapshot, row, rows) != 0:
         raise RuntimeError(last_error())
 
 

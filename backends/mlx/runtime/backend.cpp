@@ -258,12 +258,23 @@ __attribute__((visibility("default"))) int emlx_state_restore(uint64_t id) {
     return -1;
   }
 }
-// Copies row `from` of snapshot `id` into row `to` of the live state of the
-// programs it holds, in their buffers of `rows` rows (a batched program's
-// cache rows). Returns 0, or -1 (reason in emlx_last_error).
-__attribute__((visibility("default"))) int emlx_state_copy_row(uint64_t id, int64_t from, int64_t to, int64_t rows) {
+// A batched program's cache row (its buffers with `rows` rows): row `row`
+// kept as a snapshot (its id, 0 on failure; its bytes in *bytes), and such
+// a snapshot put back as row `to` (0, or -1; reason in emlx_last_error).
+__attribute__((visibility("default"))) uint64_t emlx_state_snapshot_row(int64_t row, int64_t rows, uint64_t* bytes) {
   try {
-    emlx::copy_state_row(id, from, to, rows);
+    size_t size = 0;
+    const uint64_t id = emlx::snapshot_state_row(row, rows, size);
+    *bytes = size;
+    return id;
+  } catch (const std::exception& e) {
+    emlx::set_last_error(std::string("row snapshot failed: ") + e.what());
+    return 0;
+  }
+}
+__attribute__((visibility("default"))) int emlx_state_copy_row(uint64_t id, int64_t to, int64_t rows) {
+  try {
+    emlx::copy_state_row(id, to, rows);
     return 0;
   } catch (const std::exception& e) {
     emlx::set_last_error(std::string("row copy failed: ") + e.what());

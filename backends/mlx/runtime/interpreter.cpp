@@ -476,16 +476,38 @@ void Program::set_state(std::vector<mx::array> state) {
   state_ = std::move(state);
 }
 
+namespace {
+uint64_t next_snapshot_id() {
+  static uint64_t next = 0;  // (under registry_mutex)
+  return ++next;
+}
+
+// [start, stop) of row `row` of an array whose first axis is the rows.
+std::pair<mx::Shape, mx::Shape> row_bounds(const mx::array& a, int64_t row) {
+  mx::Shape start(a.ndim(), 0), stop = a.shape();
+  start[0] = static_cast<int>(row), stop[0] = static_cast<int>(row + 1);
+  return {start, stop};
+}
+
+void check_rows(int64_t rows, std::initializer_list<int64_t> each) {
+  for (int64_t r : each) {
+    if (rows < 1 || r < 0 || r >= rows) {
+      throw std::invalid_argument("row " + std::to_string(r) + " is not in [0, " + std::to_string(rows) + ")");
+    }
+  }
+}
+}  // namespace
+
 uint64_t snapshot_all_state(size_t& bytes) {
-  static uint64_t next = 0;
   std::lock_guard<std::mutex> lock(registry_mutex());
-  auto& snapshot = state_snapshots()[++next];
+  const uint64_t id = next_snapshot_id();
+  auto& snapshot = state_snapshots()[id];
   bytes = 0;
   for (auto* p : stateful_programs()) {
     snapshot[p] = p->state();
     bytes += p->state_bytes();
   }
-  return next;
+  return id;
 }
 
 void restore_all_state(uint64_t id) {
@@ -502,33 +524,57 @@ void restore_all_state(uint64_t id) {
   }
 }
 
-void Program::copy_row(const std::vector<mx::array>& held, int64_t from, int64_t to, int64_t rows) {
+std::vector<mx::array> Program::row_state(int64_t row, int64_t rows, size_t& bytes) const {
+  std::lock_guard<std::mutex> lock(mlx_mutex());
+  use_thread_stream();
+  std::vector<mx::array> held;
+  for (const auto& live : state_) {
+    if (live.ndim() < 1 || live.shape(0) != rows) {
+      held.push_back(mx::array(0.0f));  // (not a row buffer: nothing kept)
+      continue;
+    }
+    auto [start, stop] = row_bounds(live, row);
+    held.push_back(mx::copy(mx::slice(live, start, stop)));  // its own memory: the live row changes on
+    bytes += held.back().nbytes();
+  }
+  mx::eval(held);
+  return held;
+}
+
+void Program::copy_row(const std::vector<mx::array>& held, int64_t to, int64_t rows) {
   std::lock_guard<std::mutex> lock(mlx_mutex());
   use_thread_stream();
   if (held.size() != state_.size()) throw std::invalid_argument("the snapshot is not this program's state");
   for (size_t i = 0; i < state_.size(); ++i) {
-    const auto& live = state_[i];
-    if (live.ndim() < 1 || live.shape(0) != rows || held[i].shape() != live.shape()) continue;
-    mx::Shape start(live.ndim(), 0), stop = live.shape();
-    start[0] = static_cast<int>(from), stop[0] = static_cast<int>(from + 1);
-    auto row = mx::slice(held[i], start, stop);
-    start[0] = static_cast<int>(to), stop[0] = static_cast<int>(to + 1);
-    state_[i] = mx::slice_update(live, row, start, stop);
+    if (state_[i].ndim() < 1 || state_[i].shape(0) != rows) continue;
+    auto [start, stop] = row_bounds(state_[i], to);
+    mx::Shape one = state_[i].shape();
+    one[0] = 1;
+    if (held[i].shape() != one) continue;
+    // the live buffer handed over whole, so that MLX updates it in place (donation)
+    state_[i] = mx::slice_update(std::exchange(state_[i], mx::array(0.0f)), held[i], start, stop);
   }
   mx::eval(state_);
 }
 
-void copy_state_row(uint64_t id, int64_t from, int64_t to, int64_t rows) {
+uint64_t snapshot_state_row(int64_t row, int64_t rows, size_t& bytes) {
+  check_rows(rows, {row});
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  const uint64_t id = next_snapshot_id();
+  auto& snapshot = state_snapshots()[id];
+  bytes = 0;
+  for (auto* p : stateful_programs()) snapshot[p] = p->row_state(row, rows, bytes);
+  return id;
+}
+
+void copy_state_row(uint64_t id, int64_t to, int64_t rows) {
+  check_rows(rows, {to});
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = state_snapshots().find(id);
   if (it == state_snapshots().end()) throw std::invalid_argument("no state snapshot " + std::to_string(id));
-  if (rows < 1 || from < 0 || from >= rows || to < 0 || to >= rows) {
-    throw std::invalid_argument("rows " + std::to_string(from) + " and " + std::to_string(to) + " are not both in [0, " +
-                                std::to_string(rows) + ")");
-  }
   for (auto* p : stateful_programs()) {
     auto held = it->second.find(p);
-    if (held != it->second.end()) p->copy_row(held->second, from, to, rows);
+    if (held != it->second.end()) p->copy_row(held->second, to, rows);
   }
 }
 

@@ -108,9 +108,11 @@ class Program {
   // copies (a run then updates a copy, as MLX donates only unshared buffers).
   std::vector<mlx::core::array> state() const;
   void set_state(std::vector<mlx::core::array> state);
-  // Row `from` of `held` (a state of this program) into row `to` of the live
-  // state, in every buffer with `rows` rows (a batched program's caches).
-  void copy_row(const std::vector<mlx::core::array>& held, int64_t from, int64_t to, int64_t rows);
+  // Row `row` of every buffer with `rows` rows (a batched program's caches),
+  // copied (adds their bytes to `bytes`); and such a row put back as row `to`
+  // of the live state, in place.
+  std::vector<mlx::core::array> row_state(int64_t row, int64_t rows, size_t& bytes) const;
+  void copy_row(const std::vector<mlx::core::array>& held, int64_t to, int64_t rows);
   size_t state_bytes() const { return liveness_.state_bytes; }
 
  private:
@@ -145,10 +147,12 @@ void reset_all_state();
 // programs are gone).
 uint64_t snapshot_all_state(size_t& bytes);
 void restore_all_state(uint64_t id);
-// Row `from` of snapshot `id` into row `to` of the live state of each
-// program it holds (buffers with `rows` rows only): a batched program's
-// cache row brought back, the other rows as they are.
-void copy_state_row(uint64_t id, int64_t from, int64_t to, int64_t rows);
+// A batched program's cache row: `snapshot_state_row` keeps row `row` of
+// every program's buffers with `rows` rows (a copy: its bytes), in the same
+// registry as the snapshots above; `copy_state_row` puts such a snapshot
+// back as row `to`, the other rows as they are.
+uint64_t snapshot_state_row(int64_t row, int64_t rows, size_t& bytes);
+void copy_state_row(uint64_t id, int64_t to, int64_t rows);
 void drop_state_snapshot(uint64_t id);
 
 // Human-readable reason of the last failure on this thread (for Python).

@@ -13,7 +13,7 @@ and a row is free again as soon as its generation ends.
 
 A call runs the rows up to the highest one running (pads in the others),
 so a plan always takes the lowest free row. Conversations move instead:
-the tokens a row held are kept in a state snapshot before another
+the tokens a row held are kept in a copy of that row before another
 conversation overwrites them (prompt_cache.KeptRows, up to
 `prompt_cache_bytes`), and a plan that shares more with a kept row, or with
 another free row, than with its own has that row copied into its own first:
@@ -21,7 +21,8 @@ it prefills only what follows (a conversation's next turn).
 
 A generation's tokens are the ones it gets alone: each row samples with its
 own seed at its own decode step, and the model computes every row as it
-computes one (batched.py).
+computes one (batched.py). A Batch owns its runner's cache rows until it is
+closed: the runner's own generate() (row 0) waits until then.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Batch:
             raise ValueError("continuous batching needs a batched program (export --max-batch N, N >= 2)")
         self.runner = runner
         self.kept = KeptRows(prompt_cache_bytes, runner.max_batch)
+        runner._lock.acquire()  # (released by close)
         self.rows: list[_Sequence | None] = [None] * runner.max_batch
         self._held: list[list[int]] = [[] for _ in self.rows]  # row 0's is the runner's cached_tokens
         self._epoch = _reset_epoch()
@@ -116,6 +118,7 @@ class Batch:
             self._wake.notify()
         self._thread.join()
         self.kept.clear()
+        self.runner._lock.release()
 
     def held(self, row: int) -> list[int]:
         """The token ids whose entries cache row `row` holds, from position 0."""
@@ -164,14 +167,14 @@ class Batch:
             text = TextOut(runner.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=runner.eos_ids,
                            channels=runner.final_channel())
             rules = StopRules(runner.eos_ids, plan.constraint, text, on_token, plan.max_new_tokens)
-            ids = plan.prompt_ids
-            self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), rules, text, cached, list(ids), cached)
+            self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), rules, text, cached, list(plan.prompt_ids),
+                                       cached)
 
     def _bring(self, ids: list[int], row: int) -> int:
         """Makes free row `row` hold the longest prefix of `ids` there is (its
         own, another free row's or a kept one's), keeping the conversation it
         held unless `ids` extend it; the count of tokens it holds for them."""
-        from executorch_mlx._runtime_library import copy_state_row, drop_state, snapshot_state
+        from executorch_mlx._runtime_library import copy_state_row, drop_state, snapshot_state_row
 
         reusable, held = self.runner.reusable, self.held(row)
         here = reusable(ids, held)
@@ -184,9 +187,9 @@ class Batch:
         if best == here:
             tokens = held
         elif source is not None and others[source] == best:
-            moved, _ = snapshot_state()
+            moved, _ = snapshot_state_row(source, len(self.rows))
             try:
-                copy_state_row(moved, source, row, len(self.rows))
+                copy_state_row(moved, row, len(self.rows))
             finally:
                 drop_state(moved)
             tokens = self.held(source)
@@ -194,6 +197,7 @@ class Batch:
             tokens = self.kept.restore(snapshot, row)
         self._set_held(row, list(tokens[:best]))
         return best
+
     # ----------------------------------------------------------- a call --
     def _step(self) -> None:
         runner = self.runner
@@ -217,8 +221,7 @@ class Batch:
         values = [torch.cat(column) for column in zip(*sampler)]
         t = time.perf_counter()
         try:
-            with runner._lock:
-                outputs = runner.execute([ids, positions] + values)
+            outputs = runner.execute([ids, positions] + values)
         except Exception as e:
             self._fail(range(top), e)
             return

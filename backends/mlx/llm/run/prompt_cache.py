@@ -11,9 +11,10 @@ dropped least recently used first to stay within `max_bytes` (each holds
 the whole state of the loaded programs, the KV caches and any draft model's).
 
 A batched program's rows (llm/run/batch.py) keep theirs with `KeptRows`: a
-row about to take another conversation has the state snapshotted first,
-kept as that row's tokens, and a request that shares more with a kept row
-than with any free live row has that row copied into the row it runs in
+row about to take another conversation is copied first
+(`snapshot_state_row`: that row of each cache, not the whole state) and
+kept with its tokens, and a request that shares more with a kept row than
+with any free live row has it copied into the row it runs in
 (`copy_state_row`), the other rows as they are.
 """
 
@@ -91,7 +92,6 @@ class PromptCache:
 @dataclass
 class _KeptRow:
     tokens: list[int]
-    row: int  # the snapshot's row that holds them
     bytes: int
 
 
@@ -115,18 +115,18 @@ class KeptRows:
         return (best, gains[best]) if best is not None else (None, 0)
 
     def keep(self, tokens: list[int], row: int) -> int | None:
-        """Snapshots the state, keeping row `row`'s `tokens` (an earlier point
-        of their conversation is dropped); the snapshot's id, or None when
-        nothing may be kept (max_bytes 0)."""
-        from executorch_mlx._runtime_library import drop_state, snapshot_state
+        """Copies row `row`, which holds `tokens`, into a snapshot (an earlier
+        point of their conversation is dropped); the snapshot's id, or None
+        when it is not kept (max_bytes 0, or less than a row)."""
+        from executorch_mlx._runtime_library import drop_state, snapshot_state_row
 
         if not self.max_bytes:
             return None
         for snapshot in [s for s, k in self._kept.items() if tokens[:len(k.tokens)] == k.tokens]:
             drop_state(snapshot)
             del self._kept[snapshot]
-        snapshot, size = snapshot_state()
-        self._kept[snapshot] = _KeptRow(list(tokens), row, size)
+        snapshot, size = snapshot_state_row(row, self.rows)
+        self._kept[snapshot] = _KeptRow(list(tokens), size)
         while self._kept and sum(k.bytes for k in self._kept.values()) > self.max_bytes:
             oldest = next(iter(self._kept))
             drop_state(oldest)
@@ -134,11 +134,11 @@ class KeptRows:
         return snapshot if snapshot in self._kept else None
 
     def restore(self, snapshot: int, row: int) -> list[int]:
-        """Copies the kept row of `snapshot` into live row `row`; its tokens."""
+        """Copies the kept row `snapshot` into live row `row`; its tokens."""
         from executorch_mlx._runtime_library import copy_state_row
 
         kept = self._kept[snapshot]
-        copy_state_row(snapshot, kept.row, row, self.rows)
+        copy_state_row(snapshot, row, self.rows)
         self._kept.move_to_end(snapshot)
         return list(kept.tokens)
 
