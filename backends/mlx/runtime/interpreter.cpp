@@ -489,6 +489,17 @@ std::pair<mx::Shape, mx::Shape> row_bounds(const mx::array& a, int64_t row) {
   return {start, stop};
 }
 
+// A copy of `a` in memory of its own. (MLX's copy of a contiguous array
+// shares its buffer, which would keep the live cache from being updated in
+// place: its next write would copy the whole cache.)
+mx::array owned_copy(const mx::array& a) {
+  mx::array src = a.flags().row_contiguous ? a : mx::contiguous(a);
+  mx::eval(src);
+  mx::array out(mx::allocator::malloc(src.nbytes()), src.shape(), src.dtype());
+  if (src.nbytes() > 0) std::memcpy(out.data<char>(), src.data<char>(), src.nbytes());
+  return out;
+}
+
 void check_rows(int64_t rows, std::initializer_list<int64_t> each) {
   for (int64_t r : each) {
     if (rows < 1 || r < 0 || r >= rows) {
@@ -534,10 +545,9 @@ std::vector<mx::array> Program::row_state(int64_t row, int64_t rows, size_t& byt
       continue;
     }
     auto [start, stop] = row_bounds(live, row);
-    held.push_back(mx::copy(mx::slice(live, start, stop)));  // its own memory: the live row changes on
+    held.push_back(owned_copy(mx::slice(live, start, stop)));  // (the live row changes on)
     bytes += held.back().nbytes();
   }
-  mx::eval(held);
   return held;
 }
 
