@@ -69,13 +69,19 @@ def chat_program(shared, max_context: int, tools: bool = False) -> tuple[Path, P
     return shared.get(f"qwen2-chat-{max_context}{'-tools' if tools else ''}", build)
 
 
-def batched_program(shared) -> tuple[Path, Path]:
-    """Llama's family folder exported with --max-batch 3 and logprobs (as its
-    one-row sampled program): llm/export/batched.py."""
 
-    def build(root: Path) -> tuple[Path, Path]:
-        folder, _ = family_program(shared, "llama")
-        return folder, export_llm(folder, root / "batched.pte", max_context=MAX_CONTEXT, logprobs=True, max_batch=3,
-                                  progress=None)
+# The context of the chat programs the server tests use (room for the tools the template lists).
+SERVE_CONTEXT = 512
 
-    return shared.get("llama-batch3", build)
+
+def batched_chat_program(shared) -> tuple[Path, Path, Path]:
+    """chat_program's folder (with tools) exported with --max-batch 4 and the
+    5 most likely tokens of each step, as its one-row program:
+    (the folder, the batched program, the one-row program)."""
+    folder, single = chat_program(shared, SERVE_CONTEXT, tools=True)
+
+    def build(root: Path) -> Path:
+        return export_llm(folder, root / "batched.pte", max_context=SERVE_CONTEXT, top_logprobs=5, max_batch=4,
+                          progress=None)
+
+    return folder, shared.get(f"qwen2-chat-{SERVE_CONTEXT}-tools-batch4", build), single

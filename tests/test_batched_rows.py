@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from llm_programs import MAX_CONTEXT, batched_program, family_program
+from llm_programs import MAX_CONTEXT, batched_chat_program, family_program
 
 from executorch_mlx.llm.run.batch import INTERLEAVED_CHUNK, Batch
 from executorch_mlx.llm.run.runner import LLMRunner
@@ -30,14 +30,16 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def runners(shared):
-    """(the batched program's runner, the one-row program's), of one folder's weights."""
-    folder, pte = batched_program(shared)
-    return LLMRunner(pte, folder), LLMRunner(family_program(shared, "llama")[1], folder)
+    """(the batched program's runner, the one-row program's), of one folder's weights (test_serve's chat folder)."""
+    folder, batched, single = batched_chat_program(shared)
+    return LLMRunner(batched, folder), LLMRunner(single, folder)
 
 
 def _same(result, alone) -> None:
+    """The same tokens, log-probabilities and most likely tokens of each step."""
     assert result.token_ids == alone.token_ids and result.stop_reason == alone.stop_reason
     torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
+    assert [[i for i, _ in lp.top] for lp in result.logprobs] == [[i for i, _ in lp.top] for lp in alone.logprobs]
 
 
 def test_plans_side_by_side_equal_the_one_row_program(runners):

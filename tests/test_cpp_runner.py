@@ -192,11 +192,11 @@ def test_weights_in_a_data_file_beside_the_program(programs, shared, tmp_path, c
 
 
 @pytest.mark.parametrize("temperature,flags", [(0.0, []), (1.1, ["--top-p", "0.9", "--repetition-penalty", "1.3"])])
-def test_cpp_runner_runs_a_batched_program_in_row_0(programs, shared, temperature, flags):
-    """A --max-batch program (llm/export/batched.py) gives the one-row program's ids."""
-    from llm_programs import batched_program
+def test_cpp_runner_runs_a_batched_program_in_row_0(shared, temperature, flags):
+    """A --max-batch program (llm/export/batched.py) gives its one-row program's ids."""
+    from llm_programs import batched_chat_program
 
+    _, batched, single = batched_chat_program(shared)
     kwargs = dict(top_p=0.9, repetition_penalty=1.3) if flags else {}
-    want = LLMRunner(programs["sampled"]).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=5,
-                                                       **kwargs)
-    assert cpp_ids(batched_program(shared)[1], PROMPT, 8, temperature, 5, *flags) == want.token_ids
+    want = LLMRunner(single).generate(PROMPT, max_new_tokens=8, temperature=temperature, seed=5, **kwargs)
+    assert cpp_ids(batched, PROMPT, 8, temperature, 5, *flags) == want.token_ids

@@ -27,10 +27,10 @@ import torch
 
 from executorch_mlx.llm.run.chat import StopText
 from executorch_mlx.llm.model_folders import CHAT_TOKENS
-from llm_programs import chat_program
+from llm_programs import SERVE_CONTEXT, chat_program
 from test_documented_commands import README, runnable
 
-MAX_CONTEXT = 512  # (room for the tools the template lists)
+MAX_CONTEXT = SERVE_CONTEXT  # (room for the tools the template lists)
 HELLO = [{"role": "user", "content": "Once upon a time"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7},

@@ -14,7 +14,7 @@ import time
 import jsonschema
 import pytest
 
-from llm_programs import chat_program
+from llm_programs import batched_chat_program
 from test_serve import HELLO, MAX_CONTEXT, TOOLS, _arguments_valid, _chat, _free_port, _streamed
 
 POEM = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12},
@@ -23,17 +23,9 @@ POEM = {"type": "object", "properties": {"title": {"type": "string", "maxLength"
 
 
 @pytest.fixture(scope="module")
-def batched(shared, tmp_path_factory):
+def batched(shared):
     """(the folder, the B=4 program, the B=1 program) of test_serve's chat folder."""
-    folder, single = chat_program(shared, MAX_CONTEXT, tools=True)
-
-    def build(root):
-        from executorch_mlx.llm.export.hf_export import export_llm
-
-        return export_llm(folder, root / "batched.pte", max_context=MAX_CONTEXT, top_logprobs=5, max_batch=4,
-                          progress=None)
-
-    return folder, shared.get(f"qwen2-chat-{MAX_CONTEXT}-tools-batch4", build), single
+    return batched_chat_program(shared)
 
 
 @pytest.fixture(scope="module")
