@@ -83,9 +83,10 @@ class Batch:
             raise ValueError("continuous batching needs a batched program (export --max-batch N, N >= 2)")
         self.runner = runner
         self.kept = KeptRows(prompt_cache_bytes, runner.max_batch)
-        runner._lock.acquire()  # (released by close)
         self.rows: list[_Sequence | None] = [None] * runner.max_batch
-        self._held: list[list[int]] = [[] for _ in self.rows]  # row 0's is the runner's cached_tokens
+        runner._lock.acquire()  # (released by close)
+        # what the free rows hold (row 0: what the runner's own generations left)
+        self._held: list[list[int]] = [runner.cached_tokens] + [[] for _ in self.rows[1:]]
         self._epoch = _reset_epoch()
         self._waiting: deque[tuple[Plan, Future, Callable | None, Callable | None]] = deque()
         self._wake = threading.Condition()
@@ -118,23 +119,21 @@ class Batch:
             self._wake.notify()
         self._thread.join()
         self.kept.clear()
+        self.runner.cached_tokens = self.held(0)  # (row 0 is the runner's own again)
         self.runner._lock.release()
 
     def held(self, row: int) -> list[int]:
         """The token ids whose entries cache row `row` holds, from position 0."""
-        if row == 0:
-            return self.runner.cached_tokens
         epoch = _reset_epoch()
         if epoch != self._epoch:  # someone emptied every cache
             self._held, self._epoch = [[] for _ in self.rows], epoch
-        return self._held[row]
+        seq = self.rows[row]
+        return seq.tokens[:seq.fed] if seq is not None else self._held[row]
 
     def _set_held(self, row: int, ids: list[int]) -> None:
-        if row == 0:
-            self.runner.cached_tokens = ids
-        else:
-            self.held(row)
-            self._held[row] = ids
+        """(of a free row)"""
+        self.held(row)
+        self._held[row] = ids
 
     # ------------------------------------------------------ scheduling --
     def _loop(self) -> None:
@@ -218,7 +217,7 @@ class Batch:
             ids[r, length - len(take):] = torch.tensor(take, dtype=torch.int64)
             positions[r] = torch.tensor(pads + list(range(start, end)), dtype=torch.int64)
             sampler.append(seq.sampler(runner) if seq is not None else self._idle_sampler())
-        values = [torch.cat(column) for column in zip(*sampler)]
+        values = [torch.cat(column) if top > 1 else column[0] for column in zip(*sampler)]
         t = time.perf_counter()
         try:
             outputs = runner.execute([ids, positions] + values)
@@ -231,7 +230,6 @@ class Batch:
             if seq is None:
                 continue
             seq.fed += len(takes[r])
-            self._set_held(r, seq.tokens[:seq.fed])
             if seq.fed < len(seq.tokens):
                 continue  # more of the prompt to come
             if seq.out:
@@ -266,15 +264,16 @@ class Batch:
         """Ends the generations of `rows` with `error`: what those cache rows
         hold is unknown now."""
         for r in rows:
-            self._set_held(r, [])
             if self.rows[r] is not None:
                 self._end(r, error=error)
+            self._set_held(r, [])
 
     def _end(self, row: int, reason: str | None = None, error: Exception | None = None) -> None:
         """Frees row `row`, its generation's result (ended for `reason`) or `error` set."""
         from .runner import GenerationResult
 
         seq, self.rows[row] = self.rows[row], None
+        self._set_held(row, seq.tokens[:seq.fed])
         if error is not None:
             seq.future.set_exception(error)
             return

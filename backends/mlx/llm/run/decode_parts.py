@@ -23,10 +23,12 @@ from .plan import Plan
 
 class SamplerFeed:
     """The sampler's inputs of each call: the plan's, with the call's
-    position, penalty history and token mask."""
+    position, penalty history and token mask. The others are the same every
+    call: built once per runner (a draft model takes fewer)."""
 
     def __init__(self, plan: Plan):
         self.given, self.window, self.constraint = dict(plan.sampling), plan.window, plan.constraint
+        self._fixed: dict[int, dict[str, torch.Tensor]] = {}  # by id(runner): each input as it is every call
 
     def __call__(self, runner, position: int, context: list[int], drafts: list[int] = ()) -> list:
         """`runner`'s sampler inputs for the token after `context` (decode
@@ -34,13 +36,19 @@ class SamplerFeed:
         if not runner.samples:
             return []
         names = runner.input_names[2:]
-        self.given["position"] = torch.tensor(position, dtype=torch.int64)
+        fixed = self._fixed.get(id(runner))
+        if fixed is None:  # (a draft program may take fewer inputs: it drafts without those)
+            given = {k: v for k, v in self.given.items() if k in names}
+            fixed = self._fixed[id(runner)] = dict(zip(names, runner.sampler_values(names, given)))
+        changing = {"position": torch.tensor(position, dtype=torch.int64)}
         if "history" in names:  # a row per token sampled: the rows a program samples
-            self.given["history"] = history_rows(context, drafts, self.window)
+            changing["history"] = history_rows(context, drafts, self.window)
         if self.constraint is not None:
-            self.given[TOKEN_MASK] = self.constraint.mask()
-        # (a draft program may take fewer inputs: it drafts without those)
-        return runner.sampler_values(names, {k: v for k, v in self.given.items() if k in names})
+            changing[TOKEN_MASK] = self.constraint.mask()
+        now = [n for n in names if n in changing]
+        values = dict(fixed)
+        values.update(zip(now, runner.sampler_values(now, {n: changing[n] for n in now})))
+        return [values[n] for n in names]
 
 
 class StopRules:
