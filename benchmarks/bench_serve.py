@@ -13,11 +13,13 @@ address); every client streams, with the eos ids banned so that each
 answer has exactly --max-tokens tokens. The counts and the wall time are
 bounded (--clients <= 16, --requests <= 64, --timeout).
 
-Two programs of the same weights are served in turn: the one-row program
-(requests run one at a time) and one exported with --max-batch N (default
-4; continuous batching). For each: one client against in-process (time to
-first token, decode tokens/s; in-process runs the one-row program); then
-for each count of concurrent clients (--clients, default 1 2 4 8; each
+Two programs of the same weights are served side by side: the one-row
+program (requests run one at a time) and one exported with --max-batch N
+(default 4; continuous batching). One client first sends each server a
+request in turn (alternating, so that the machine's drift falls on both
+alike); then each server alone takes its rounds. For each: one client
+against in-process (time to first token, decode tokens/s; in-process runs
+the one-row program); then for each count of concurrent clients (--clients, default 1 2 4 8; each
 round at least two requests a client), aggregate tokens/s (all answers'
 tokens over the round's wall time) and its ratio to one client's,
 requests/s, time to first token p50/p99 (the queue is part of it) and
@@ -34,6 +36,7 @@ within 5% of the one-row program's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -148,15 +151,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
-def serve_rounds(pte: Path, folder: Path, args, prompts: list, bias: dict, rounds: dict, tmp: Path) -> dict:
-    """The server of `pte` under one client, then each round of concurrent
-    clients, then a multi-turn follow-up against a cold request."""
+@contextlib.contextmanager
+def served(pte: Path, folder: Path, tmp: Path, timeout: float):
+    """`executorch-mlx serve` of `pte` on a free port of 127.0.0.1, up: its port."""
     port = free_port()
     log = open(tmp / f"server-{pte.stem}.log", "w+")
     server = subprocess.Popen([sys.executable, "-m", "executorch_mlx.cli", "serve", str(pte), "--tokenizer",
                                str(folder), "--host", "127.0.0.1", "--port", str(port), "--quiet"],
                               stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout
     try:
         while True:
             try:
@@ -167,39 +170,49 @@ def serve_rounds(pte: Path, folder: Path, args, prompts: list, bias: dict, round
                     log.seek(0)
                     raise RuntimeError(f"the server did not start: {log.read()[-2000:]}")
                 time.sleep(0.2)
-        body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
-                                    "temperature": 0.8, "seed": i, "logit_bias": bias}
-        stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
-        single = [stream_chat(port, body(i, messages), args.timeout)
-                  for i, messages in enumerate(prompts[:max(2, args.requests // 2)])]
-
-        loads = {c: concurrent(port, c, rounds[c], lambda i: body(i, prompts[i]), deadline) for c in args.clients}
-
-        # Multi-turn: a follow-up of a first turn the server answered (its prefix cached), against a
-        # cold conversation of the same length whose text it never saw (the prompt cache keeps
-        # every conversation it answered: a cold request must be a new one).
-        words = STORY.split()
-        first_turn = [{"role": "user", "content": STORY}]
-        answer = stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)["text"]
-        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
-        unseen = [{"role": "user", "content": " ".join(words[7:] + words[:7])}] + turn
-        cold = stream_chat(port, {**body(97, unseen), "max_tokens": 8}, args.timeout)
-        follow = stream_chat(port, {**body(97, first_turn + turn), "max_tokens": 8}, args.timeout)
+        yield port
     finally:
         server.terminate()
         server.wait(timeout=30)
         log.close()
-    return {"single": single, "loads": loads, "cold": cold, "follow": follow}
 
 
-def report(label: str, run: dict, local: list, args, rounds: dict) -> dict:
+def one_client(ports: list[int], body, prompts: list, count: int, timeout: float) -> list[list[dict]]:
+    """`count` requests to each server, one at a time, alternating between
+    them (so that the machine's drift falls on every server alike)."""
+    runs: list[list[dict]] = [[] for _ in ports]
+    for i in range(count):
+        for runs_of, port in zip(runs, ports):
+            runs_of.append(stream_chat(port, body(i, prompts[i]), timeout))
+    return runs
+
+
+def serve_rounds(port: int, args, prompts: list, body, rounds: dict) -> dict:
+    """The server on `port` under each round of concurrent clients, then a
+    multi-turn follow-up against a cold request."""
+    deadline = time.monotonic() + args.timeout
+    loads = {c: concurrent(port, c, rounds[c], lambda i: body(i, prompts[i]), deadline) for c in args.clients}
+    # Multi-turn: a follow-up of a first turn the server answered (its prefix cached), against a
+    # cold conversation of the same length whose text it never saw (the prompt cache keeps
+    # every conversation it answered: a cold request must be a new one).
+    words = STORY.split()
+    first_turn = [{"role": "user", "content": STORY}]
+    answer = stream_chat(port, {**body(99, first_turn), "max_tokens": 16}, args.timeout)["text"]
+    turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    unseen = [{"role": "user", "content": " ".join(words[7:] + words[:7])}] + turn
+    cold = stream_chat(port, {**body(97, unseen), "max_tokens": 8}, args.timeout)
+    follow = stream_chat(port, {**body(97, first_turn + turn), "max_tokens": 8}, args.timeout)
+    return {"loads": loads, "cold": cold, "follow": follow}
+
+
+def report(label: str, single: list[dict], run: dict, local: list, args, rounds: dict) -> dict:
     """Prints one program's tables; its figures the goals need."""
-    single, loads, cold, follow = run["single"], run["loads"], run["cold"], run["follow"]
+    loads, cold, follow = run["loads"], run["cold"], run["follow"]
     single_decode = statistics.median(r["decode"] for r in single)
     local_decode = statistics.median(r["decode"] for r in local)
     single_ttft = statistics.median(r["ttft"] for r in single)
-    print(f"\n{label}: {len(single)} requests one at a time, through the server and in-process (the one-row "
-          f"program); {args.max_tokens} tokens each, T=0.8, {args.quantize}")
+    print(f"\n{label}: {len(single)} requests one at a time (alternating with the other server), through the server "
+          f"and in-process (the one-row program); {args.max_tokens} tokens each, T=0.8, {args.quantize}")
     print("| metric | server | in-process | server / in-process |")
     print("|---|---|---|---|")
     print(f"| time to first token, one client, median (s) | {single_ttft:.3f} | "
@@ -291,20 +304,29 @@ def main() -> int:
         local.append({"ttft": first[0] - t, "decode": r.decode_tokens_per_s})
 
     bias = {str(t): -100 for t in runner.eos_ids}
-    one = report("one-row program", serve_rounds(pte, folder, args, prompts, bias, rounds, tmp), local, args, rounds)
+    body = lambda i, messages: {"messages": messages, "max_tokens": args.max_tokens,  # noqa: E731
+                                "temperature": 0.8, "seed": i, "logit_bias": bias}
+    programs = [pte] + ([batched] if batched is not None and args.max_batch > 1 else [])
+    with contextlib.ExitStack() as stack:
+        ports = [stack.enter_context(served(p, folder, tmp, args.timeout)) for p in programs]
+        for port in ports:
+            stream_chat(port, body(0, prompts[-1]), args.timeout)  # warm-up
+        singles = one_client(ports, body, prompts, max(4, args.requests), args.timeout)
+        runs = [serve_rounds(port, args, prompts, body, rounds) for port in ports]
+    one = report("one-row program", singles[0], runs[0], local, args, rounds)
     ok_decode = one["single_decode"] >= 0.9 * one["local_decode"] and one["server_decode"] >= 0.9 * one["local_decode"]
     ok_turn = one["follow"] <= 0.25 * one["cold"]
     print(f"\nmust: server decode >= 90% of in-process: {'yes' if ok_decode else 'NO'}; "
           f"follow-up TTFT <= 25% of cold: {'yes' if ok_turn else 'NO'}")
     if batched is not None and args.max_batch > 1:
         label = f"--max-batch {args.max_batch} program"
-        many = report(label, serve_rounds(batched, folder, args, prompts, bias, rounds, tmp), local, args, rounds)
+        many = report(label, singles[1], runs[1], local, args, rounds)
         ok_turn = ok_turn and many["follow"] <= 0.25 * many["cold"]
         print(f"\nmust: follow-up TTFT <= 25% of cold: {'yes' if many['follow'] <= 0.25 * many['cold'] else 'NO'}")
         goal = {"none": 2.5, "int4": 1.6}.get(args.quantize)
-        one_client = many["single_decode"] / one["single_decode"]
-        print(f"goals of issue 38 ({label}): one client's decode {one_client:.2f}x the one-row program's "
-              f"(goal >= 0.95: {'met' if one_client >= 0.95 else 'not met'})")
+        alone = many["single_decode"] / one["single_decode"]
+        print(f"goals of issue 38 ({label}): one client's decode {alone:.2f}x the one-row program's "
+              f"(goal >= 0.95: {'met' if alone >= 0.95 else 'not met'})")
         if 1 in many["aggregate"] and 4 in many["aggregate"]:
             ratio, p99 = many["aggregate"][4] / many["aggregate"][1], many["p99"][4]
             # (one client's TTFT is about one prefill: the bound is that TTFT twice, plus one prefill)

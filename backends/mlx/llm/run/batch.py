@@ -199,7 +199,7 @@ class Batch:
 
     # ----------------------------------------------------------- a call --
     def _step(self) -> None:
-        runner = self.runner
+        runner, t = self.runner, time.perf_counter()  # (a step's time includes building its inputs)
         top = max(r for r, seq in enumerate(self.rows) if seq is not None) + 1
         decoding = any(seq is not None and seq.fed >= len(seq.plan.prompt_ids) for seq in self.rows)
         limit = INTERLEAVED_CHUNK if decoding else runner.max_chunk
@@ -218,7 +218,6 @@ class Batch:
             positions[r] = torch.tensor(pads + list(range(start, end)), dtype=torch.int64)
             sampler.append(seq.sampler(runner) if seq is not None else self._idle_sampler())
         values = [torch.cat(column) if top > 1 else column[0] for column in zip(*sampler)]
-        t = time.perf_counter()
         try:
             outputs = runner.execute([ids, positions] + values)
         except Exception as e:
