@@ -561,9 +561,9 @@ void Program::copy_row(const std::vector<mx::array>& held, int64_t to, int64_t r
     mx::Shape one = state_[i].shape();
     one[0] = 1;
     if (held[i].shape() != one) continue;
-    // the live buffer handed over whole, so that MLX updates it in place (donation)
-    state_[i] = mx::slice_update(std::exchange(state_[i], mx::array(0.0f)), held[i], start, stop);
-  }
+    const mx::array live = state_[i];
+    state_[i] = mx::slice_update(live, held[i], start, stop);
+  }  // (`live` gone: the update alone holds the old buffer, so MLX writes the row in place)
   mx::eval(state_);
 }
 

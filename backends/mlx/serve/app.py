@@ -13,9 +13,9 @@ request (a conversation's next turn prefills only the new messages), and
 its prompt cache keeps other conversations' caches for their next turns
 (--prompt-cache-bytes). A batched program (export --max-batch N) runs up
 to N generations at once, admitted between its calls (llm/run/batch.py):
-the choices of a request with n > 1 run side by side, and conversations
-are kept for their next turns as with one row (--prompt-cache-bytes). A request whose client goes
-away is cancelled at its next token.
+the choices of a request with n > 1 run side by side, and conversations are
+kept for their next turns as with one row. A request whose client goes away
+is cancelled at its next token.
 Request fields and what they map to: docs/serve.md.
 
 Hostile input costs little: guard.py checks the headers (host, origin, API
@@ -147,7 +147,7 @@ class _Job:
         """Every choice into `batch` at once; the future of their results."""
         done = self.loop.create_future()
         futures = [batch.submit(plan, *self._callbacks(i)) for i, plan in enumerate(self.request.plans)]
-        left = [len(futures)]
+        left, counting = [len(futures)], threading.Lock()
 
         def finish() -> None:  # on the event loop, after the last choice
             if self.queue is not None:
@@ -158,11 +158,13 @@ class _Job:
             else:
                 done.set_result([f.result() for f in futures])
 
-        def ended(index: int, future) -> None:  # on the batch's thread
+        def ended(index: int, future) -> None:  # on the batch's thread (or here, if it ended already)
             if future.exception() is None:
                 self._finished(index, future.result())
-            left[0] -= 1
-            if not left[0]:
+            with counting:
+                left[0] -= 1
+                last = not left[0]
+            if last:
                 self.loop.call_soon_threadsafe(finish)
 
         for i, future in enumerate(futures):

@@ -30,11 +30,15 @@ class _Kept:
     bytes: int
 
 
+def check_bytes(max_bytes) -> int:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"the prompt cache's size must be a number of bytes >= 0, got {max_bytes!r}")
+    return max_bytes
+
+
 class PromptCache:
     def __init__(self, max_bytes: int):
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"the prompt cache's size must be a number of bytes >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
+        self.max_bytes = check_bytes(max_bytes)
         self._kept: OrderedDict[int, _Kept] = OrderedDict()  # by snapshot id, least recently used first
 
     @property
@@ -100,8 +104,7 @@ class KeptRows:
     for their next turns, least recently used dropped first past `max_bytes`."""
 
     def __init__(self, max_bytes: int, rows: int):
-        PromptCache(max_bytes)  # (the same check of max_bytes)
-        self.max_bytes, self.rows = max_bytes, rows
+        self.max_bytes, self.rows = check_bytes(max_bytes), rows
         self._kept: OrderedDict[int, _KeptRow] = OrderedDict()  # by snapshot id, least recently used first
 
     def __len__(self) -> int:
