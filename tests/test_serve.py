@@ -115,21 +115,27 @@ def _shell(line: str, port: int) -> str:
     return line.replace("8080", str(port))
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    """The base URL and port of the README's server, once it answers."""
-    url = f"http://127.0.0.1:{model.port}"
+def wait_until_serving(port: int, process: subprocess.Popen, log) -> None:
+    """Returns once the server on `port` answers /health; fails with its log
+    if it exits or does not start within 2 minutes."""
     deadline = time.monotonic() + 120
     while True:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 assert json.load(r) == {"status": "ok"}
-            return url, model.port
+            return
         except OSError:
-            model.log.seek(0)
-            assert model.server.poll() is None, f"the server exited: {model.log.read()}"
-            assert time.monotonic() < deadline, f"the server did not start: {model.log.read()}"
+            log.seek(0)
+            assert process.poll() is None, f"the server exited: {log.read()}"
+            assert time.monotonic() < deadline, f"the server did not start: {log.read()}"
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """The base URL and port of the README's server, once it answers."""
+    wait_until_serving(model.port, model.server, model.log)
+    return f"http://127.0.0.1:{model.port}", model.port
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +371,10 @@ def test_multi_turn_equals_transformers_and_reuses_the_cache(client, reference):
 def test_a_conversation_comes_back_to_its_cache_across_others(client):
     """serve keeps other conversations' caches (--prompt-cache-bytes, 2 GiB
     by default): A, then B, then A's next turn reuses A's prompt and more."""
+    conversation_comes_back(client)
+
+
+def conversation_comes_back(client) -> None:
     first = [{"role": "user", "content": "Once upon a time"}]
     a = _chat(client, first, temperature=0, max_tokens=8)
     _chat(client, [{"role": "user", "content": "The quick brown fox"}], temperature=0, max_tokens=8)

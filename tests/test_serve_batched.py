@@ -5,6 +5,7 @@ what it gets alone, driven by the official `openai` client."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import jsonschema
 import pytest
 
 from llm_programs import batched_chat_program
-from test_serve import HELLO, MAX_CONTEXT, TOOLS, _arguments_valid, _chat, _free_port, _streamed
+from test_serve import (HELLO, MAX_CONTEXT, TOOLS, _arguments_valid, _chat, _free_port, _streamed,
+                        conversation_comes_back, wait_until_serving)
 
 POEM = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 12},
                                          "lines": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -31,7 +33,6 @@ def batched(shared):
 @pytest.fixture(scope="module")
 def client(batched, tmp_path_factory):
     from openai import OpenAI
-    import urllib.request
 
     folder, pte, _ = batched
     port = _free_port()
@@ -39,16 +40,7 @@ def client(batched, tmp_path_factory):
     server = subprocess.Popen([sys.executable, "-m", "executorch_mlx.cli", "serve", str(pte), "--tokenizer",
                                str(folder), "--port", str(port), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ})
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
-            break
-        except OSError:
-            log.seek(0)
-            assert server.poll() is None, f"the server exited: {log.read()}"
-            assert time.monotonic() < deadline, f"the server did not start: {log.read()}"
-            time.sleep(0.2)
+    wait_until_serving(port, server, log)
     yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=90)
     server.terminate()
     server.wait(timeout=30)
@@ -102,7 +94,7 @@ def test_concurrent_requests_each_equal_the_request_alone(client, batched):
     alone = [_answer(_chat(client, **r)) for r in REQUESTS]
     together = _together([lambda r=r: _answer(_chat(client, **r)) for r in REQUESTS])
     assert together == alone
-    jsonschema.validate(__import__("json").loads(alone[3][0]), POEM)
+    jsonschema.validate(json.loads(alone[3][0]), POEM)
     streamed = _together([lambda r=r: _streamed(client, **{k: v for k, v in r.items() if "logprobs" not in k})[:2]
                           for r in REQUESTS])
     assert streamed == [a[:2] for a in alone]
@@ -152,13 +144,7 @@ def test_n_choices_run_side_by_side_as_each_seed_alone(client):
 
 def test_conversations_come_back_across_others(client):
     """A, then B (in A's row: A is kept), then A's next turn reuses A's prompt."""
-    first = [{"role": "user", "content": "Once upon a time"}]
-    a = _chat(client, first, temperature=0, max_tokens=8)
-    _chat(client, [{"role": "user", "content": "The quick brown fox"}], temperature=0, max_tokens=8)
-    turn = first + [{"role": "assistant", "content": a.choices[0].message.content},
-                    {"role": "user", "content": "and then"}]
-    again = _chat(client, turn, temperature=0, max_tokens=4)
-    assert again.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
+    conversation_comes_back(client)
 
 
 def test_forced_tool_calls_side_by_side(client):
