@@ -27,16 +27,14 @@ refused naming what is missing. Batched programs verify no drafts.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch.export import Dim
 
 from ...serialization.sampler_params import PARAMS
 from .. import program_contract
-from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK
+from ..sampler_inputs import SAMPLER_INPUTS
 from .ring_cache import sliding_window
-from .sampling import token_logprobs, top_token_logprobs
+from .sampling import llm_forward_signature, token_logprobs, top_token_logprobs
 from .state_cache import find_state_layers, one_token_cache
 
 
@@ -132,10 +130,7 @@ class SampledRows(torch.nn.Module):
         return (ids, token_logprobs(logits, ids)) + (top_token_logprobs(logits, self.top_logprobs)
                                                       if self.top_logprobs else ())
 
-    forward.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                           default=None if name == TOKEN_MASK else inspect.Parameter.empty)
-         for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
+    forward.__signature__ = llm_forward_signature()
 
 
 def batched_example(sampler: dict[str, torch.Tensor], max_batch: int, max_chunk: int) -> tuple[tuple, dict]:

@@ -52,7 +52,7 @@ from .quantize import quantize_format, quantize_model
 from .ring_cache import ring_chunk, use_rings
 from .. import program_contract
 from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
-from .sampling import sampler_examples
+from .sampling import llm_forward_signature, sampler_examples
 from .speculative import verify
 from .state_cache import StateCachedModel, find_state_layers, one_token_cache
 
@@ -244,11 +244,7 @@ class SampledLM(torch.nn.Module):
         return verify(self.lm, input_ids, cache_position, dict(zip(SAMPLER_INPUTS, sampler)), self.logprobs,
                       self.top_logprobs)
 
-    # The inputs by name, for torch.export (dynamic shapes and input names follow them).
-    forward.__signature__ = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                           default=None if name == TOKEN_MASK else inspect.Parameter.empty)
-         for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
+    forward.__signature__ = llm_forward_signature()
 
 
 def trace(module: torch.nn.Module, example: tuple, dynamic: dict, model_dir: str | Path):

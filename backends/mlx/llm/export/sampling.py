@@ -40,6 +40,17 @@ from ..sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK, mask_wo
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
 
+def llm_forward_signature() -> inspect.Signature:
+    """An LLM program's forward by input name, for torch.export (dynamic
+    shapes and input names follow it): the contract's inputs, then every
+    sampler input in its order, the token mask last and optional (a program
+    without a grammar input)."""
+    return inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           default=None if name == TOKEN_MASK else inspect.Parameter.empty)
+         for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
+
+
 def last_logits(logits: torch.Tensor) -> torch.Tensor:
     """[B, S, V] -> the last position's [B, V]; [B, V] passes through."""
     if logits.dim() == 3:

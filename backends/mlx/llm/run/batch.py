@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from .decode_parts import SamplerFeed, StopRules, TextOut
+from .decode_parts import SamplerFeed, StopRules
 from .plan import Plan
 
 # The most prompt tokens a row prefills in a call while other rows decode:
@@ -51,8 +51,7 @@ class _Sequence:
     plan: Plan
     future: Future
     feed: SamplerFeed
-    rules: StopRules
-    text: TextOut
+    rules: StopRules  # (its text: rules.text)
     fed: int  # tokens of `tokens` whose keys and values the row holds
     tokens: list[int]  # the prompt, then what was generated
     cached: int
@@ -163,11 +162,8 @@ class Batch:
                 self._set_held(row, [])
                 future.set_exception(e)
                 continue
-            text = TextOut(runner.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=runner.eos_ids,
-                           channels=runner.final_channel())
-            rules = StopRules(runner.eos_ids, plan.constraint, text, on_token, plan.max_new_tokens)
-            self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), rules, text, cached, list(plan.prompt_ids),
-                                       cached)
+            self.rows[row] = _Sequence(plan, future, SamplerFeed(plan), runner.stop_rules(plan, on_text, on_token),
+                                       cached, list(plan.prompt_ids), cached)
 
     def _bring(self, ids: list[int], row: int) -> int:
         """Makes free row `row` hold the longest prefix of `ids` there is (its
@@ -246,18 +242,10 @@ class Batch:
 
     def _emit(self, seq: _Sequence, outputs: list, row: int) -> None:
         """Appends row `row`'s sampled token (and its logprobs) to its sequence."""
-        from .runner import Logprob
-
         token = int(outputs[0][row])
         self.runner._check_token(token, seq.plan.constraint is not None)
         seq.tokens.append(token)
-        if not self.runner.logprobs:
-            seq.logprobs.append(None)
-        elif not self.runner.contract.top_logprobs:
-            seq.logprobs.append(Logprob(float(outputs[1][row])))
-        else:
-            seq.logprobs.append(Logprob.of(float(outputs[1][row]), outputs[2][row].tolist(),
-                                           outputs[3][row].tolist()))
+        seq.logprobs += self.runner.read_logprobs(outputs, 1, row)
 
     def _fail(self, rows, error: Exception) -> None:
         """Ends the generations of `rows` with `error`: what those cache rows
@@ -277,15 +265,15 @@ class Batch:
             seq.future.set_exception(error)
             return
         out, plan = seq.out, seq.plan
-        seq.text.update(out, final=True)
+        seq.rules.text.update(out, final=True)
         prompt = len(plan.prompt_ids)
         seq.future.set_result(GenerationResult(
-            token_ids=out, text=seq.text.result(out),
+            token_ids=out, text=seq.rules.text.result(out),
             prefill_tokens_per_s=(prompt - seq.cached) / seq.prefill_s if seq.prefill_s else 0.0,
             decode_tokens_per_s=(len(out) - 1) / sum(seq.steps) if seq.steps else 0.0,
             stop_reason=reason, step_seconds=seq.steps,
             logprobs=seq.logprobs if self.runner.logprobs else None, prompt_tokens=prompt,
-            cached_tokens=seq.cached, tool_calls=seq.text.tool_calls))
+            cached_tokens=seq.cached, tool_calls=seq.rules.text.tool_calls))
 
     def _idle_sampler(self) -> list[torch.Tensor]:
         """A row with no generation below a running one: greedy, its token unused."""

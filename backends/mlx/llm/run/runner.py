@@ -312,13 +312,25 @@ class LLMRunner(ProgramRunner):
             emitted = [int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1]
         for token in emitted:
             self._check_token(token, constrained)
+        return emitted, self.read_logprobs(outputs, len(emitted))
+
+    def read_logprobs(self, outputs: list, count: int, first: int = 0) -> list[Logprob | None]:
+        """The log-probabilities of the `count` tokens sampled from row
+        `first` on of a call's `outputs` (None each, from a program without)."""
         if not self.logprobs:
-            return emitted, [None] * len(emitted)
-        values = outputs[1].reshape(-1)[:len(emitted)].tolist()
+            return [None] * count
+        rows = slice(first, first + count)
+        values = outputs[1].reshape(-1)[rows].tolist()
         if not self.contract.top_logprobs:
-            return emitted, [Logprob(v) for v in values]
-        ids, tops = (outputs[i][:len(emitted)].tolist() for i in (2, 3))
-        return emitted, [Logprob.of(v, i, t) for v, i, t in zip(values, ids, tops)]
+            return [Logprob(v) for v in values]
+        ids, tops = (outputs[i][rows].tolist() for i in (2, 3))
+        return [Logprob.of(v, i, t) for v, i, t in zip(values, ids, tops)]
+
+    def stop_rules(self, plan: Plan, on_text, on_token) -> StopRules:
+        """Why a generation of `plan` ends, its text (rules.text) streamed to `on_text`."""
+        text = TextOut(self.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=self.eos_ids,
+                       channels=self.final_channel())
+        return StopRules(self.eos_ids, plan.constraint, text, on_token, plan.max_new_tokens)
 
     def _check_token(self, token: int, constrained: bool) -> None:
         if not 0 <= token < self.vocab_size:
@@ -510,9 +522,8 @@ class LLMRunner(ProgramRunner):
         prefill_s = time.perf_counter() - t0
 
         out = emitted
-        text = TextOut(self.tokenizer, plan.stops, on_text, tool_use=plan.tool_use, eos_ids=self.eos_ids,
-                       channels=self.final_channel())
-        rules = StopRules(self.eos_ids, plan.constraint, text, on_token, max_new_tokens)
+        rules = self.stop_rules(plan, on_text, on_token)
+        text = rules.text
         stop = rules.check(out, logprobs)
         steps, drafted, accepted = [], 0, 0
         while stop is None:
