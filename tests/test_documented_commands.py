@@ -102,12 +102,12 @@ def test_readme_export_and_generate_print_only_our_lines(workspace):
     ours = re.compile(r"\[\s*\d+\.\d s\] .+|prefill [\d.]+ tokens/s, decode [\d.]+ tokens/s \(.+\)")
     assert [line for line in done.stderr.splitlines() if not ours.fullmatch(line)] == []
     assert "Warning" not in done.stderr and "\r" not in done.stderr
-    # 7 linears of the one layer: the tied head stays with the table
-    assert "quantized 7 layers to int4 group 64" in done.stderr
+    # 7 linears of the one layer, the embedding table and the head tied to it
+    assert "quantized 9 layers to int4 group 64" in done.stderr
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(tmp / "model.pte"))
-    assert program.load_method("emlx_quantization").execute([])[0] == "int4 group 64"
+    assert program.load_method("emlx_quantization").execute([])[0] == "int4 group 64 +embedding"
 
 
 def test_readme_python_generate_gives_the_text_of_the_command(workspace, monkeypatch, capsys):

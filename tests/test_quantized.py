@@ -448,7 +448,7 @@ def test_other_widths_model_logits_equal_the_reference(folder, logits_program, m
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantize_model(model, quantize_format(mode))
+    quantize_model(model, quantize_format(mode), embedding=False)
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     program = Runtime.get().load_program(logits_program(mode, False).read_bytes())
     with torch.no_grad():
@@ -510,6 +510,29 @@ def test_bad_bits_or_group_size(folder, tmp_path):
     with pytest.raises(ValueError, match=r"mxfp4 is 4-bit in groups of 32, got 4 bits in groups of 64"):
         export_llm(folder, tmp_path / "x.pte", quantize="mxfp4", group_size=64, progress=None)
     assert not (tmp_path / "x.pte").exists()
+
+
+def test_the_embedding_is_quantized_by_default_when_it_can_be(folder):
+    """Left to the default, the input embedding (and the head tied to it) is
+    quantized; one we cannot quantize (here: max_norm) is kept with its head,
+    where True refuses it and False keeps any."""
+    from transformers import AutoModelForCausalLM
+
+    fmt = QuantFormat(4, 64)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert "model.embed_tokens" in quantize_model(model, fmt)
+    assert isinstance(model.model.embed_tokens, QuantizedTable) and not isinstance(model.lm_head, torch.nn.Linear)
+    for embedding in (None, False):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        if embedding is None:
+            model.model.embed_tokens.max_norm = 1.0
+        layers = quantize_model(model, fmt, embedding=embedding)
+        assert "model.embed_tokens" not in layers and "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
+        assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is torch.nn.Linear
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.model.embed_tokens.max_norm = 1.0
+    with pytest.raises(ValueError, match=r"layer model\.embed_tokens: cannot quantize an embedding with max_norm"):
+        quantize_model(model, fmt, embedding=True)
 
 
 def test_layer_not_divisible_by_group_size_is_named(tmp_path):

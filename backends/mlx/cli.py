@@ -268,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                         "or as MXFP4 (4-bit floats, a power-of-two scale per 32) (default: not quantized)")
     p.add_argument("--group-size", type=int, default=None, metavar="32|64|128",
                    help="values per scale and bias when quantizing (default 64; mxfp4: 32, its only size)")
-    p.add_argument("--quantize-embedding", action="store_true",
-                   help="quantize the input embedding table too (with --quantize)")
+    p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --quantize: the input embedding table (and an output layer tied to it) quantized too "
+                        "(default: when its type and width allow; --no-quantize-embedding keeps it at --dtype)")
     p.add_argument("--activations", choices=["int8", "float"], default=None,
                    help="how 4- and 8-bit layers meet x on CPUs: int8 (rounded to 8 bits per group, as llama.cpp "
                         "does: faster) or float (times the dequantized weights, as mlx-lm does) (default: float "

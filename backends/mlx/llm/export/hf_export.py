@@ -300,6 +300,20 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
                                          max_draft_tokens, cache_rewind, weights_file, top_logprobs)
 
 
+def quantization_label(config: dict, model_dir, fmt, embedded: bool, activations: str) -> str:
+    """The program's emlx_quantization metadata: how its weights are stored."""
+    label = "none" if fmt is None else f"{fmt}" + (" +embedding" if embedded else "")
+    if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
+        label = mlx_types(mlx_quantization(config))
+    if is_mxfp4_folder(config):  # gpt-oss: its MXFP4 experts as they are, the rest as asked
+        label = "mxfp4 experts" + ("" if fmt is None else f", then {label}")
+    if is_gguf(model_dir):
+        label = gguf_types(model_dir) + ("" if fmt is None else f", then {label}")
+    if label != "none" and activations == "float":
+        label += ", float activations"
+    return label
+
+
 def write_data_file(program, path: Path) -> None:
     """The program's external data file (ExecuTorch writes it as TAG.ptd into
     a folder) as `path`, replaced whole: written into a temporary folder
@@ -317,7 +331,7 @@ def write_data_file(program, path: Path) -> None:
 
 def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
                sampling: bool = True, quantize: str | None = None, group_size: int | None = None,
-               quantize_embedding: bool = False, history_size: int = 64, logit_bias_size: int = 16,
+               quantize_embedding: bool | None = None, history_size: int = 64, logit_bias_size: int = 16,
                logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
                allow_longer_context: bool = False, max_draft_tokens: int | None = None,
                activations: str | None = None, external_weights: bool = False, top_logprobs: int = 0,
@@ -327,9 +341,11 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     `max_context` is the KV cache length: prompt plus generated tokens never
     exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
     `quantize` ("int2", "int3", "int4", "int5", "int6", "int8" or "mxfp4")
-    stores every linear weight (and, with `quantize_embedding`, the input
-    embedding) in MLX's affine layout with `group_size` values per scale and
-    bias (default 64), or as MXFP4 (groups of 32; see llm/export/quantize.py).
+    stores every linear weight and the input embedding in MLX's affine
+    layout with `group_size` values per scale and bias (default 64), or as
+    MXFP4 (groups of 32; see llm/export/quantize.py). `quantize_embedding`
+    False keeps the input embedding (and a head tied to it) at `dtype`; True
+    requires it quantized; None (default) quantizes it when it can.
     A sampling program takes every sampler parameter at run time: the
     penalties count the last tokens of a `history_size`-token history, and
     up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
@@ -403,21 +419,12 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         if output_path.suffix == ".ptd":
             raise ValueError(f"output {output_path} would be its own weights file: name the program *.pte")
         check_output_path(model_dir, output_path.with_suffix(".ptd"))
-    quantization = "none" if fmt is None else f"{fmt}" + (" +embedding" if quantize_embedding else "")
-    if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
-        if quantize is not None or quantize_embedding:
-            raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
-                             "keeps its weights as they are; leave out quantize")
-        quantization = mlx_types(mlx_quantization(config))
+    if mlx_quantization(config) is not None and (quantize is not None or quantize_embedding):
+        raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
+                         "keeps its weights as they are; leave out quantize")
     if activations is None:  # an mlx-lm folder computes as mlx-lm does; the rest as llama.cpp
         activations = "float" if mlx_quantization(config) is not None else "int8"
     check_activations(activations)
-    if is_mxfp4_folder(config):  # gpt-oss: its MXFP4 experts as they are, the rest as asked
-        quantization = "mxfp4 experts" + ("" if quantize is None else f", then {quantization}")
-    if is_gguf(model_dir):
-        quantization = gguf_types(model_dir) + ("" if quantize is None else f", then {quantization}")
-    if quantization != "none" and activations == "float":
-        quantization += ", float activations"
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
@@ -434,9 +441,15 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         check_experts_routed(model, experts)
         if experts:
             stage(f"{len(experts)} mixture-of-experts layers")
+        embedded = False  # the input embedding quantized by --quantize
         if quantize is not None:
+            embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            embed_name = next((n for n, m in model.named_modules() if m is embed), None)
+            del embed  # (its weight is freed once quantized)
             layers = quantize_model(model, fmt, embedding=quantize_embedding)
-            stage(f"quantized {len(layers)} layers to {fmt}")
+            embedded = embed_name in layers
+            stage(f"quantized {len(layers)} layers to {fmt}" + ("" if embedded or embed_name is None else
+                  f" (the input embedding {embed_name} kept: a layer we cannot quantize)"))
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
                                    logit_bias_size=logit_bias_size,
                                    mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
@@ -483,6 +496,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
         weights = output_path.with_suffix(".ptd") if external_weights else None
         partitioner = MLXPartitioner(activations, weights and weights.stem)
+        quantization = quantization_label(config, model_dir, fmt, embedded, activations)
         meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
                         max_draft_tokens, rewind, weights and weights.name, top_logprobs)
         if max_batch > 1:

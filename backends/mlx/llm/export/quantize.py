@@ -9,9 +9,11 @@ expert and run with `mlx::gather_quantized_linear`. A layer whose
 input width does not divide by the group size is an error naming the layer,
 never silently left in full precision.
 
-Tied input/output embeddings stay one table: quantized for both uses with
-`embedding=True`, left in full precision for both otherwise (quantizing only
-the output side would store the table twice).
+The input embedding is quantized too unless `embedding=False` (or, left to
+the default, when its type or width is not one we can quantize). Tied
+input/output embeddings stay one table: quantized for both uses, or left in
+full precision for both (quantizing only the output side would store the
+table twice); a tied table left in float32 is what a decode step reads most.
 """
 
 from __future__ import annotations
@@ -149,13 +151,26 @@ def embedding_scale(name: str, module: torch.nn.Module) -> torch.Tensor | None:
     return scale
 
 
-def quantize_model(model: torch.nn.Module, fmt: QuantFormat, *, embedding: bool = False) -> list[str]:
-    """Replaces the model's linear layers (and input embedding if `embedding`)
-    in place; returns the names of the layers it quantized."""
+def quantizable_embedding(name: str, module: torch.nn.Module, group_size: int) -> bool:
+    """Whether an input embedding is one quantize_model can quantize."""
+    try:
+        embedding_scale(name, module)
+    except ValueError:
+        return False
+    return module.weight.shape[1] % group_size == 0
+
+
+def quantize_model(model: torch.nn.Module, fmt: QuantFormat, *, embedding: bool | None = None) -> list[str]:
+    """Replaces the model's linear layers and input embedding in place;
+    returns the names of the layers it quantized. `embedding`: True
+    quantizes the input embedding or raises naming why it cannot; False
+    keeps it; None (the default) quantizes it when it can."""
     group_size = fmt.group_size
     module_names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embed is not None and embedding is None:
+        embedding = quantizable_embedding(module_names[id(embed)], embed, group_size)
     tied = embed is not None and head is not None and head.weight is embed.weight
 
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
