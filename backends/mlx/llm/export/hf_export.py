@@ -448,8 +448,9 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
             del embed  # (its weight is freed once quantized)
             layers = quantize_model(model, fmt, embedding=quantize_embedding)
             embedded = embed_name in layers
+            why = "--no-quantize-embedding" if quantize_embedding is False else "not a layer we can quantize"
             stage(f"quantized {len(layers)} layers to {fmt}" + ("" if embedded or embed_name is None else
-                  f" (the input embedding {embed_name} kept: a layer we cannot quantize)"))
+                  f" (the input embedding {embed_name} kept as it is: {why})"))
         sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
                                    logit_bias_size=logit_bias_size,
                                    mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
