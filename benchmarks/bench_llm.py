@@ -9,9 +9,12 @@ Configs: "large" (~104M parameters: 8 layers, hidden 1024, vocab 32000) and
 Variants: fp32, bf16 (weights and compute), int8 and int4 (weight-only,
 group size 64, embedding included, float32 compute).
 
-Contenders, all on the same random-weight folder and prompt, measured in one
-process with their steps interleaved (every variant of a config in each
-repetition) so that machine noise hits all alike:
+Contenders, all on the same random-weight folder and prompt, their
+repetitions interleaved (every variant of a config in each repetition) so
+that machine noise hits all alike. Each engine and format runs in a process
+of its own (loaded once, driven in turn by this one), as a user runs one:
+in one shared process both ours and llama.cpp decoded slower than alone,
+and not by the same factor (docs/benchmarks.md).
 
   ours (sampled)   executorch-mlx .pte, sampler on the device (T=0.8, seeded)
   ours (greedy)    the same program with T=0
@@ -40,7 +43,9 @@ dependencies.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import platform
 import statistics
 import sys
@@ -238,33 +243,86 @@ def run_once(call, prompt: list[int], steps: int) -> tuple[float, float, list[in
     return prefill, (time.perf_counter() - t0) / steps, tokens
 
 
+def engine(kind: str, variant: str, folder: Path, out: Path, max_context: int):
+    """The contenders of one engine and format, in this process."""
+    if kind == "ours":
+        return ours(folder, out, max_context, variant)
+    if kind == "mlx-lm":
+        return mlx_lm_native(folder, variant)
+    if kind == "llama.cpp":
+        return llama_cpp(folder, out, max_context, variant)
+    if kind == "xnnpack":
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return executorch_baseline(folder, "xnnpack", [XnnpackPartitioner()], max_context)
+    return executorch_baseline(folder, "portable", [], max_context)
+
+
+def serve_engine(kind: str, variant: str, folder: str, out: str, max_context: str) -> int:
+    """A worker: loads one engine's contenders, says their names and weight
+    bytes, then runs `run_once` for each request line until stdin closes.
+    Its protocol has stdout to itself; what else is printed goes to stderr."""
+    torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    calls = dict(engine(kind, variant, Path(folder), Path(out), int(max_context)))
+    print(json.dumps({name: getattr(call, "weight_bytes", None) for name, call in calls.items()}), file=proto,
+          flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        print(json.dumps(run_once(calls[ask["name"]], ask["prompt"], ask["steps"])), file=proto, flush=True)
+    return 0
+
+
+class Engine:
+    """One engine's worker process (serve_engine), started and loaded before
+    the next starts, so that no two exports or loads overlap."""
+
+    def __init__(self, kind: str, variant: str, folder: Path, out: Path, max_context: int):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", kind, variant, str(folder), str(out),
+                                      str(max_context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the {kind} {variant} worker exited with {self.proc.wait()}")
+        self.weight_bytes = json.loads(ready)
+
+    def run(self, name: str, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
+        print(json.dumps({"name": name, "prompt": prompt, "steps": steps}), file=self.proc.stdin, flush=True)
+        return tuple(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 def bench_config(config: str, args, tmp: Path) -> None:
     folder = write_folder(tmp / config, config == "small", args.layers, args.hidden)
     out = tmp / f"{config}-pte"
     out.mkdir()
-    contenders = []
-    for variant in args.variants:
-        contenders += ours(folder, out, args.max_context, variant) + mlx_lm_native(folder, variant)
-        if variant != "bf16" and "llama.cpp" not in args.skip:
-            contenders += llama_cpp(folder, out, args.max_context, variant)
-    if "fp32" in args.variants and "xnnpack" not in args.skip:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    kinds = [(kind, variant) for variant in args.variants for kind in ("ours", "mlx-lm", "llama.cpp")
+             if not (kind == "llama.cpp" and (variant == "bf16" or "llama.cpp" in args.skip))]
+    kinds += [(kind, "fp32") for kind in ("xnnpack", "portable") if "fp32" in args.variants and kind not in args.skip]
+    engines = [Engine(kind, variant, folder, out, args.max_context) for kind, variant in kinds]
+    try:
+        measure(config, args, engines)
+    finally:
+        for e in engines:
+            e.close()
 
-        contenders += executorch_baseline(folder, "xnnpack", [XnnpackPartitioner()], args.max_context)
-    if "fp32" in args.variants and "portable" not in args.skip:
-        contenders += executorch_baseline(folder, "portable", [], args.max_context)
 
+def measure(config: str, args, engines: list[Engine]) -> None:
+    contenders = [(name, e) for e in engines for name in e.weight_bytes]
     prompt = [(31 * i + 7) % 32000 for i in range(args.prompt_len)]
     results = {name: [] for name, _ in contenders}
-    for _, call in contenders:
-        run_once(call, prompt[:4], 2)  # warm-up
+    for name, e in contenders:
+        e.run(name, prompt[:4], 2)  # warm-up
     for rep in range(args.reps):
         # a rotating order: the first contender after another's run meets cold caches
-        for name, call in contenders[rep:] + contenders[:rep]:
+        for name, e in contenders[rep:] + contenders[:rep]:
             # llama.cpp's and OpenBLAS's threads spin a while after their work:
             # let them settle before the next contender takes the cores
             time.sleep(SETTLE_S)
-            results[name].append(run_once(call, prompt, args.decode))
+            results[name].append(e.run(name, prompt, args.decode))
         print(f"{config}: repetition {rep + 1}/{args.reps} done", flush=True)
 
     for variant in args.variants:
@@ -277,7 +335,7 @@ def bench_config(config: str, args, tmp: Path) -> None:
                       "near-ties and rounding may differ; llama.cpp's Q8_0/Q4_0 are other quantizations)")
     median = {name: (args.prompt_len / statistics.median(r[0] for r in runs),
                      1 / statistics.median(r[1] for r in runs)) for name, runs in results.items()}
-    calls = dict(contenders)
+    weight_bytes = {name: e.weight_bytes[name] for name, e in contenders}
     print(f"\n{config} config: prompt {args.prompt_len} tokens, {args.decode} decode steps, max context "
           f"{args.max_context}, median of {args.reps}; read bandwidth {args.bandwidth / 1e9:.1f} GB/s (2 threads)\n")
     print("| weights | contender | prefill tok/s | decode tok/s | prefill vs mlx-lm | decode vs mlx-lm | "
@@ -289,14 +347,15 @@ def bench_config(config: str, args, tmp: Path) -> None:
         base = median[f"{variant} mlx-lm ({mode})"]
         peer = median.get(f"{variant} llama.cpp ({mode})")
         vs_peer = [f"{ours / theirs:.2f}x" for ours, theirs in zip((prefill, decode), peer)] if peer else ["-", "-"]
-        weight_bytes = getattr(calls[name], "weight_bytes", None)
-        share = f"{decode * weight_bytes / args.bandwidth:.2f}" if weight_bytes else "-"
+        share = f"{decode * weight_bytes[name] / args.bandwidth:.2f}" if weight_bytes[name] else "-"
         print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
               f"{decode / base[1]:.2f}x | {vs_peer[0]} | {vs_peer[1]} | {share} |")
     print(flush=True)
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--engine"]:
+        return serve_engine(*sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["large", "small"], choices=["large", "small"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -316,12 +375,10 @@ def main() -> int:
     except ImportError as e:
         print(f"{e.name} is missing: pip install -e '.[bench]'", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
     print("command: " + " ".join(sys.argv))
     # on a loaded machine every contender slows, unevenly: say how loaded it was
     print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     args.bandwidth = bandwidth()
-    import executorch_mlx  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
         for config in args.configs:
