@@ -45,9 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -302,8 +302,10 @@ def bench_config(config: str, args, tmp: Path) -> None:
     kinds = [(kind, variant) for variant in args.variants for kind in ("ours", "mlx-lm", "llama.cpp")
              if not (kind == "llama.cpp" and (variant == "bf16" or "llama.cpp" in args.skip))]
     kinds += [(kind, "fp32") for kind in ("xnnpack", "portable") if "fp32" in args.variants and kind not in args.skip]
-    engines = [Engine(kind, variant, folder, out, args.max_context) for kind, variant in kinds]
+    engines = []
     try:
+        for kind, variant in kinds:  # (those started are closed if a later one fails)
+            engines.append(Engine(kind, variant, folder, out, args.max_context))
         measure(config, args, engines)
     finally:
         for e in engines:

@@ -69,7 +69,6 @@ def chat_program(shared, max_context: int, tools: bool = False) -> tuple[Path, P
     return shared.get(f"qwen2-chat-{max_context}{'-tools' if tools else ''}", build)
 
 
-
 # The context of the chat programs the server tests use (room for the tools the template lists).
 SERVE_CONTEXT = 512
 
