@@ -473,6 +473,37 @@ def assert_program_near_quantized_model(pte, model):
     assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
 
 
+def test_projections_of_one_input_run_as_one_product_with_the_same_values(folder, logits_program, tmp_path,
+                                                                        monkeypatch):
+    """q/k/v and gate/up (llm/export/fused_projections.py): each layer runs 4
+    quantized products instead of 7, and the logits of a prefill and of the
+    decode step after it are bit for bit those of the program exported
+    without the fusion."""
+    from executorch_mlx.inspector import delegate_graphs as pte_graphs
+    from executorch_mlx.llm.export import hf_export
+
+    fused = logits_program("int4", True)
+    monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
+    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize="int4",
+                                 quantize_embedding=True, progress=None)
+
+    def products(pte):
+        return sum(type(n.op).__name__ == "QuantizedLinearNode" for g in pte_graphs(pte.read_bytes())
+                   for n in g.nodes)
+
+    layers = 2  # write_model_folder's default; the tied head is one product more
+    assert (products(fused), products(plain)) == (4 * layers + 1, 7 * layers + 1)
+    ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
+    calls = ([ids, torch.arange(ids.shape[1])], [ids[:, :1], torch.tensor([ids.shape[1]])])
+    outputs = []
+    for pte in (fused, plain):
+        program = Runtime.get().load_program(pte.read_bytes())
+        method = program.load_method("forward")
+        outputs.append([method.execute(inputs)[0] for inputs in calls])
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+
+
 def test_quantized_pte_sizes(folder, logits_program):
     """Against the float32 weights' bytes (which a float32 .pte holds at
     least): the int4 file (embedding included) at most 20% (4 bits and a

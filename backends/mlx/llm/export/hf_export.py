@@ -44,6 +44,7 @@ from .batched import BatchedLM, SampledRows, batched_example
 from .complex_rotary import real_rotary
 from .experts import check_experts_routed, route_experts
 from .export_checks import check_architecture, with_standard_names
+from .fused_projections import fuse_shared_input_projections
 from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
 from .local_attention import position_local_attention
 from .mlx_folders import describe as mlx_types, mlx_quantization
@@ -494,6 +495,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
 
         ep = trace(module, example, dynamic, model_dir)
         attend_written_prefix(ep, slots)
+        fuse_shared_input_projections(ep)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
         weights = output_path.with_suffix(".ptd") if external_weights else None
         partitioner = MLXPartitioner(activations, weights and weights.stem)

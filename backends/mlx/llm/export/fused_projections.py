@@ -1,0 +1,101 @@
+"""Quantized projections of one input fused into one product.
+
+An attention block multiplies its input by q, k and v; an MLP by gate and
+up. Each product is a node of its own at run time: on the CPU each
+quantizes the same x again, wakes the kernel's threads and returns, and a
+decode step of a small model is made of such fixed costs as much as of
+reading weights. Here every group of `mlx::quantized_linear` calls on the
+same input, in the same format, becomes one call over the weights stacked
+row after row, followed by a slice per original call (views at run time).
+
+Each output row of the quantized product depends only on x and its own
+weight row (its groups' scales and biases included), so the fused program
+computes the same values, bit for bit, as the unfused one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from ...lowering.weight_files import keep
+
+QUANTIZED_LINEAR = torch.ops.mlx.quantized_linear.default
+_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def _constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
+    """placeholder name -> its tensor, for the program's weights."""
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in _CONSTANT_KINDS:
+            value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
+            if isinstance(value, torch.Tensor):
+                out[spec.arg.name] = value
+    return out
+
+
+def _fusable(node: torch.fx.Node, constants: dict[str, torch.Tensor]) -> tuple | None:
+    """The key of what a product can be fused with (its format and which of
+    its operands exist), or None when it cannot be: an operand computed in
+    the program, not a weight."""
+    x, weight, scales, biases, bias, *fmt = node.args
+    operands = (weight, scales, biases, bias)
+    if any(a is not None and (not isinstance(a, torch.fx.Node) or a.name not in constants) for a in operands):
+        return None
+    if node.kwargs:
+        return None
+    return (tuple(fmt), biases is None, bias is None, constants[scales.name].dtype)
+
+
+def fuse_shared_input_projections(ep: ExportedProgram) -> int:
+    """Rewrites `ep` in place; returns how many products were fused away.
+    The stacked weights wait in files like the others (lowering/weight_files.py);
+    the originals are left unread, for drop_unused_constants to remove."""
+    from executorch.backends.transforms.utils import create_constant_placeholder
+
+    graph = ep.graph_module.graph
+    constants = _constants(ep)
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == QUANTIZED_LINEAR:
+            key = _fusable(node, constants)
+            if key is not None:
+                groups.setdefault((node.args[0], key), []).append(node)
+    first_input = next(n for n in graph.nodes if n.op == "placeholder")
+    fused = 0
+    for (x, _), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        stacked = []
+        for i in range(1, 5):  # weight, scales, biases, bias: each stacked along the output rows
+            parts = [n.args[i] for n in nodes]
+            if parts[0] is None:
+                stacked.append(None)
+                continue
+            name = f"emlx_fused_{nodes[0].name}_{i}"
+            with graph.inserting_before(first_input):
+                stacked.append(create_constant_placeholder(
+                    ep, graph, name, InputKind.BUFFER, keep(torch.cat([constants[p.name] for p in parts])),
+                    persistent_buffer=True))
+        with graph.inserting_before(nodes[0]):
+            product = graph.call_function(QUANTIZED_LINEAR, (x, *stacked, *nodes[0].args[5:]))
+            product.meta = dict(nodes[0].meta)
+            product.meta["val"] = QUANTIZED_LINEAR(x.meta["val"], *(s if s is None else s.meta["val"] for s in stacked),
+                                                   *nodes[0].args[5:])
+            last = product.meta["val"].dim() - 1
+            start = 0
+            for node in nodes:
+                rows = constants[node.args[1].name].shape[0]
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (product, last, start, start + rows))
+                part.meta = dict(node.meta)
+                part.meta["val"] = torch.ops.aten.slice.Tensor(product.meta["val"], last, start, start + rows)
+                node.replace_all_uses_with(part)
+                graph.erase_node(node)
+                start += rows
+        fused += len(nodes) - 1
+    if fused:
+        graph.lint()
+        ep.graph_module.recompile()
+    return fused
