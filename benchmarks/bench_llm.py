@@ -279,6 +279,7 @@ class Engine:
     the next starts, so that no two exports or loads overlap."""
 
     def __init__(self, kind: str, variant: str, folder: Path, out: Path, max_context: int):
+        self.kind, self.variant = kind, variant
         self.proc = subprocess.Popen([sys.executable, __file__, "--engine", kind, variant, str(folder), str(out),
                                       str(max_context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.proc.stdout.readline()
@@ -288,7 +289,10 @@ class Engine:
 
     def run(self, name: str, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
         print(json.dumps({"name": name, "prompt": prompt, "steps": steps}), file=self.proc.stdin, flush=True)
-        return tuple(json.loads(self.proc.stdout.readline()))
+        answer = self.proc.stdout.readline()
+        if not answer:  # e.g. -4 (SIGILL): a llama.cpp built for instructions this CPU lacks
+            raise RuntimeError(f"the {self.kind} {self.variant} worker exited with {self.proc.wait()} running {name}")
+        return tuple(json.loads(answer))
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -37,17 +37,24 @@ inline float float_at(const void* p, size_t i, bool bf16) {
 }
 
 // `a`'s elements in row-major order, for an input that arrives strided (a
-// transposed or broadcast view; rare, so element by element).
+// transposed or broadcast view, or a slice of a wider product's rows:
+// llm/export/fused_projections.py), a run of the last axis at a time when
+// that axis is contiguous.
 inline std::vector<uint8_t> row_major_bytes(const mlx::core::array& a) {
   const size_t item = a.itemsize();
   std::vector<uint8_t> out(a.size() * item);
+  if (a.size() == 0) return out;
   const uint8_t* src = a.data<uint8_t>();
-  std::vector<int64_t> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  const int last = static_cast<int>(a.ndim()) - 1;
+  const bool runs = last >= 0 && a.strides()[last] == 1;
+  const size_t run = runs ? static_cast<size_t>(a.shape(last)) : 1;  // elements copied at once
+  const int outer = runs ? last : last + 1;                            // the axes stepped over
+  std::vector<int64_t> index(outer, 0);
+  for (size_t i = 0; i < a.size(); i += run) {
     int64_t at = 0;
-    for (size_t d = 0; d < index.size(); ++d) at += index[d] * a.strides()[d];
-    std::memcpy(out.data() + i * item, src + at * item, item);
-    for (int d = static_cast<int>(index.size()) - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
+    for (int d = 0; d < outer; ++d) at += index[d] * a.strides()[d];
+    std::memcpy(out.data() + i * item, src + at * item, run * item);
+    for (int d = outer - 1; d >= 0 && ++index[d] == a.shape(d); --d) index[d] = 0;
   }
   return out;
 }
