@@ -404,6 +404,38 @@ def test_linear(dtype, bias):
     assert_matches_eager(Linear(bias, dtype), (rand(dtype=dtype),), expect_nodes=nodes)
 
 
+class Residual(torch.nn.Module):
+    """A linear layer's output plus a residual, as a decoder layer adds them."""
+
+    def __init__(self, reuse: bool, transposed: bool):
+        super().__init__()
+        self.lin, self.reuse, self.transposed = torch.nn.Linear(8, 8), reuse, transposed
+
+    def forward(self, x, r):
+        y = self.lin(x)
+        r = r.transpose(1, 2) if self.transposed else r  # a strided view at run time
+        return (y + r, y) if self.reuse else y + r
+
+
+@pytest.mark.parametrize("case", ["rows", "strided", "broadcast", "reused"])
+def test_a_residual_add_joins_the_linear_layer_node(case):
+    """float32 y = x W^T + b, then y + r: one LinearNode with `residual` (its
+    output's shape), where no other node reads y; else a LinearNode, then an
+    AddNode."""
+    from executorch_mlx.serialization import ir
+
+    x = rand((2, 5, 8))
+    r = {"rows": rand((2, 5, 8)), "strided": rand((2, 8, 5)), "broadcast": rand((8,)), "reused": rand((2, 5, 8))}[case]
+    module = Residual(case == "reused", case == "strided")
+    edge = lower(module, (x, r))
+    ops = [n.op for g in delegate_graphs(edge) for n in g.nodes]
+    linear = [op for op in ops if isinstance(op, ir.LinearNode)]
+    fused = case in ("rows", "strided")
+    assert len(linear) == 1 and (linear[0].residual is not None) == fused
+    assert any(isinstance(op, ir.AddNode) for op in ops) != fused
+    assert_matches_eager(module, (x, r))
+
+
 @floats
 def test_mm(dtype):
     check(torch.mm, rand((3, 4), dtype), rand((4, 5), dtype), nodes={"MatmulNode"})

@@ -473,26 +473,33 @@ def assert_program_near_quantized_model(pte, model):
     assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
 
 
-def test_projections_of_one_input_run_as_one_product_with_the_same_values(folder, logits_program, tmp_path,
-                                                                        monkeypatch):
-    """q/k/v and gate/up (llm/export/fused_projections.py): each layer runs 4
-    quantized products instead of 7, and the logits of a prefill and of the
-    decode step after it are bit for bit those of the program exported
-    without the fusion."""
+@pytest.mark.parametrize("mode,embedding", [("int4", True), (None, False)])
+def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp_path, monkeypatch, mode,
+                                                     embedding):
+    """Two fusions of linear layers: quantized q/k/v and gate/up as one
+    product each (llm/export/fused_projections.py), and the residual stream
+    added inside the layer's node (lowering/ops_elementwise.py). The logits of
+    a prefill and of the decode step after it are bit for bit those of the
+    program exported without them."""
     from executorch_mlx.inspector import delegate_graphs as pte_graphs
     from executorch_mlx.llm.export import hf_export
+    from executorch_mlx.lowering import ops_elementwise
 
-    fused = logits_program("int4", True)
+    fused = logits_program(mode, embedding)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
-    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize="int4",
-                                 quantize_embedding=True, progress=None)
+    monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
+    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize=mode,
+                                 quantize_embedding=embedding, progress=None)
 
-    def products(pte):
-        return sum(type(n.op).__name__ == "QuantizedLinearNode" for g in pte_graphs(pte.read_bytes())
-                   for n in g.nodes)
+    def products(pte) -> tuple[int, int]:
+        ops = [n.op for g in pte_graphs(pte.read_bytes()) for n in g.nodes]
+        layers = [op for op in ops if type(op).__name__ in ("QuantizedLinearNode", "LinearNode")]
+        return len(layers), sum(op.residual is not None for op in layers)
 
     layers = 2  # write_model_folder's default; the tied head is one product more
-    assert (products(fused), products(plain)) == (4 * layers + 1, 7 * layers + 1)
+    per_layer = 4 if mode else 7  # q/k/v and gate/up fused where quantized
+    assert products(fused) == (per_layer * layers + 1, 2 * layers)
+    assert products(plain) == (7 * layers + 1, 0)
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     calls = ([ids, torch.arange(ids.shape[1])], [ids[:, :1], torch.tensor([ids.shape[1]])])
     outputs = []

@@ -118,6 +118,10 @@ class GraphBuilder:
         self.graph.nodes.append(ir.Node(op=op_cls(out=out.tid, **fields)))
         return out
 
+    def producer(self, v: Value):
+        """The IR op (of the graph's nodes) whose output is `v`, or None."""
+        return next((n.op for n in reversed(self.graph.nodes) if n.op.out.idx == v.tid.idx), None)
+
     def literal(self, value, dtype: torch.dtype) -> Value:
         """A 0-d constant baked into the graph (cached per value and dtype)."""
         key = (repr(value), dtype)

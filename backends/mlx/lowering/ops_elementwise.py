@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -168,10 +169,38 @@ def _rope(node) -> tuple | None:
     return None
 
 
+_PRODUCTS = (aten.linear.default, torch.ops.mlx.quantized_linear.default)
+
+
+def _with_residual(b: GraphBuilder, node) -> Value | None:
+    """A linear layer's output plus a float32 tensor of its shape (a
+    decoder's residual stream), as the layer's own node with that residual:
+    one node instead of two, the same float additions in the same order
+    (the layer's node lowered first is then dead and dropped). None where
+    the add is another."""
+    out = meta_val(node)
+    if b.scratch or node_arg(node, 2, "alpha", 1) != 1 or out.dtype != torch.float32:
+        return None
+    for p, r in (node.args[:2], node.args[1::-1]):
+        if not (_is(p, *_PRODUCTS) and len(p.users) == 1 and isinstance(r, torch.fx.Node) and p in b.values):
+            continue
+        if any(meta_val(t).dtype != out.dtype or tuple(meta_val(t).shape) != tuple(out.shape) for t in (p, r)):
+            continue
+        op = b.producer(b.get(p))
+        if isinstance(op, (ir.LinearNode, ir.QuantizedLinearNode)) and op.residual is None:
+            fused = b.new_value(out.dtype, out.shape)
+            b.graph.nodes.append(ir.Node(op=dataclasses.replace(op, residual=b.get(r).tid, out=fused.tid)))
+            return fused
+    return None
+
+
 def _add_sub_handler(op_cls, *ops):
     @handles(*ops)
     def handler(b: GraphBuilder, node: torch.fx.Node) -> None:
         x, y = node.args[0], node.args[1]
+        if op_cls is ir.AddNode and (fused := _with_residual(b, node)) is not None:
+            b.bind(node, fused)
+            return
         if op_cls is ir.AddNode and (rope := _rope(node)) is not None:
             # One RopeNode; the pieces lowered before are dead and dropped.
             out = meta_val(node)

@@ -250,7 +250,7 @@ void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {
 }
 
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
-  st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), st.get_optional(n->bias())));
+  st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), {st.get_optional(n->bias()), st.get_optional(n->residual())}));
 }
 
 namespace {
@@ -273,8 +273,8 @@ Activations activations(const Node* n) {
 }  // namespace
 
 void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
-  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n), st.get_optional(n->bias()),
-                                    activations(n)));
+  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n),
+                                    {st.get_optional(n->bias()), st.get_optional(n->residual())}, activations(n)));
 }
 
 void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {

@@ -410,6 +410,7 @@ class LinearNode:
     weight: Tid | None = None
     bias: Tid | None = None
     out: Tid | None = None
+    residual: Tid | None = None
 
 
 @dataclass
@@ -587,6 +588,7 @@ class QuantizedLinearNode:
     out: Tid | None = None
     mode: QuantMode = QuantMode.affine
     float_activations: bool = False
+    residual: Tid | None = None
 
 
 @dataclass
@@ -901,7 +903,7 @@ FIELD_TYPES = {
     'LayerNormNode': {'a': 'Tid required', 'weight': 'Tid', 'bias': 'Tid', 'eps': 'Float', 'out': 'Tid required'},
     'LessEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'LessNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
-    'LinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
+    'LinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'bias': 'Tid', 'out': 'Tid required', 'residual': 'Tid'},
     'Literal': {'slot': 'UInt', 'dtype': 'DType', 'float_value': 'Double', 'int_value': 'Long'},
     'Log1pNode': {'a': 'Tid required', 'out': 'Tid required'},
     'LogNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -922,7 +924,7 @@ FIELD_TYPES = {
     'NotEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'PowerNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'dtype': 'DType'},
-    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool'},
+    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool', 'residual': 'Tid'},
     'RandomBitsNode': {'shape': '[IntOrSlot] required', 'seed': 'Tid', 'position': 'Tid', 'width': 'Int', 'out': 'Tid required'},
     'RemainderNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
@@ -1731,11 +1733,13 @@ def _pack_LinearNode(b, v):
         fb.LinearNodeAddBias(b, _pack_Tid(b, v.bias))
     if v.out is not None:
         fb.LinearNodeAddOut(b, _pack_Tid(b, v.out))
+    if v.residual is not None:
+        fb.LinearNodeAddResidual(b, _pack_Tid(b, v.residual))
     return fb.LinearNodeEnd(b)
 
 
 def _unpack_LinearNode(r):
-    return LinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()))
+    return LinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()), residual=_opt(_unpack_Tid, r.Residual()))
 
 
 def _pack_Literal(b, v):
@@ -2089,11 +2093,13 @@ def _pack_QuantizedLinearNode(b, v):
         fb.QuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
     fb.QuantizedLinearNodeAddMode(b, int(v.mode))
     fb.QuantizedLinearNodeAddFloatActivations(b, v.float_activations)
+    if v.residual is not None:
+        fb.QuantizedLinearNodeAddResidual(b, _pack_Tid(b, v.residual))
     return fb.QuantizedLinearNodeEnd(b)
 
 
 def _unpack_QuantizedLinearNode(r):
-    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations())
+    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations(), residual=_opt(_unpack_Tid, r.Residual()))
 
 
 def _pack_RandomBitsNode(b, v):

@@ -5878,9 +5878,10 @@ def SliceUpdateNodeEnd(builder):
 
 
 
-# x @ weight^T (+ bias): x [..., K], weight [N, K], bias [N]. On the CPU
-# with float32 operands the runtime runs its own multi-threaded kernel;
-# elsewhere mlx::core::matmul.
+# x @ weight^T (+ bias) (+ residual): x [..., K], weight [N, K], bias [N],
+# residual the output's shape and dtype (a decoder layer's residual stream,
+# added in the same node). On the CPU with float32 operands the runtime
+# runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
 class LinearNode(object):
     __slots__ = ['_tab']
 
@@ -5943,8 +5944,18 @@ class LinearNode(object):
             return obj
         return None
 
+    # LinearNode
+    def Residual(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def LinearNodeStart(builder):
-    builder.StartObject(4)
+    builder.StartObject(5)
 
 def LinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -5957,6 +5968,9 @@ def LinearNodeAddBias(builder, bias):
 
 def LinearNodeAddOut(builder, out):
     builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def LinearNodeAddResidual(builder, residual):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(residual), 0)
 
 def LinearNodeEnd(builder):
     return builder.EndObject()
@@ -6796,6 +6810,7 @@ def RopeNodeEnd(builder):
 # group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
 # integers, unless `float_activations`: then x meets the dequantized weights
 # in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
+# `residual` (the output's shape and dtype) is added last, as in LinearNode.
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6906,8 +6921,18 @@ class QuantizedLinearNode(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
+    # QuantizedLinearNode
+    def Residual(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def QuantizedLinearNodeStart(builder):
-    builder.StartObject(10)
+    builder.StartObject(11)
 
 def QuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6938,6 +6963,9 @@ def QuantizedLinearNodeAddMode(builder, mode):
 
 def QuantizedLinearNodeAddFloatActivations(builder, floatActivations):
     builder.PrependBoolSlot(9, floatActivations, 0)
+
+def QuantizedLinearNodeAddResidual(builder, residual):
+    builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(residual), 0)
 
 def QuantizedLinearNodeEnd(builder):
     return builder.EndObject()

@@ -6873,9 +6873,10 @@ inline ::flatbuffers::Offset<SliceUpdateNode> CreateSliceUpdateNodeDirect(
       out);
 }
 
-/// x @ weight^T (+ bias): x [..., K], weight [N, K], bias [N]. On the CPU
-/// with float32 operands the runtime runs its own multi-threaded kernel;
-/// elsewhere mlx::core::matmul.
+/// x @ weight^T (+ bias) (+ residual): x [..., K], weight [N, K], bias [N],
+/// residual the output's shape and dtype (a decoder layer's residual stream,
+/// added in the same node). On the CPU with float32 operands the runtime
+/// runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
 struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef LinearNodeBuilder Builder;
   struct Traits;
@@ -6883,7 +6884,8 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_X = 4,
     VT_WEIGHT = 6,
     VT_BIAS = 8,
-    VT_OUT = 10
+    VT_OUT = 10,
+    VT_RESIDUAL = 12
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -6897,6 +6899,9 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  const emlx::ir::Tid *residual() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_RESIDUAL);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -6904,6 +6909,7 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_WEIGHT, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_RESIDUAL, 4) &&
            verifier.EndTable();
   }
 };
@@ -6924,6 +6930,9 @@ struct LinearNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(LinearNode::VT_OUT, out);
   }
+  void add_residual(const emlx::ir::Tid *residual) {
+    fbb_.AddStruct(LinearNode::VT_RESIDUAL, residual);
+  }
   explicit LinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -6943,8 +6952,10 @@ inline ::flatbuffers::Offset<LinearNode> CreateLinearNode(
     const emlx::ir::Tid *x = nullptr,
     const emlx::ir::Tid *weight = nullptr,
     const emlx::ir::Tid *bias = nullptr,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    const emlx::ir::Tid *residual = nullptr) {
   LinearNodeBuilder builder_(_fbb);
+  builder_.add_residual(residual);
   builder_.add_out(out);
   builder_.add_bias(bias);
   builder_.add_weight(weight);
@@ -7787,6 +7798,7 @@ struct RopeNode::Traits {
 /// group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
 /// integers, unless `float_activations`: then x meets the dequantized weights
 /// in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
+/// `residual` (the output's shape and dtype) is added last, as in LinearNode.
 struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7800,7 +7812,8 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
     VT_BITS = 16,
     VT_OUT = 18,
     VT_MODE = 20,
-    VT_FLOAT_ACTIVATIONS = 22
+    VT_FLOAT_ACTIVATIONS = 22,
+    VT_RESIDUAL = 24
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7832,6 +7845,9 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
   bool float_activations() const {
     return GetField<uint8_t>(VT_FLOAT_ACTIVATIONS, 0) != 0;
   }
+  const emlx::ir::Tid *residual() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_RESIDUAL);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7845,6 +7861,7 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<int8_t>(verifier, VT_MODE, 1) &&
            VerifyField<uint8_t>(verifier, VT_FLOAT_ACTIVATIONS, 1) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_RESIDUAL, 4) &&
            verifier.EndTable();
   }
 };
@@ -7883,6 +7900,9 @@ struct QuantizedLinearNodeBuilder {
   void add_float_activations(bool float_activations) {
     fbb_.AddElement<uint8_t>(QuantizedLinearNode::VT_FLOAT_ACTIVATIONS, static_cast<uint8_t>(float_activations), 0);
   }
+  void add_residual(const emlx::ir::Tid *residual) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_RESIDUAL, residual);
+  }
   explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7909,8 +7929,10 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
     int32_t bits = 0,
     const emlx::ir::Tid *out = nullptr,
     emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
-    bool float_activations = false) {
+    bool float_activations = false,
+    const emlx::ir::Tid *residual = nullptr) {
   QuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_residual(residual);
   builder_.add_out(out);
   builder_.add_bits(bits);
   builder_.add_group_size(group_size);

@@ -280,19 +280,25 @@ void float_rows(const Operands& o) {
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public CpuKernel {
  public:
-  Linear(mx::Stream s, Format format, int group, bool has_bias, Activations activations)
-      : CpuKernel(s), format_(format), group_(group), has_bias_(has_bias), activations_(activations) {}
+  Linear(mx::Stream s, Format format, int group, bool has_bias, bool has_residual, Activations activations)
+      : CpuKernel(s),
+        format_(format),
+        group_(group),
+        has_bias_(has_bias),
+        has_residual_(has_residual),
+        activations_(activations) {}
 
   const char* name() const override { return "EmlxLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Linear&>(other);
-    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_ && activations_ == o.activations_;
+    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_ &&
+           has_residual_ == o.has_residual_ && activations_ == o.activations_;
   }
 
  private:
   CpuTask task() const override {
-    return [format = format_, group = group_, has_bias = has_bias_, activations = activations_](
-               const std::vector<mx::array>& inputs, mx::array& out) {
+    return [format = format_, group = group_, has_bias = has_bias_, has_residual = has_residual_,
+            activations = activations_](const std::vector<mx::array>& inputs, mx::array& out) {
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
@@ -311,7 +317,8 @@ class Linear : public CpuKernel {
       o.out = o.params_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
-      o.bias = has_bias ? inputs.back().data<void>() : nullptr;
+      const size_t operands = quantized ? 3 : 1;
+      o.bias = has_bias ? inputs[1 + operands].data<void>() : nullptr;
       IntRows xq;
       if (quantized && activations == Activations::Int8 &&
           quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
@@ -337,29 +344,55 @@ class Linear : public CpuKernel {
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());
         for (size_t i = 0; i < out32.size(); ++i) dst[i] = f32_to_bf16(out32[i]);
       }
+      if (has_residual) {  // (float32 only: build() leaves the others to MLX)
+        std::vector<uint8_t> packed_residual;
+        const float* r = row_major_data<float>(inputs.back(), packed_residual);
+        float* y = out.data<float>();
+        for (size_t i = 0; i < M * N; ++i) y[i] += r[i];
+      }
     };
   }
 
   Format format_;
   int group_;
-  bool has_bias_;
+  bool has_bias_, has_residual_;
   Activations activations_;
 };
 
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
 
+void check_residual(const mx::array& x, int N, const std::optional<mx::array>& residual) {
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  if (residual && (residual->shape() != shape || residual->dtype() != x.dtype())) {
+    throw std::invalid_argument("linear layer: the residual must have the output's shape and x's dtype");
+  }
+}
+
 // Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
-// and back would be two more nodes), the operands row-contiguous.
+// and back would be two more nodes), the operands row-contiguous. `product`
+// is MLX's x w^T for the fallback; the addends are added after it there too.
 mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
-                const std::optional<mx::array>& bias, Format format, int group, Activations activations,
-                const Fallback& fallback) {
+                const Addends& addends, Format format, int group, Activations activations,
+                std::function<mx::array(const std::vector<mx::array>&, mx::Stream)> product) {
+  const auto& [bias, residual] = addends;
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = operands[0].shape(0);
+  check_residual(x, operands[0].shape(0), residual);
+  supported = supported && (!residual || x.dtype() == mx::float32);
+  const size_t count = operands.size();
   std::vector<mx::array> in = {x};
   for (auto& a : operands) in.push_back(supported ? row_contiguous(a) : a);
   if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
-  mx::Shape out_shape = x.shape();
-  out_shape.back() = operands[0].shape(0);
+  if (residual) in.push_back(*residual);
+  auto fallback = [product, count, has_bias = bias.has_value(), has_residual = residual.has_value()](
+                      const std::vector<mx::array>& in, mx::Stream s) {
+    auto y = product(in, s);
+    if (has_bias) y = mx::add(y, in[1 + count], s);
+    return has_residual ? mx::add(y, in.back(), s) : y;
+  };
   return CpuKernel::build(s, supported, std::move(in), std::move(out_shape), x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<Linear>(s, format, group, bias.has_value(), activations);
+    return std::make_shared<Linear>(s, format, group, bias.has_value(), residual.has_value(), activations);
   });
 }
 
@@ -397,7 +430,8 @@ void check_quantization(const char* node, const QuantizedMatrix& q, int K) {
   }
 }
 
-mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
+mx::array linear(const mx::array& x, const mx::array& w, const Addends& addends, mx::StreamOrDevice s) {
+  const auto& bias = addends.bias;
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument("LinearNode: x [..., K] and weight [N, K] expected");
   }
@@ -406,16 +440,16 @@ mx::array linear(const mx::array& x, const mx::array& w, const std::optional<mx:
   }
   const bool supported =
       float_activation(x.dtype()) && w.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
-  auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
-    auto y = mx::matmul(in[0], mx::transpose(in[1], s), s);
-    return in.size() > 2 ? mx::add(y, in[2], s) : y;
+  auto product = [](const std::vector<mx::array>& in, mx::Stream s) {
+    return mx::matmul(in[0], mx::transpose(in[1], s), s);
   };
-  return build(s, supported, x, {w}, bias, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0,
-               Activations::Float, fallback);
+  return build(s, supported, x, {w}, addends, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0,
+               Activations::Float, product);
 }
 
-mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const std::optional<mx::array>& bias,
+mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const Addends& addends,
                            Activations activations, mx::StreamOrDevice s) {
+  const auto& [bias, residual] = addends;
   if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
   const int K = x.shape(-1);
   check_quantization("QuantizedLinearNode", q, K);
@@ -429,20 +463,21 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const s
   }
   const int group_size = q.group_size, bits = q.bits;
   if (q.mode != "affine") {  // MLX's own kernels read the microscaling formats
+    check_residual(x, q.w.shape(0), residual);
     auto y = mx::quantized_matmul(x, mx::view(q.w, mx::uint32, s), q.scales, std::nullopt, /*transpose=*/true,
                                   group_size, bits, q.mode, s);
-    return bias ? mx::add(y, *bias, s) : y;
+    if (bias) y = mx::add(y, *bias, s);
+    return residual ? mx::add(y, *residual, s) : y;
   }
   // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
   const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && q.scales.dtype() == x.dtype() &&
                          (!bias || bias->dtype() == x.dtype());
-  auto fallback = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
-    auto y = mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
-                                  bits, "affine", s);
-    return in.size() > 4 ? mx::add(y, in[4], s) : y;
+  auto product = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
+    return mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
+                                bits, "affine", s);
   };
-  return build(s, supported, x, {q.w, q.scales, *q.biases}, bias, bits == 4 ? Format::Q4 : Format::Q8, group_size,
-               activations, fallback);
+  return build(s, supported, x, {q.w, q.scales, *q.biases}, addends, bits == 4 ? Format::Q4 : Format::Q8, group_size,
+               activations, product);
 }
 
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {

@@ -16,12 +16,20 @@
 
 namespace emlx {
 
-// x [..., K], w [N, K], bias [N] -> [..., N]. On a CPU stream with float32
-// or bfloat16 operands of one dtype it runs our multi-threaded kernel;
-// anywhere else (GPUs, other dtypes) it is mlx::core::matmul with the same
-// semantics.
-mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w,
-                        const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
+// What a linear layer adds to x w^T, in this order: a bias [N], then a
+// residual of the output's shape and x's dtype (the residual stream a
+// decoder layer adds the layer's output to: one node instead of two; our
+// kernel takes it for float32, MLX's add elsewhere).
+struct Addends {
+  std::optional<mlx::core::array> bias, residual;
+};
+
+// x [..., K], w [N, K] -> [..., N], plus the addends. On a CPU stream with
+// float32 or bfloat16 operands of one dtype it runs our multi-threaded
+// kernel; anywhere else (GPUs, other dtypes) it is mlx::core::matmul with
+// the same semantics.
+mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w, const Addends& addends,
+                        mlx::core::StreamOrDevice s = {});
 
 // A matrix in one of MLX's quantized layouts (mlx::core::quantize): w
 // [N, K * bits / 32] packed 32-bit words, scales [N, K / group_size] and, for
@@ -42,9 +50,8 @@ enum class Activations { Int8, Float };
 // The same as linear with w quantized. Our kernel on a CPU stream for affine
 // 4 and 8 bits when x, scales (and bias) share a float32 or bfloat16 dtype;
 // mlx::core::quantized_matmul otherwise.
-mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q,
-                                  const std::optional<mlx::core::array>& bias, Activations activations,
-                                  mlx::core::StreamOrDevice s = {});
+mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q, const Addends& addends,
+                                  Activations activations, mlx::core::StreamOrDevice s = {});
 
 // Throws std::invalid_argument naming `node` unless `q` is a valid
 // quantization of an [N, K] matrix (N: w's rows).
