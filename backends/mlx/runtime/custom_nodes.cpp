@@ -250,7 +250,8 @@ void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {
 }
 
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
-  st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), {st.get_optional(n->bias()), st.get_optional(n->residual())}));
+  st.set(n->out(),
+         linear(st.get(n->x()), st.get(n->weight()), {st.get_optional(n->bias()), st.get_optional(n->residual())}));
 }
 
 namespace {

@@ -374,7 +374,7 @@ void check_residual(const mx::array& x, int N, const std::optional<mx::array>& r
 // is MLX's x w^T for the fallback; the addends are added after it there too.
 mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
                 const Addends& addends, Format format, int group, Activations activations,
-                std::function<mx::array(const std::vector<mx::array>&, mx::Stream)> product) {
+                const Fallback& product) {
   const auto& [bias, residual] = addends;
   mx::Shape out_shape = x.shape();
   out_shape.back() = operands[0].shape(0);
