@@ -511,6 +511,36 @@ def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp
         assert torch.equal(got, want)
 
 
+def test_products_of_one_input_fuse_with_their_biases_stacked():
+    """Three quantized layers with biases on one x (Qwen2's q/k/v): one
+    product over the stacked weights, scales, biases and layer biases, then
+    a slice each; the outputs are the three layers'."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    from executorch_mlx import MLXPartitioner
+    from executorch_mlx.llm.export.fused_projections import fuse_shared_input_projections
+    from executorch_mlx.llm.export.quantize import QuantizedLinear
+
+    class Three(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (QuantizedLinear(QuantizedTable(torch.randn(n, 64), QuantFormat(4, 64)),
+                                                      torch.randn(n)) for n in (64, 32, 32))
+
+        def forward(self, x):
+            return self.q(x), self.k(x) * 2, self.v(x)
+
+    module, x = Three().eval(), torch.randn(1, 3, 64)
+    ep = torch.export.export(module, (x,))
+    assert fuse_shared_input_projections(ep) == 2
+    edge = to_edge_transform_and_lower(ep, partitioner=[MLXPartitioner("float")])
+    ops = [type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes]
+    assert ops.count("QuantizedLinearNode") == 1, ops
+    got = run(edge.to_executorch().buffer, [x])
+    for g, w in zip(got, module(x)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
 def test_quantized_pte_sizes(folder, logits_program):
     """Against the float32 weights' bytes (which a float32 .pte holds at
     least): the int4 file (embedding included) at most 20% (4 bits and a

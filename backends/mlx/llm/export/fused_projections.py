@@ -85,15 +85,17 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
             product.meta["val"] = QUANTIZED_LINEAR(x.meta["val"], *(s if s is None else s.meta["val"] for s in stacked),
                                                    *nodes[0].args[5:])
             last = product.meta["val"].dim() - 1
-            start = 0
+            start, parts = 0, []
             for node in nodes:
                 rows = constants[node.args[1].name].shape[0]
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (product, last, start, start + rows))
                 part.meta = dict(node.meta)
                 part.meta["val"] = torch.ops.aten.slice.Tensor(product.meta["val"], last, start, start + rows)
-                node.replace_all_uses_with(part)
-                graph.erase_node(node)
+                parts.append(part)
                 start += rows
+        for node, part in zip(nodes, parts):  # (after the inserts: they went before the first of these)
+            node.replace_all_uses_with(part)
+            graph.erase_node(node)
         fused += len(nodes) - 1
     if fused:
         graph.lint()
