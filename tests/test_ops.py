@@ -418,10 +418,11 @@ class Residual(torch.nn.Module):
 
 
 @pytest.mark.parametrize("case", ["rows", "strided", "broadcast", "reused"])
-def test_a_residual_add_joins_the_linear_layer_node(case):
+def test_a_residual_add_joins_the_linear_layer_node(case, monkeypatch):
     """float32 y = x W^T + b, then y + r: one LinearNode with `residual` (its
-    output's shape), where no other node reads y; else a LinearNode, then an
-    AddNode."""
+    output's shape), where no other node reads y, computing bit for bit what
+    a LinearNode then an AddNode compute; else those two nodes."""
+    from executorch_mlx.lowering import ops_elementwise
     from executorch_mlx.serialization import ir
 
     x = rand((2, 5, 8))
@@ -434,6 +435,9 @@ def test_a_residual_add_joins_the_linear_layer_node(case):
     assert len(linear) == 1 and (linear[0].residual is not None) == fused
     assert any(isinstance(op, ir.AddNode) for op in ops) != fused
     assert_matches_eager(module, (x, r))
+    monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
+    apart = run(lower(module, (x, r)).to_executorch().buffer, [x, r])
+    assert all(torch.equal(a, b) for a, b in zip(run(edge.to_executorch().buffer, [x, r]), apart))
 
 
 @floats

@@ -473,23 +473,21 @@ def assert_program_near_quantized_model(pte, model):
     assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
 
 
-@pytest.mark.parametrize("mode,embedding", [("int4", True), (None, False)])
-def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp_path, monkeypatch, mode,
-                                                     embedding):
+def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp_path, monkeypatch):
     """Two fusions of linear layers: quantized q/k/v and gate/up as one
     product each (llm/export/fused_projections.py), and the residual stream
-    added inside the layer's node (lowering/ops_elementwise.py). The logits of
-    a prefill and of the decode step after it are bit for bit those of the
-    program exported without them."""
+    added inside the layer's node (lowering/ops_elementwise.py; float32
+    LinearNode: tests/test_ops.py). The logits of a prefill and of the decode
+    step after it are bit for bit those of the program exported without them."""
     from executorch_mlx.inspector import delegate_graphs as pte_graphs
     from executorch_mlx.llm.export import hf_export
     from executorch_mlx.lowering import ops_elementwise
 
-    fused = logits_program(mode, embedding)
+    fused = logits_program("int4", True)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
     monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
-    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize=mode,
-                                 quantize_embedding=embedding, progress=None)
+    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize="int4",
+                                 quantize_embedding=True, progress=None)
 
     def products(pte) -> tuple[int, int]:
         ops = [n.op for g in pte_graphs(pte.read_bytes()) for n in g.nodes]
@@ -497,8 +495,7 @@ def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp
         return len(layers), sum(op.residual is not None for op in layers)
 
     layers = 2  # write_model_folder's default; the tied head is one product more
-    per_layer = 4 if mode else 7  # q/k/v and gate/up fused where quantized
-    assert products(fused) == (per_layer * layers + 1, 2 * layers)
+    assert products(fused) == (4 * layers + 1, 2 * layers)
     assert products(plain) == (7 * layers + 1, 0)
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     calls = ([ids, torch.arange(ids.shape[1])], [ids[:, :1], torch.tensor([ids.shape[1]])])
