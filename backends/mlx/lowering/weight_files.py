@@ -59,13 +59,33 @@ class WeightFiles:
         if tensor.nbytes < SPILL_BYTES or tensor.device.type != "cpu" or self.stored(tensor) is not None:
             return tensor
         path, digest = self._write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        mapped = torch.from_file(path, shared=False, size=tensor.nbytes, dtype=torch.uint8)
-        mapped = mapped.view(tensor.dtype).reshape(tensor.shape)
+        return self._map(path, digest, tensor.nbytes, tensor.dtype, tensor.shape)
+
+    def _map(self, path: str, digest: bytes, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        mapped = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8).view(dtype).reshape(shape)
         storage = mapped.untyped_storage()
         key = storage.data_ptr()
-        self._kept[key] = _Kept(path, tensor.nbytes, digest)
+        self._kept[key] = _Kept(path, nbytes, digest)
         weakref.finalize(storage, self._forget, key, path)
         return mapped
+
+    def stacked(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """torch.cat(tensors) (along dim 0) as a kept tensor whose file is
+        written from theirs, so that their pages are never mapped into this
+        process; None unless every tensor is a kept one."""
+        kept = [self.stored(t) for t in tensors]
+        if any(k is None for k in kept):
+            return None
+        fd, path = tempfile.mkstemp(prefix=".emlx_", suffix=".data", dir=self.folder)
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for k in kept:
+                with open(k.path, "rb") as f:
+                    while chunk := f.read(16 << 20):
+                        out.write(chunk)
+                        digest.update(chunk)
+        shape = (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+        return self._map(path, digest.digest(), sum(k.nbytes for k in kept), tensors[0].dtype, shape)
 
     def _forget(self, key: int, path: str) -> None:
         kept = self._kept.get(key)
@@ -144,3 +164,11 @@ def keep(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in a file while weight_files is active; else itself."""
     files = _active.get()
     return tensor if files is None else files.keep(tensor)
+
+
+def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """keep(torch.cat(tensors)), made from the files of kept tensors where
+    they all are (reading them would bring every weight into memory)."""
+    files = _active.get()
+    stacked = None if files is None else files.stacked(tensors)
+    return stacked if stacked is not None else keep(torch.cat(tensors))

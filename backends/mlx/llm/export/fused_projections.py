@@ -19,7 +19,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from ...lowering.weight_files import keep
+from ...lowering.weight_files import stack_rows
 
 QUANTIZED_LINEAR = torch.ops.mlx.quantized_linear.default
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -51,8 +51,9 @@ def _fusable(node: torch.fx.Node, constants: dict[str, torch.Tensor]) -> tuple |
 
 def fuse_shared_input_projections(ep: ExportedProgram) -> int:
     """Rewrites `ep` in place; returns how many products were fused away.
-    The stacked weights wait in files like the others (lowering/weight_files.py);
-    the originals are left unread, for drop_unused_constants to remove."""
+    The stacked weights wait in files like the others, written from the
+    originals' files (lowering/weight_files.py); the originals are left
+    unread, for drop_unused_constants to remove."""
     from executorch.backends.transforms.utils import create_constant_placeholder
 
     graph = ep.graph_module.graph
@@ -77,7 +78,7 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
             name = f"emlx_fused_{nodes[0].name}_{i}"
             with graph.inserting_before(first_input):
                 stacked.append(create_constant_placeholder(
-                    ep, graph, name, InputKind.BUFFER, keep(torch.cat([constants[p.name] for p in parts])),
+                    ep, graph, name, InputKind.BUFFER, stack_rows([constants[p.name] for p in parts]),
                     persistent_buffer=True))
         with graph.inserting_before(nodes[0]):
             product = graph.call_function(QUANTIZED_LINEAR, (x, *stacked, *nodes[0].args[5:]))
