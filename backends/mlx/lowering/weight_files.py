@@ -74,8 +74,8 @@ class WeightFiles:
         written from theirs, so that their pages are never mapped into this
         process; None unless every tensor is a kept one."""
         kept = [self.stored(t) for t in tensors]
-        if any(k is None for k in kept):
-            return None
+        if any(k is None for k in kept) or len({(t.dtype, t.shape[1:]) for t in tensors}) != 1:
+            return None  # (torch.cat then stacks them, or says why it cannot)
         fd, path = tempfile.mkstemp(prefix=".emlx_", suffix=".data", dir=self.folder)
         digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
