@@ -282,17 +282,17 @@ class Engine:
         self.kind, self.variant = kind, variant
         self.proc = subprocess.Popen([sys.executable, __file__, "--engine", kind, variant, str(folder), str(out),
                                       str(max_context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError(f"the {kind} {variant} worker exited with {self.proc.wait()}")
-        self.weight_bytes = json.loads(ready)
+        self.weight_bytes = self._answer("loading")
 
     def run(self, name: str, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
         print(json.dumps({"name": name, "prompt": prompt, "steps": steps}), file=self.proc.stdin, flush=True)
-        answer = self.proc.stdout.readline()
-        if not answer:  # e.g. -4 (SIGILL): a llama.cpp built for instructions this CPU lacks
-            raise RuntimeError(f"the {self.kind} {self.variant} worker exited with {self.proc.wait()} running {name}")
-        return tuple(json.loads(answer))
+        return tuple(self._answer(f"running {name}"))
+
+    def _answer(self, doing: str):
+        line = self.proc.stdout.readline()
+        if not line:  # e.g. -4 (SIGILL): a llama.cpp built for instructions this CPU lacks
+            raise RuntimeError(f"the {self.kind} {self.variant} worker exited with {self.proc.wait()} {doing}")
+        return json.loads(line)
 
     def close(self) -> None:
         self.proc.stdin.close()

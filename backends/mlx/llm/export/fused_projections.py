@@ -22,31 +22,21 @@ from torch.export.graph_signature import InputKind
 from ...lowering.weight_files import stack_rows
 
 QUANTIZED_LINEAR = torch.ops.mlx.quantized_linear.default
-_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
-def _constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
-    """placeholder name -> its tensor, for the program's weights."""
-    out = {}
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind in _CONSTANT_KINDS:
-            value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
-            if isinstance(value, torch.Tensor):
-                out[spec.arg.name] = value
-    return out
-
-
-def _fusable(node: torch.fx.Node, constants: dict[str, torch.Tensor]) -> tuple | None:
+def _fusable(node: torch.fx.Node, ep: ExportedProgram) -> tuple | None:
     """The key of what a product can be fused with (its format and which of
     its operands exist), or None when it cannot be: an operand computed in
     the program, not a weight."""
+    from ...lowering.builder import constant_tensor
+
     x, weight, scales, biases, bias, *fmt = node.args
     operands = (weight, scales, biases, bias)
-    if any(a is not None and (not isinstance(a, torch.fx.Node) or a.name not in constants) for a in operands):
+    if any(a is not None and (not isinstance(a, torch.fx.Node) or constant_tensor(ep, a) is None) for a in operands):
         return None
     if node.kwargs:
         return None
-    return (tuple(fmt), biases is None, bias is None, constants[scales.name].dtype)
+    return (tuple(fmt), biases is None, bias is None, constant_tensor(ep, scales).dtype)
 
 
 def fuse_shared_input_projections(ep: ExportedProgram) -> int:
@@ -56,12 +46,13 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
     unread, for drop_unused_constants to remove."""
     from executorch.backends.transforms.utils import create_constant_placeholder
 
+    from ...lowering.builder import constant_tensor
+
     graph = ep.graph_module.graph
-    constants = _constants(ep)
     groups: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target == QUANTIZED_LINEAR:
-            key = _fusable(node, constants)
+            key = _fusable(node, ep)
             if key is not None:
                 groups.setdefault((node.args[0], key), []).append(node)
     first_input = next(n for n in graph.nodes if n.op == "placeholder")
@@ -78,7 +69,7 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
             name = f"emlx_fused_{nodes[0].name}_{i}"
             with graph.inserting_before(first_input):
                 stacked.append(create_constant_placeholder(
-                    ep, graph, name, InputKind.BUFFER, stack_rows([constants[p.name] for p in parts]),
+                    ep, graph, name, InputKind.BUFFER, stack_rows([constant_tensor(ep, p) for p in parts]),
                     persistent_buffer=True))
         with graph.inserting_before(nodes[0]):
             product = graph.call_function(QUANTIZED_LINEAR, (x, *stacked, *nodes[0].args[5:]))
@@ -88,7 +79,7 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
             last = product.meta["val"].dim() - 1
             start, parts = 0, []
             for node in nodes:
-                rows = constants[node.args[1].name].shape[0]
+                rows = constant_tensor(ep, node.args[1]).shape[0]
                 part = graph.call_function(torch.ops.aten.slice.Tensor, (product, last, start, start + rows))
                 part.meta = dict(node.meta)
                 part.meta["val"] = torch.ops.aten.slice.Tensor(product.meta["val"], last, start, start + rows)
