@@ -6,6 +6,7 @@ runtime. Greedy ids must equal transformers' own greedy generation."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -275,15 +276,15 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
     """Export loads each weight into a file beside the output as it reads it,
     quantizes from and into such files, and the named data store takes the
     files themselves (lowering/weight_files.py): with every tensor counted as
-    large, every weight goes that way, the .pte is the same file byte for
-    byte, and no file is left behind."""
+    large, every weight goes that way and none is written twice, the .pte is
+    the same file byte for byte, and no file is left behind."""
     from executorch_mlx.llm.export.export_checks import load_weights
     from executorch_mlx.lowering import weight_files
 
     files = []
 
     def spy(path, **kw):
-        files.append(path)
+        files.append((path, kw.get("cleanup", False), os.path.getsize(path)))
         return spy.__wrapped__(path, **kw)
 
     # (a one-layer folder: the path of every weight shows in one layer)
@@ -300,7 +301,13 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["in_memory"]  # (the folder is inside it)
     out = export_llm(folder, tmp_path / "spilled.pte", max_context=64, sampling=False, quantize="int4",
                      progress=None)
-    assert files and all(p.startswith(str(tmp_path)) for p in files)
+    assert files and all(p.startswith(str(tmp_path)) for p, _, _ in files)
+    # the weights reach the store as the files they waited in; only tensors
+    # made while lowering (a few floats) are written anew. ExecuTorch's
+    # to_backend deep-copies the program: a copied weight would be read whole
+    # into memory and written again (lowering/weight_files.py)
+    assert sum(1 for _, spilled, _ in files if not spilled) >= 10
+    assert all(size < 1024 for _, spilled, size in files if spilled)
     assert out.read_bytes() == pte.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in_memory", "spilled.pte"]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import functools
 import hashlib
 import os
 import tempfile
@@ -158,6 +159,23 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def shared_when_copied(tensors) -> None:
+    """Makes `copy.deepcopy` return each kept tensor among `tensors` itself.
+    ExecuTorch's `to_backend` deep-copies the program before the backend
+    reads it; a copy of a kept tensor would read its whole file into memory
+    and lose the file with it (the 1.5B int4 export peaked 1.5 GB higher).
+    Our backend only reads constants, so the copy may share them."""
+    files = _active.get()
+    for tensor in tensors if files is not None else ():
+        if files.stored(tensor) is not None:
+            # copy.deepcopy looks __deepcopy__ up on the instance first
+            tensor.__deepcopy__ = functools.partial(_itself, weakref.ref(tensor))
+
+
+def _itself(ref: weakref.ref, memo) -> torch.Tensor:
+    return ref()
 
 
 def keep(tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
+from .weight_files import shared_when_copied
+
 
 def lower_whole(ep: ExportedProgram, partitioner, constant_methods: dict[str, Any]):
     """The EdgeProgramManager of `ep` delegated to MLX through `partitioner`,
@@ -38,6 +40,7 @@ def lower_whole(ep: ExportedProgram, partitioner, constant_methods: dict[str, An
     # export's dtype/shape asserts (aten._assert_tensor_metadata): checks of
     # the traced example, with no MLX node
     RemoveNonCoreAtenOpGraphAssertsPass()(ep.graph_module)
+    shared_when_copied([*ep.state_dict.values(), *ep.constants.values()])
     ep = to_backend(ep, partitioner)
     # the edge verifier checks ops of edge dialect, which this program has
     # none of outside the delegate
