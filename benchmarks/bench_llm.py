@@ -96,12 +96,14 @@ GROUP_SIZE = 64
 
 def ours(folder: Path, out: Path, max_context: int, variant: str):
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.run.runner import LLMRunner
 
     t0 = time.perf_counter()
     options = dict(dtype="bf16") if variant == "bf16" else dict(
         quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant.startswith("int") else {}
-    pte = export_llm(folder, out / f"ours-{variant}.pte", max_context=max_context, progress=None, **options)
+    pte = export_llm(folder, out / f"ours-{variant}.pte", ExportOptions(max_context=max_context, **options),
+                     progress=None)
     print(f"exported ours {variant} in {time.perf_counter() - t0:.1f} s: {pte.stat().st_size / 2**20:.1f} MiB",
           flush=True)
     runner = LLMRunner(pte)

@@ -264,6 +264,7 @@ def main() -> int:
     rounds = {c: min(64, max(args.requests, 2 * c)) for c in args.clients}  # requests of each round
 
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.run.runner import LLMRunner
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
@@ -274,8 +275,10 @@ def main() -> int:
 
     def export(rows: int) -> Path:
         t = time.perf_counter()
-        out = export_llm(folder, tmp / f"model-batch{rows}.pte", max_context=args.max_context, max_batch=rows,
-                         quantize=None if args.quantize == "none" else args.quantize, progress=None)
+        out = export_llm(folder, tmp / f"model-batch{rows}.pte",
+                         ExportOptions(max_context=args.max_context, max_batch=rows,
+                                       quantize=None if args.quantize == "none" else args.quantize),
+                         progress=None)
         print(f"exported {out.name}: {out.stat().st_size / 2**20:.1f} MiB ({args.quantize}) in "
               f"{time.perf_counter() - t:.0f} s", flush=True)
         return out

@@ -45,11 +45,13 @@ TEMPERATURE = 0.8
 
 def export(folder: Path, out: Path, variant: str, max_context: int, drafts: int):
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.run.runner import LLMRunner
 
     options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
     t0 = time.perf_counter()
-    pte = export_llm(folder, out, max_context=max_context, progress=None, max_draft_tokens=drafts, **options)
+    pte = export_llm(folder, out, ExportOptions(max_context=max_context, max_draft_tokens=drafts, **options),
+                     progress=None)
     print(f"exported {out.name} in {time.perf_counter() - t0:.1f} s", flush=True)
     return LLMRunner(pte)
 

@@ -56,12 +56,13 @@ def main() -> int:
 
     from executorch_mlx.llm.run import grammar
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.run.runner import LLMRunner
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folder(Path(tmp) / "model", small=False, layers=None, hidden=None)
         train_tokenizer(folder)
-        pte = export_llm(folder, Path(tmp) / "model.pte", max_context=256, progress=None)
+        pte = export_llm(folder, Path(tmp) / "model.pte", ExportOptions(max_context=256), progress=None)
         runner = LLMRunner(pte, folder)
 
         mask_seconds: list[float] = []

@@ -25,13 +25,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from executorch_mlx.llm import LLMRunner, export_llm
+    from executorch_mlx.llm import ExportOptions, LLMRunner, export_llm
 
     print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folder(Path(tmp) / "large", False, None, None)
-        runners = {k: LLMRunner(export_llm(folder, Path(tmp) / f"top{k}.pte", max_context=256, quantize="int4",
-                                           logprobs=True, top_logprobs=k, progress=None)) for k in (0, 20)}
+        runners = {k: LLMRunner(export_llm(folder, Path(tmp) / f"top{k}.pte",
+                                           ExportOptions(max_context=256, quantize="int4", logprobs=True,
+                                                         top_logprobs=k),
+                                           progress=None)) for k in (0, 20)}
         prompt = list(range(5, 69))
         speed = {k: [] for k in runners}
         for r in range(args.rounds):

@@ -34,11 +34,15 @@ PROMPT = [(31 * i + 7) % 32000 for i in range(64)]
 
 
 def child_export(out: Path, folder: Path, variants: list[str]) -> None:
-    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export import hf_export
 
     for v in variants:
-        options = {} if v == "fp32" else dict(quantize=v, group_size=64, quantize_embedding=True)
-        export_llm(folder, out / f"{v}.pte", max_context=256, progress=None, **options)
+        options = dict(max_context=256) if v == "fp32" else dict(max_context=256, quantize=v, group_size=64,
+                                                                  quantize_embedding=True)
+        if hasattr(hf_export, "ExportOptions"):
+            hf_export.export_llm(folder, out / f"{v}.pte", hf_export.ExportOptions(**options), progress=None)
+        else:  # (a version from before ExportOptions)
+            hf_export.export_llm(folder, out / f"{v}.pte", progress=None, **options)
 
 
 def child_time(out: Path, variants: list[str]) -> dict:

@@ -51,12 +51,13 @@ def write_folder(path: Path, window: int) -> Path:
 
 def export(folder: Path, out: Path, max_context: int, rings: bool) -> Path:
     from executorch_mlx.llm.export import hf_export
+    from executorch_mlx.llm.export.options import ExportOptions
 
     off = nullcontext() if rings else mock.patch.object(hf_export, "ring_chunk", lambda *a: None)
     t0 = time.perf_counter()
     with off:
         pte = hf_export.export_llm(folder, out / f"{'ring' if rings else 'full'}-{max_context}.pte",
-                                   max_context=max_context, progress=None)
+                                   ExportOptions(max_context=max_context), progress=None)
     print(f"exported {pte.name} in {time.perf_counter() - t0:.1f} s", flush=True)
     return pte
 

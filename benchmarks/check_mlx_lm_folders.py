@@ -53,6 +53,7 @@ def main() -> int:
     from safetensors.numpy import load_file
 
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.model_folders import write_model_folder
     from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -66,7 +67,7 @@ def main() -> int:
         for bits in (4, 8):
             folder = Path(tmp) / f"mlx{bits}"
             convert(str(src), str(folder), quantize=True, q_group_size=64, q_bits=bits, dtype="float32")
-            pte = export_llm(folder, Path(tmp) / f"mlx{bits}.pte", max_context=256, progress=None)
+            pte = export_llm(folder, Path(tmp) / f"mlx{bits}.pte", ExportOptions(max_context=256), progress=None)
             data = pte.read_bytes()
             packed = [t for f in folder.glob("*.safetensors") for t in load_file(str(f)).values()
                       if t.dtype.name == "uint32"]

@@ -185,6 +185,7 @@ def probe(family: str, work: Path, row: dict) -> None:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.model_folders import BOS, EOS
     from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -204,7 +205,7 @@ def probe(family: str, work: Path, row: dict) -> None:
 
     row["stage"] = "export"
     start = time.perf_counter()
-    pte = export_llm(folder, folder / "p.pte", max_context=64, progress=None)
+    pte = export_llm(folder, folder / "p.pte", ExportOptions(max_context=64), progress=None)
     row["export_s"] = round(time.perf_counter() - start, 1)
 
     row["stage"] = "count"

@@ -56,6 +56,7 @@ def export_program(root: str | Path, seed: int = 0, external: bool = False) -> t
     tests/test_hardening.py uses the same program. Run this in a process that
     forks no cases (export starts torch's thread pools; see run_python)."""
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.model_folders import write_model_folder
 
     root = Path(root)
@@ -63,8 +64,8 @@ def export_program(root: str | Path, seed: int = 0, external: bool = False) -> t
     if not (folder / "config.json").is_file():
         write_model_folder(folder, "llama", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=seed,
                            all_bytes=True)
-    pte = export_llm(folder, root / ("llama-external.pte" if external else "llama.pte"), max_context=MAX_CONTEXT,
-                     external_weights=external, progress=None)
+    pte = export_llm(folder, root / ("llama-external.pte" if external else "llama.pte"),
+                     ExportOptions(max_context=MAX_CONTEXT, external_weights=external), progress=None)
     return Path(pte), folder
 
 

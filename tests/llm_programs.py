@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import write_model_folder
 
 MAX_CONTEXT = 128
@@ -37,8 +38,10 @@ def family_program(shared, family: str, sampling: bool = True) -> tuple[Path, Pa
         # the folder is the family's own, whichever program is built first
         folder = shared.get(family, lambda r: write_model_folder(r / family, family,
                                                                 layers=FAMILY_LAYERS.get(family, 1)))
-        pte = export_llm(folder, root / "program.pte", max_context=MAX_CONTEXT, sampling=sampling,
-                         logprobs=sampling and family == "llama", progress=None)
+        pte = export_llm(folder, root / "program.pte",
+                         ExportOptions(max_context=MAX_CONTEXT, sampling=sampling,
+                                       logprobs=sampling and family == "llama"),
+                         progress=None)
         return folder, pte
 
     return shared.get(f"{family}-{'sampled' if sampling else 'logits'}", build)
@@ -50,7 +53,7 @@ def draft_program(shared) -> tuple[Path, Path]:
     def build(root: Path) -> tuple[Path, Path]:
         folder = write_model_folder(root / "draft", "llama", layers=1, hidden=32, heads=2, kv_heads=1,
                                     intermediate=64, seed=1)
-        return folder, export_llm(folder, root / "draft.pte", max_context=MAX_CONTEXT, progress=None)
+        return folder, export_llm(folder, root / "draft.pte", ExportOptions(max_context=MAX_CONTEXT), progress=None)
 
     return shared.get("llama-draft", build)
 
@@ -63,7 +66,7 @@ def chat_program(shared, max_context: int, tools: bool = False) -> tuple[Path, P
     def build(root: Path) -> tuple[Path, Path]:
         folder = write_model_folder(root / "MODEL_DIR", "qwen2", layers=1, hidden=32, heads=2, kv_heads=1,
                                     intermediate=64, chat=True, tools=tools)
-        return folder, export_llm(folder, root / "model.pte", max_context=max_context, top_logprobs=5,
+        return folder, export_llm(folder, root / "model.pte", ExportOptions(max_context=max_context, top_logprobs=5),
                                   progress=None)
 
     return shared.get(f"qwen2-chat-{max_context}{'-tools' if tools else ''}", build)
@@ -80,7 +83,7 @@ def batched_chat_program(shared) -> tuple[Path, Path, Path]:
     folder, single = chat_program(shared, SERVE_CONTEXT, tools=True)
 
     def build(root: Path) -> Path:
-        return export_llm(folder, root / "batched.pte", max_context=SERVE_CONTEXT, top_logprobs=5, max_batch=4,
-                          progress=None)
+        return export_llm(folder, root / "batched.pte",
+                          ExportOptions(max_context=SERVE_CONTEXT, top_logprobs=5, max_batch=4), progress=None)
 
     return folder, shared.get(f"qwen2-chat-{SERVE_CONTEXT}-tools-batch4", build), single

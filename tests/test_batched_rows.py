@@ -127,18 +127,20 @@ def test_batch_refuses_what_it_cannot_run(runners):
 ])
 def test_export_checks_max_batch_first(shared, tmp_path, kwargs, message):
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
 
     folder, _ = family_program(shared, "llama")
     with pytest.raises(ValueError, match=message):
-        export_llm(folder, tmp_path / "x.pte", max_context=MAX_CONTEXT, progress=None, **kwargs)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(max_context=MAX_CONTEXT, **kwargs), progress=None)
 
 
 @pytest.mark.parametrize("family,message", [("gemma3", "sliding-window layers"), ("lfm2", "state caches")])
 def test_export_refuses_what_batched_programs_do_not_build(shared, tmp_path, family, message):
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.model_folders import write_model_folder
     from llm_programs import FAMILY_LAYERS
 
     folder = shared.get(family, lambda r: write_model_folder(r / family, family, layers=FAMILY_LAYERS.get(family, 1)))
     with pytest.raises(NotImplementedError, match=f"--max-batch .*{message}"):
-        export_llm(folder, tmp_path / "x.pte", max_context=MAX_CONTEXT, max_batch=2, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(max_context=MAX_CONTEXT, max_batch=2), progress=None)

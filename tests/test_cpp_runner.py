@@ -152,10 +152,11 @@ def test_weights_in_a_data_file_beside_the_program(programs, shared, tmp_path, c
     weights; a missing or unwanted data file is named."""
     from executorch_mlx.cli import main
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
 
     folder, inside = family_program(shared, "llama")
-    pte = export_llm(folder, tmp_path / "model.pte", max_context=MAX_CONTEXT, logprobs=True,
-                     external_weights=True, progress=None)
+    pte = export_llm(folder, tmp_path / "model.pte",
+                     ExportOptions(max_context=MAX_CONTEXT, logprobs=True, external_weights=True), progress=None)
     data = tmp_path / "model.ptd"
     assert data.stat().st_size > 0.9 * inside.stat().st_size > 10 * pte.stat().st_size
     want = LLMRunner(inside).generate(PROMPT, max_new_tokens=8, temperature=0.9, seed=7).token_ids

@@ -205,11 +205,13 @@ def test_int4_experts_export_whole_and_match_the_quantized_model(shared, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.model_folders import write_model_folder
     from executorch_mlx.llm.run.runner import LLMRunner
 
     folder = shared.get("qwen3_moe", lambda r: write_model_folder(r / "qwen3_moe", "qwen3_moe", layers=1))
-    pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, quantize="int4", group_size=32, progress=None)
+    pte = export_llm(folder, tmp_path / "int4.pte", ExportOptions(max_context=64, quantize="int4", group_size=32),
+                     progress=None)
     assert non_delegated_ops(pte.read_bytes()) == []
     runner = LLMRunner(pte, folder)
     ids = runner.tokenizer.encode("Once upon a time").ids

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from executorch_mlx.llm.export.hf_export import CachedLM, export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import BOS, EOS, train_tokenizer
 from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -75,7 +76,7 @@ def test_a_family_sized_by_its_cache_length_exports_with_a_full_mask(tmp_path):
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS).save_pretrained(tmp_path)
-    pte = export_llm(tmp_path, tmp_path / "opt.pte", max_context=64, sampling=False, progress=None)
+    pte = export_llm(tmp_path, tmp_path / "opt.pte", ExportOptions(max_context=64, sampling=False), progress=None)
     runner = LLMRunner(pte, tmp_path)
     ids = runner.tokenizer.encode("Once upon a time").ids
     with torch.no_grad():

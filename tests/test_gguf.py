@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -56,7 +57,7 @@ def gguf_values_folder(folder: Path, gguf_path: Path, out: Path) -> Path:
 @pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
 def test_a_gguf_file_exports_and_generates_its_values(llama, tmp_path, quant):
     path = gguf_folder.write_gguf(llama, tmp_path / "model.gguf", quant)
-    pte = export_llm(path, tmp_path / "model.pte", max_context=64, progress=None)
+    pte = export_llm(path, tmp_path / "model.pte", ExportOptions(max_context=64), progress=None)
     runner = LLMRunner(pte, llama)
     assert runner.contract.metadata["emlx_quantization"] == [f"gguf: 8 {quant}"]
     ids = runner.tokenizer.encode(PROMPT).ids
@@ -74,7 +75,7 @@ def test_a_qwen3_file_with_its_vocabulary(tmp_path):
     in Q8_0, run with the tokenizer read from the file itself."""
     folder = write_model_folder(tmp_path / "qwen3", "qwen3", layers=1, hidden=64, intermediate=128)
     path = gguf_folder.write_gguf(folder, tmp_path / "qwen3.gguf", "Q8_0")
-    pte = export_llm(path, tmp_path / "qwen3.pte", max_context=64, progress=None)
+    pte = export_llm(path, tmp_path / "qwen3.pte", ExportOptions(max_context=64), progress=None)
     runner = LLMRunner(pte, path)
     from tokenizers import Tokenizer
 

@@ -21,6 +21,7 @@ from llm_programs import family_program
 
 import executorch_mlx
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.run.runner import LLMRunner
 
 PROMPT = "Once upon a time"
@@ -181,7 +182,8 @@ def nan_logits_pte(llm, tmp_path_factory):
     weights = load_file(nan_folder / "model.safetensors")
     weights["model.norm.weight"] = torch.full_like(weights["model.norm.weight"], float("nan"))
     save_file(weights, nan_folder / "model.safetensors", metadata={"format": "pt"})
-    return nan_folder, export_llm(nan_folder, root / "nan.pte", max_context=16, sampling=False, progress=None)
+    return nan_folder, export_llm(nan_folder, root / "nan.pte", ExportOptions(max_context=16, sampling=False),
+                                  progress=None)
 
 
 def test_nan_logits_program_is_an_error_in_python(nan_logits_pte):
@@ -259,10 +261,10 @@ def test_export_onto_the_models_own_weights_is_refused(llm, tmp_path, capfd):
     folder = shutil.copytree(llm[0], tmp_path / "model")
     weights = (folder / "model.safetensors").read_bytes()
     with pytest.raises(ValueError, match=r"is model.safetensors of the model folder .* would overwrite its input"):
-        export_llm(folder, folder / "model.safetensors", max_context=16, progress=None)
+        export_llm(folder, folder / "model.safetensors", ExportOptions(max_context=16), progress=None)
     for name in ("config.json", "tokenizer.json"):
         with pytest.raises(ValueError, match=rf"is {name} of the model folder"):
-            export_llm(folder, folder / name, max_context=16, progress=None)
+            export_llm(folder, folder / name, ExportOptions(max_context=16), progress=None)
     done = cli(capfd, "export", folder, "-o", folder / "model.safetensors")
     _one_line_error(done, "export", "would overwrite its input")
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and done.stderr.endswith("\n"), done.stderr
@@ -272,12 +274,12 @@ def test_export_onto_the_models_own_weights_is_refused(llm, tmp_path, capfd):
 def test_export_to_a_folder_or_a_missing_folder_is_refused(llm, tmp_path, capfd):
     folder = llm[0]
     with pytest.raises(IsADirectoryError, match=r"output .* is a folder"):
-        export_llm(folder, tmp_path, max_context=16, progress=None)
+        export_llm(folder, tmp_path, ExportOptions(max_context=16), progress=None)
     with pytest.raises(FileNotFoundError, match=r"the output's folder .*nowhere does not exist"):
-        export_llm(folder, tmp_path / "nowhere" / "m.pte", max_context=16, progress=None)
+        export_llm(folder, tmp_path / "nowhere" / "m.pte", ExportOptions(max_context=16), progress=None)
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileNotFoundError, match=r"the output's folder .*file does not exist \(or is not a folder\)"):
-        export_llm(folder, tmp_path / "file" / "m.pte", max_context=16, progress=None)
+        export_llm(folder, tmp_path / "file" / "m.pte", ExportOptions(max_context=16), progress=None)
     _one_line_error(cli(capfd, "export", folder, "-o", tmp_path), "export", "is a folder")
 
 
@@ -298,7 +300,7 @@ def test_export_to_an_unwritable_folder_is_refused_before_any_work(llm, tmp_path
     except PermissionError:
         pass
     with pytest.raises(PermissionError, match=rf"cannot write in the output's folder {locked}"):
-        export_llm(llm[0], locked / "m.pte", max_context=16, progress=None)
+        export_llm(llm[0], locked / "m.pte", ExportOptions(max_context=16), progress=None)
     assert not loaded, "refused before loading the model"
 
 
@@ -332,13 +334,13 @@ def test_failed_export_leaves_the_old_file_and_reexport_under_a_loaded_program(l
 
     monkeypatch.setattr(export_checks, "_write", disk_full)
     with pytest.raises(OSError, match=r"writing .*model.pte failed \(No space left on device\); the file is unchanged"):
-        export_llm(folder, target, max_context=MAX_CONTEXT, logit_bias_size=4, progress=None)
+        export_llm(folder, target, ExportOptions(max_context=MAX_CONTEXT, logit_bias_size=4), progress=None)
     assert target.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"], "no partial or temporary file"
     monkeypatch.undo()
 
     target.chmod(0o640)
-    export_llm(folder, target, max_context=MAX_CONTEXT, logit_bias_size=4, progress=None)
+    export_llm(folder, target, ExportOptions(max_context=MAX_CONTEXT, logit_bias_size=4), progress=None)
     assert target.read_bytes() != old and (target.stat().st_mode & 0o777) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pte"]
     assert runner.generate(PROMPT, max_new_tokens=8).token_ids == want, "the loaded program still runs"
@@ -362,21 +364,21 @@ def _edit_weights(folder, edit):
 def test_a_missing_tensor_is_refused_naming_it(folder_copy, tmp_path):
     _edit_weights(folder_copy, lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"missing tensor\(s\): model\.layers\.0\.mlp\.up_proj\.weight"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
     assert not (tmp_path / "m.pte").exists()
 
 
 def test_an_unexpected_tensor_is_refused_naming_it(folder_copy, tmp_path):
     _edit_weights(folder_copy, lambda w: w.update({"model.extra.weight": torch.ones(3)}))
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\): model\.extra\.weight"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
 
 
 def test_a_mis_shaped_tensor_is_refused_naming_it(folder_copy, tmp_path):
     _edit_weights(folder_copy, lambda w: w.update({"model.norm.weight": torch.ones(7)}))
     with pytest.raises(ValueError,
                        match=r"mismatched tensor\(s\): model\.norm\.weight \[7\] \(the model's is \[32\]\)"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
 
 
 def test_weights_load_from_safetensors_only(folder_copy, tmp_path, monkeypatch):
@@ -390,7 +392,7 @@ def test_weights_load_from_safetensors_only(folder_copy, tmp_path, monkeypatch):
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     with pytest.raises(ValueError, match=r"cannot load the weights of .*model"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
     assert not loads, "torch.load was called"
 
 
@@ -411,7 +413,7 @@ def test_corrupt_safetensors_is_an_error(folder_copy, tmp_path, damage, capfd):
     path.write_bytes(b"\x07" * 100 if damage == "garbage" else data[:len(data) // 2])
     with pytest.raises(ValueError, match=r"cannot load the weights of .*: corrupt safetensors \(Error while "
                                          r"deserializing header"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
     if damage != "truncated shard":
         _one_line_error(cli(capfd, "export", folder_copy, "-o", tmp_path / "m.pte"), "export",
                         "cannot load the weights of")
@@ -438,13 +440,13 @@ def _edit_config(folder, **changes):
 def test_inconsistent_config_is_an_error_naming_the_field(folder_copy, tmp_path, changes, match):
     _edit_config(folder_copy, **changes)
     with pytest.raises(ValueError, match=match):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
 
 
 def test_config_that_is_not_json_names_the_file(folder_copy, tmp_path):
     (folder_copy / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=16, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=16), progress=None)
 
 
 def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_path, capfd):
@@ -454,7 +456,7 @@ def test_context_beyond_the_trained_positions_needs_allowing(folder_copy, tmp_pa
     _edit_config(folder_copy, max_position_embeddings=32)
     with pytest.raises(ValueError, match=r"max_context 64 exceeds the model's max_position_embeddings 32 .*"
                                          r"allow_longer_context=True \(--allow-longer-context\)"):
-        export_llm(folder_copy, tmp_path / "m.pte", max_context=64, progress=None)
+        export_llm(folder_copy, tmp_path / "m.pte", ExportOptions(max_context=64), progress=None)
     _one_line_error(cli(capfd, "export", folder_copy, "-o", tmp_path / "m.pte", "--max-context", "64"),
                     "export", "exceeds the model's max_position_embeddings 32")
     check_context(read_config(folder_copy), folder_copy, 64, True, 4)  # allowed: no error
@@ -478,7 +480,7 @@ def test_kv_cache_over_the_memory_budget_is_refused_at_export(llm, tmp_path):
     try:
         with pytest.raises(ValueError, match=r"KV cache at max_context 1024 takes 128\.0 KiB \(131072 bytes\), "
                                              r"over this machine's memory budget of 64\.0 KiB \(65536 bytes\)"):
-            export_llm(llm[0], tmp_path / "m.pte", max_context=1024, progress=None)
+            export_llm(llm[0], tmp_path / "m.pte", ExportOptions(max_context=1024), progress=None)
     finally:
         executorch_mlx.set_memory_budget(None)
 

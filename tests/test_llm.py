@@ -16,6 +16,7 @@ from llm_programs import SAMPLED, family_program
 from transformers import AutoModelForCausalLM
 
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import FAMILIES, write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -59,7 +60,7 @@ def test_greedy_generation_equals_transformers(exported, family):
 
 def test_bfloat16_export_matches_transformers(exported, tmp_path):
     folder, _ = exported("llama")
-    pte = export_llm(folder, tmp_path / "bf16.pte", max_context=64, dtype="bf16", progress=None)
+    pte = export_llm(folder, tmp_path / "bf16.pte", ExportOptions(max_context=64, dtype="bf16"), progress=None)
     runner = LLMRunner(pte, folder)
     ids = runner.tokenizer.encode(PROMPT).ids
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
@@ -182,7 +183,7 @@ def test_an_op_without_lowering_is_an_error_naming_it_and_its_module(tmp_path, m
     with pytest.raises(NotImplementedError,
                        match=r"cannot lower every op .*: aten.embedding.default in model.embed_tokens "
                              r"\(refused by this test\)$"):
-        export_llm(folder, out / "x.pte", max_context=16, sampling=False, progress=None)
+        export_llm(folder, out / "x.pte", ExportOptions(max_context=16, sampling=False), progress=None)
     assert list(out.iterdir()) == []
 
 
@@ -289,8 +290,8 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
 
     # (a one-layer folder: the path of every weight shows in one layer)
     folder = write_model_folder(tmp_path / "in_memory" / "llama", "llama", layers=1)
-    pte = export_llm(folder, tmp_path / "in_memory" / "a.pte", max_context=64, sampling=False, quantize="int4",
-                     progress=None)
+    pte = export_llm(folder, tmp_path / "in_memory" / "a.pte",
+                     ExportOptions(max_context=64, sampling=False, quantize="int4"), progress=None)
     spy.__wrapped__ = weight_files.FileBackedData
     monkeypatch.setattr(weight_files, "SPILL_BYTES", 1)
     monkeypatch.setattr(weight_files, "FileBackedData", spy)
@@ -299,7 +300,7 @@ def test_weights_wait_in_files_during_export(exported, tmp_path, monkeypatch):
         assert all(kept.stored(p) is not None for p in model.parameters())
     del model
     assert [p.name for p in tmp_path.iterdir()] == ["in_memory"]  # (the folder is inside it)
-    out = export_llm(folder, tmp_path / "spilled.pte", max_context=64, sampling=False, quantize="int4",
+    out = export_llm(folder, tmp_path / "spilled.pte", ExportOptions(max_context=64, sampling=False, quantize="int4"),
                      progress=None)
     assert files and all(p.startswith(str(tmp_path)) for p, _, _ in files)
     # the weights reach the store as the files they waited in; only tensors
@@ -318,3 +319,33 @@ def test_the_readme_lists_the_tested_families():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     listed = readme.split("Tested families (each exported and held to transformers' greedy output):\n", 1)[1]
     assert listed.split(".\n", 1)[0].replace("\n", " ").split(", ") == list(FAMILIES)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(dtype="fp64"), "dtype must be one of fp32, fp16, bf16"),
+    (dict(max_context=1), r"max_context must be in \[2, 2\*\*20\]"),
+    (dict(max_context=64.0), "max_context must be in"),
+    (dict(quantize="int7"), "quantize must be one of"),
+    (dict(quantize_embedding=True), "quantize_embedding needs quantize"),
+    (dict(activations="int16"), "activations"),
+    (dict(history_size=0), "history_size and logit_bias_size must be in"),
+    (dict(top_logprobs=21), r"top_logprobs must be in \[0, 20\]"),
+    (dict(top_logprobs=True), "top_logprobs must be in"),
+    (dict(top_logprobs=2, sampling=False), "top_logprobs needs a sampling program"),
+    (dict(max_batch=65), r"max_batch must be in \[1, 64\]"),
+    (dict(max_draft_tokens=3, max_context=4), r"max_draft_tokens must be in \[0, 2\]"),
+])
+def test_export_options_are_checked_when_made(options, message):
+    """A bad option is refused where it is given, before any folder is read."""
+    from executorch_mlx.llm import ExportOptions
+
+    with pytest.raises(ValueError, match=message):
+        ExportOptions(**options)
+
+
+def test_export_options_resolve_their_defaults():
+    from executorch_mlx.llm import ExportOptions
+
+    assert ExportOptions().drafts == 8 and ExportOptions(max_context=5).drafts == 3
+    assert ExportOptions(max_batch=4).drafts == 0 and ExportOptions(sampling=False, max_draft_tokens=4).drafts == 0
+    assert ExportOptions(top_logprobs=3).with_logprobs and not ExportOptions(logprobs=True, sampling=False).with_logprobs

@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from executorch_mlx.inspector import delegate_graphs
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -67,18 +68,21 @@ def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
     (8 bits takes the same path: benchmarks/check_mlx_lm_folders.py runs
     both against mlx-lm.)"""
     folder = write_mlx_folder(llama, tmp_path / "mlx", bits, 64)
-    pte = export_llm(folder, tmp_path / "mlx.pte", max_context=64, progress=None)
+    pte = export_llm(folder, tmp_path / "mlx.pte", ExportOptions(max_context=64), progress=None)
     data = pte.read_bytes()
     packed = {k: v for k, v in load_file(str(folder / "model.safetensors")).items() if v.dtype == np.uint32}
     assert packed and all(v.tobytes() in data for v in packed.values()), "the folder's packed weights, unchanged"
-    ours = export_llm(llama, tmp_path / "ours.pte", max_context=64, quantize=f"int{bits}", quantize_embedding=True,
-                      activations="float", progress=None)
+    ours = export_llm(llama, tmp_path / "ours.pte",
+                      ExportOptions(max_context=64, quantize=f"int{bits}", quantize_embedding=True,
+                                    activations="float"),
+                      progress=None)
     want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
     runner = LLMRunner(pte, folder)
     assert runner.generate(PROMPT, max_new_tokens=16).token_ids == want
     assert runner.contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64, float activations"]
     assert quantized_linear_flags(data) == {True}
-    rounded = export_llm(folder, tmp_path / "int8.pte", max_context=64, activations="int8", progress=None)
+    rounded = export_llm(folder, tmp_path / "int8.pte", ExportOptions(max_context=64, activations="int8"),
+                         progress=None)
     assert quantized_linear_flags(rounded.read_bytes()) == {False}
     assert LLMRunner(rounded).contract.metadata["emlx_quantization"] == [f"mlx-lm int{bits} group 64"]
 
@@ -92,7 +96,7 @@ def test_an_mxfp4_folder_exports_as_it_is(llama, tmp_path):
     from executorch_mlx.llm.export.quantize import quantize_format, quantize_model
 
     folder = write_mlx_folder(llama, tmp_path / "mxfp4", 4, 32, mode="mxfp4")
-    pte = export_llm(folder, tmp_path / "mxfp4.pte", max_context=64, progress=None)
+    pte = export_llm(folder, tmp_path / "mxfp4.pte", ExportOptions(max_context=64), progress=None)
     data = pte.read_bytes()
     stored = load_file(str(folder / "model.safetensors"))
     quantized = [v for v in stored.values() if v.dtype in (np.uint32, np.uint8)]
@@ -113,19 +117,19 @@ def test_per_layer_entries_and_refusals(llama, tmp_path):
     down = "model.layers.0.mlp.down_proj"
     folder = write_mlx_folder(llama, tmp_path / "mixed", 4, 64, {down: {"bits": 3, "group_size": 32},
                                                                  "model.layers.0.mlp.up_proj": False})
-    pte = export_llm(folder, tmp_path / "mixed.pte", max_context=64, progress=None)
+    pte = export_llm(folder, tmp_path / "mixed.pte", ExportOptions(max_context=64), progress=None)
     runner = LLMRunner(pte, folder)
     assert runner.contract.metadata["emlx_quantization"] == ["mlx-lm int4 group 64 (2 layers differ), float activations"]
     assert len(runner.generate(PROMPT, max_new_tokens=4).token_ids) == 4
     with pytest.raises(ValueError, match="already quantized .*leave out quantize"):
-        export_llm(folder, tmp_path / "q.pte", max_context=64, quantize="int4", progress=None)
+        export_llm(folder, tmp_path / "q.pte", ExportOptions(max_context=64, quantize="int4"), progress=None)
     config = json.loads((folder / "config.json").read_text())
     config["quantization"][down]["bits"] = 7
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match=f"{down}: 7-bit weights in groups of 32"):
-        export_llm(folder, tmp_path / "seven.pte", max_context=64, progress=None)
+        export_llm(folder, tmp_path / "seven.pte", ExportOptions(max_context=64), progress=None)
     config["quantization"][down]["bits"] = 3
     config["quantization"]["mode"] = "nvfp4"
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="'nvfp4' quantization is not read yet"):
-        export_llm(folder, tmp_path / "fp4.pte", max_context=64, progress=None)
+        export_llm(folder, tmp_path / "fp4.pte", ExportOptions(max_context=64), progress=None)

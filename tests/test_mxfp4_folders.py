@@ -18,6 +18,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
 
@@ -74,7 +75,7 @@ def transformers_reading(folder, tensors):
 
 def test_mxfp4_experts_export_as_they_are(gpt_oss, tmp_path):
     folder, tensors = gpt_oss
-    pte = export_llm(folder, tmp_path / "mxfp4.pte", max_context=64, progress=None)
+    pte = export_llm(folder, tmp_path / "mxfp4.pte", ExportOptions(max_context=64), progress=None)
     data = pte.read_bytes()
     blocks = [v for k, v in tensors.items() if k.endswith(("_blocks", "_scales"))]
     assert len(blocks) == 8 and all(v.tobytes() in data for v in blocks), "the folder's blocks and scales, unchanged"
@@ -95,5 +96,5 @@ def test_broken_blocks_are_named(gpt_oss, tmp_path):
               str(bad / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name}_blocks uint8 \[4, 64, 4, 16\] and _scales uint8 \[4, 64, 1\] "
                                          r"are not MXFP4 of a \[4, 64, 128\] projection"):
-        export_llm(bad, tmp_path / "bad.pte", max_context=64, progress=None)
+        export_llm(bad, tmp_path / "bad.pte", ExportOptions(max_context=64), progress=None)
     assert not (tmp_path / "bad.pte").exists()

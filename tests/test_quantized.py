@@ -21,6 +21,7 @@ from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat, dequantize
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_format, quantize_model, quantize_weight
 
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
@@ -402,9 +403,10 @@ def logits_program(folder, tmp_path_factory):
 
     def get(mode: str | None, embedding: bool):
         if (mode, embedding) not in built:
-            built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte", max_context=32,
-                                                sampling=False, quantize=mode,
-                                                quantize_embedding=embedding, progress=None)
+            built[mode, embedding] = export_llm(folder, root / f"{mode}-{int(embedding)}.pte",
+                                                ExportOptions(max_context=32, sampling=False, quantize=mode,
+                                                              quantize_embedding=embedding),
+                                                progress=None)
         return built[mode, embedding]
 
     return get
@@ -486,8 +488,10 @@ def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp
     fused = logits_program("int4", True)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
     monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
-    plain = hf_export.export_llm(folder, tmp_path / "plain.pte", max_context=32, sampling=False, quantize="int4",
-                                 quantize_embedding=True, progress=None)
+    plain = hf_export.export_llm(folder, tmp_path / "plain.pte",
+                                 ExportOptions(max_context=32, sampling=False, quantize="int4",
+                                               quantize_embedding=True),
+                                 progress=None)
 
     def products(pte) -> tuple[int, int]:
         ops = [n.op for g in pte_graphs(pte.read_bytes()) for n in g.nodes]
@@ -565,15 +569,15 @@ def test_bad_bits_or_group_size(folder, tmp_path):
     from executorch_mlx.llm.export.hf_export import export_llm
 
     with pytest.raises(ValueError, match=r"quantize must be one of int2, int3, int4, int5, int6, int8, mxfp4, got 'int7'"):
-        export_llm(folder, tmp_path / "x.pte", quantize="int7", progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(quantize="int7"), progress=None)
     with pytest.raises(ValueError, match=r"group_size must be one of 32, 64, 128, got 16"):
-        export_llm(folder, tmp_path / "x.pte", quantize="int4", group_size=16, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(quantize="int4", group_size=16), progress=None)
     with pytest.raises(ValueError, match=r"quantize_embedding needs quantize"):
-        export_llm(folder, tmp_path / "x.pte", quantize_embedding=True, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(quantize_embedding=True), progress=None)
     with pytest.raises(ValueError, match=r"bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"):
         QuantFormat(7, 64)
     with pytest.raises(ValueError, match=r"mxfp4 is 4-bit in groups of 32, got 4 bits in groups of 64"):
-        export_llm(folder, tmp_path / "x.pte", quantize="mxfp4", group_size=64, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(quantize="mxfp4", group_size=64), progress=None)
     assert not (tmp_path / "x.pte").exists()
 
 
@@ -607,7 +611,7 @@ def test_layer_not_divisible_by_group_size_is_named(tmp_path):
     folder = write_model_folder(tmp_path / "m", "llama", hidden=64, intermediate=96)
     with pytest.raises(ValueError, match=r"group size 64: the input width of model\.layers\.0\.mlp\.down_proj "
                                          r"\(input width 96\), model\.layers\.1\.mlp\.down_proj"):
-        export_llm(folder, tmp_path / "x.pte", quantize="int8", group_size=64, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(quantize="int8", group_size=64), progress=None)
 
 
 def test_cli_export_refuses_a_bad_group_size(folder, tmp_path, capfd):

@@ -128,13 +128,14 @@ def test_draft_options_are_checked(programs, shared):
 
 def test_export_checks_the_draft_count(shared, tmp_path):
     from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
 
     folder, _ = family_program(shared, "llama")
     for bad in (16, -1, True):  # refused before any work
         with pytest.raises(ValueError, match=r"max_draft_tokens must be in \[0, 15\]"):
-            export_llm(folder, tmp_path / "x.pte", max_draft_tokens=bad, progress=None)
+            export_llm(folder, tmp_path / "x.pte", ExportOptions(max_draft_tokens=bad), progress=None)
     with pytest.raises(ValueError, match=r"max_draft_tokens must be in \[0, 2\]"):
-        export_llm(folder, tmp_path / "x.pte", max_context=4, max_draft_tokens=3, progress=None)
+        export_llm(folder, tmp_path / "x.pte", ExportOptions(max_context=4, max_draft_tokens=3), progress=None)
     assert not (tmp_path / "x.pte").exists()
 
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from executorch_mlx.custom_kernel_ops import state  # noqa: F401  (defines the ops)
 from executorch_mlx.llm.export.hf_export import export_llm
+from executorch_mlx.llm.export.options import ExportOptions
 from executorch_mlx.llm.model_folders import write_model_folder
 from executorch_mlx.llm.run.runner import LLMRunner
 from harness import lower, node_types, run
@@ -134,7 +135,7 @@ def test_a_runner_that_served_another_prompt_gives_a_fresh_runners_ids(hybrids, 
 def test_a_second_chat_turn_reuses_the_first(shared):
     def build(root):
         folder = write_model_folder(root / "lfm2-chat", "lfm2", layers=2, chat=True)
-        return folder, export_llm(folder, root / "lfm2-chat.pte", max_context=MAX_CONTEXT, progress=None)
+        return folder, export_llm(folder, root / "lfm2-chat.pte", ExportOptions(max_context=MAX_CONTEXT), progress=None)
 
     folder, pte = shared.get("lfm2-chat", build)
     runner = LLMRunner(pte, folder)
@@ -157,8 +158,8 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_model
 
     folder, _ = hybrids["qwen3_5_text"]
-    pte = export_llm(folder, tmp_path / "int4.pte", max_context=64, sampling=False, quantize="int4", group_size=64,
-                     progress=None)
+    pte = export_llm(folder, tmp_path / "int4.pte",
+                     ExportOptions(max_context=64, sampling=False, quantize="int4", group_size=64), progress=None)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     quantize_model(model, QuantFormat(4, 64))
     monkeypatch.setattr(QuantizedTable, "linear", integer_linear)

@@ -34,18 +34,20 @@ def cmd_inspect(args) -> int:
 
 def cmd_export(args) -> int:
     from .llm.export.hf_export import export_llm
+    from .llm.export.options import ExportOptions
     from .progress import TerminalProgress, shown_by
 
+    options = ExportOptions(max_context=args.max_context, dtype=args.dtype, sampling=not args.no_sampling,
+                            quantize=args.quantize, group_size=args.group_size,
+                            quantize_embedding=args.quantize_embedding, history_size=args.history_size,
+                            logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
+                            top_logprobs=args.top_logprobs, token_mask=not args.no_grammar,
+                            allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
+                            activations=args.activations, external_weights=args.external_weights,
+                            max_batch=args.max_batch)
     display = None if args.quiet else TerminalProgress(sys.stderr)
     with display or contextlib.nullcontext(), shown_by(display):
-        export_llm(args.model_dir, args.output, max_context=args.max_context, dtype=args.dtype,
-                   sampling=not args.no_sampling, quantize=args.quantize, group_size=args.group_size,
-                   quantize_embedding=args.quantize_embedding, history_size=args.history_size,
-                   logit_bias_size=args.logit_bias_size, logprobs=args.logprobs, top_logprobs=args.top_logprobs,
-                   token_mask=not args.no_grammar, allow_longer_context=args.allow_longer_context,
-                   max_draft_tokens=args.max_draft_tokens,
-                   activations=args.activations, external_weights=args.external_weights,
-                   max_batch=args.max_batch, progress=display and display.line)
+        export_llm(args.model_dir, args.output, options, progress=display and display.line)
     return 0
 
 
@@ -159,6 +161,7 @@ def cmd_demo(args) -> int:
 
     from .inspector import delegate_blobs
     from .llm.export.hf_export import export_llm
+    from .llm.export.options import ExportOptions
     from .llm.model_folders import write_model_folder
     from .llm.run.runner import LLMRunner
     from .serialization import ir
@@ -170,7 +173,7 @@ def cmd_demo(args) -> int:
         print(f"{folder}: {', '.join(sorted(p.name for p in folder.iterdir()))}")
 
         print("\n== 2. Export: the KV cache and the sampler inside one MLX delegate ==")
-        pte = export_llm(folder, f"{tmp}/model.pte", max_context=256)
+        pte = export_llm(folder, f"{tmp}/model.pte", ExportOptions(max_context=256))
         for method, i, backend_id, blob in delegate_blobs(pte.read_bytes()):
             g = ir.deserialize(blob)
             print(f"delegate {i} of '{method}' -> {backend_id}: {len(g.nodes)} nodes, {len(g.constants)} weights, "

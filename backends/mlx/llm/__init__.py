@@ -5,13 +5,13 @@ program contract between them (`program_contract.py`, `sampler_inputs.py`).
 A new layer kind touches export/ and the kernels only: runners read what a
 program holds from its contract.
 
-    from executorch_mlx.llm import LLMRunner, export_llm
+    from executorch_mlx.llm import ExportOptions, LLMRunner, export_llm
 """
 
 from __future__ import annotations
 
 # Imported on first use: `import executorch_mlx.llm.program_contract` stays light.
-_PUBLIC = {"LLMRunner": ".run.runner", "export_llm": ".export.hf_export"}
+_PUBLIC = {"LLMRunner": ".run.runner", "export_llm": ".export.hf_export", "ExportOptions": ".export.options"}
 
 
 def __getattr__(name: str):

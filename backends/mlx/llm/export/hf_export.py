@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 
-from ...custom_kernel_ops.quantized import check_activations
 from ...lowering.weight_files import weight_files
 from ...progress import CountingWriter, counter
 from ...serialization.sampler_params import ROW_PARAMS
@@ -49,6 +48,7 @@ from .gguf_files import describe as gguf_types, gguf_config, is_gguf, load_gguf
 from .local_attention import position_local_attention
 from .mlx_folders import describe as mlx_types, mlx_quantization
 from .mxfp4_folders import is_mxfp4_folder
+from .options import DTYPES, MAX_DRAFT_TOKENS, ExportOptions
 from .quantize import quantize_format, quantize_model
 from .ring_cache import ring_chunk, use_rings
 from .. import program_contract
@@ -59,14 +59,6 @@ from .state_cache import StateCachedModel, find_state_layers, one_token_cache
 
 assert SAMPLER_INPUTS[-1] == TOKEN_MASK  # SampledLM's one optional input (--no-grammar), last
 
-# The most drafts one verify call takes: beyond a few, acceptance of the
-# later ones is rare and each costs a row. With the token before them, at
-# most kDotRows (runtime/kernels/cpu_kernel.h) rows, which the CPU kernels
-# compute exactly as a decode step does.
-MAX_DRAFT_TOKENS = 15
-DEFAULT_DRAFT_TOKENS = 8
-MAX_BATCH = 64  # sequences one batched program runs at once (export --max-batch)
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -330,43 +322,11 @@ def write_data_file(program, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: int = 256, dtype: str = "fp32",
-               sampling: bool = True, quantize: str | None = None, group_size: int | None = None,
-               quantize_embedding: bool | None = None, history_size: int = 64, logit_bias_size: int = 16,
-               logprobs: bool = False, token_mask: bool = True, progress: Callable[[str], None] | None = print,
-               allow_longer_context: bool = False, max_draft_tokens: int | None = None,
-               activations: str | None = None, external_weights: bool = False, top_logprobs: int = 0,
-               max_batch: int = 1) -> Path:
-    """Exports the model folder to `output_path` (a .pte); returns its path.
-
-    `max_context` is the KV cache length: prompt plus generated tokens never
-    exceed it. A prompt prefills in chunks of at most max_context - 1 tokens.
-    `quantize` ("int2", "int3", "int4", "int5", "int6", "int8" or "mxfp4")
-    stores every linear weight and the input embedding in MLX's affine
-    layout with `group_size` values per scale and bias (default 64), or as
-    MXFP4 (groups of 32; see llm/export/quantize.py). `quantize_embedding`
-    False keeps the input embedding (and a head tied to it) at `dtype`; True
-    requires it quantized; None (default) quantizes it when it can.
-    A sampling program takes every sampler parameter at run time: the
-    penalties count the last tokens of a `history_size`-token history, and
-    up to `logit_bias_size` tokens get a logit bias; `logprobs` adds the
-    chosen token's log-probability as a second output, and `top_logprobs`
-    K (at most 20; it implies `logprobs`) the K most likely tokens and their
-    log-probabilities at each step as third and fourth. `token_mask` (the
-    default) adds the token bitmask input that structured output fills with
-    a grammar's allowed tokens (docs/sampling.md step 1). `max_context` above
-    the model's max_position_embeddings needs `allow_longer_context`.
-    A sampling program verifies up to `max_draft_tokens` draft tokens per
-    call (speculative decoding, llm/export/speculative.py; 0: none; default 8, or
-    what a small context leaves room for).
-    `activations` is how 4- and 8-bit layers meet x in our CPU kernel:
-    "int8" (each group of x rounded to 8 bits, as llama.cpp does: faster) or
-    "float" (x times the dequantized weights, as MLX's quantized_matmul and
-    so mlx-lm compute); default "float" for an mlx-lm folder, else "int8".
-    `external_weights` writes the weights to ExecuTorch's data file beside
-    the program (model.pte: model.ptd), which the runners load with it.
-    `max_batch` N > 1 writes a program that runs up to N sequences at once,
-    each in its own cache row (llm/export/batched.py; it verifies no drafts).
+def export_llm(model_dir: str | Path, output_path: str | Path, options: ExportOptions | None = None, *,
+               progress: Callable[[str], None] | None = print) -> Path:
+    """Exports the model folder (or GGUF file) to `output_path` (a .pte) as
+    `options` say (llm/export/options.py; default ExportOptions()); returns
+    its path. `progress` gets a line per stage (None: quiet).
 
     Checked before any work (llm/export/export_checks.py): the output path (not a
     folder, a writable folder, not one of the model folder's files) and the
@@ -383,49 +343,22 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         read_config_json(model_dir)
         config = read_config(model_dir)
     check_config(config, model_dir)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if not 2 <= max_context <= 1 << 20:
-        raise ValueError(f"max_context must be in [2, 2**20], got {max_context}")
-    check_context(config, model_dir, max_context, allow_longer_context, DTYPES[dtype].itemsize)
-    fmt = None if quantize is None else quantize_format(quantize, group_size)
-    if quantize is None and quantize_embedding:
-        raise ValueError("quantize_embedding needs quantize (int2 ... int8, mxfp4)")
-    if sampling and not (1 <= history_size <= 4096 and 1 <= logit_bias_size <= 4096):
-        raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {history_size} and "
-                         f"{logit_bias_size}")
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
-            not 0 <= top_logprobs <= program_contract.MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be in [0, {program_contract.MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
-    if top_logprobs and not sampling:
-        raise ValueError("top_logprobs needs a sampling program (a --no-sampling program returns the logits)")
-    logprobs = logprobs or bool(top_logprobs)
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
-        raise ValueError(f"max_batch must be in [1, {MAX_BATCH}], got {max_batch!r}")
-    if max_batch > 1 and not sampling:
-        raise ValueError("max_batch needs a sampling program (a --no-sampling program returns one row's logits)")
-    if max_batch > 1 and max_draft_tokens:
-        raise ValueError("a batched program verifies no drafts: give max_draft_tokens 0 (or leave it out) with "
-                         "max_batch")
-    if max_draft_tokens is None:
-        max_draft_tokens = 0 if max_batch > 1 else min(DEFAULT_DRAFT_TOKENS, max_context - 2)
-    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
-            not 0 <= max_draft_tokens <= min(MAX_DRAFT_TOKENS, max_context - 2):
-        raise ValueError(f"max_draft_tokens must be in [0, {min(MAX_DRAFT_TOKENS, max_context - 2)}] (a verify call "
-                         f"fits in the context with the token before the drafts), got {max_draft_tokens!r}")
-    if not sampling:
-        max_draft_tokens = 0  # a logits program returns the last position only
+    o = options or ExportOptions()
+    check_context(config, model_dir, o.max_context, o.allow_longer_context, DTYPES[o.dtype].itemsize)
+    fmt = None if o.quantize is None else quantize_format(o.quantize, o.group_size)
+    max_context, sampling, max_batch, max_draft_tokens = o.max_context, o.sampling, o.max_batch, o.drafts
+    logprobs, top_logprobs = o.with_logprobs, o.top_logprobs
     output_path = check_output_path(model_dir, output_path)
-    if external_weights:
+    if o.external_weights:
         if output_path.suffix == ".ptd":
             raise ValueError(f"output {output_path} would be its own weights file: name the program *.pte")
         check_output_path(model_dir, output_path.with_suffix(".ptd"))
-    if mlx_quantization(config) is not None and (quantize is not None or quantize_embedding):
+    if mlx_quantization(config) is not None and (o.quantize is not None or o.quantize_embedding):
         raise ValueError(f"{model_dir} is already quantized ({mlx_types(mlx_quantization(config))}): export "
                          "keeps its weights as they are; leave out quantize")
+    activations = o.activations
     if activations is None:  # an mlx-lm folder computes as mlx-lm does; the rest as llama.cpp
         activations = "float" if mlx_quantization(config) is not None else "int8"
-    check_activations(activations)
     say = progress or (lambda _: None)
     started = time.perf_counter()
 
@@ -435,26 +368,26 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
     # The weights wait in files beside the output, loaded and quantized one
     # tensor at a time, until the program is written (lowering/weight_files.py).
     with weight_files(output_path.parent):
-        stage(f"loading {config['model_type']} from {model_dir} ({dtype})")
-        model = (load_gguf(model_dir, DTYPES[dtype], stage) if is_gguf(model_dir)
-                 else load_weights(model_dir, DTYPES[dtype]))
+        stage(f"loading {config['model_type']} from {model_dir} ({o.dtype})")
+        model = (load_gguf(model_dir, DTYPES[o.dtype], stage) if is_gguf(model_dir)
+                 else load_weights(model_dir, DTYPES[o.dtype]))
         experts = route_experts(model)
         check_experts_routed(model, experts)
         if experts:
             stage(f"{len(experts)} mixture-of-experts layers")
         embedded = False  # the input embedding quantized by --quantize
-        if quantize is not None:
+        if fmt is not None:
             embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             embed_name = next((n for n, m in model.named_modules() if m is embed), None)
             del embed  # (its weight is freed once quantized)
-            layers = quantize_model(model, fmt, embedding=quantize_embedding)
+            layers = quantize_model(model, fmt, embedding=o.quantize_embedding)
             embedded = embed_name in layers
-            why = "--no-quantize-embedding" if quantize_embedding is False else "not a layer we can quantize"
+            why = "--no-quantize-embedding" if o.quantize_embedding is False else "not a layer we can quantize"
             stage(f"quantized {len(layers)} layers to {fmt}" + ("" if embedded or embed_name is None else
                   f" (the input embedding {embed_name} kept as it is: {why})"))
-        sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=history_size,
-                                   logit_bias_size=logit_bias_size,
-                                   mask_words=mask_words(int(config["vocab_size"])) if token_mask else 0)
+        sampler = sampler_examples(1, seeded=True, per_row=False, params=ROW_PARAMS, history_size=o.history_size,
+                                   logit_bias_size=o.logit_bias_size,
+                                   mask_words=mask_words(int(config["vocab_size"])) if o.token_mask else 0)
         model_path, slots, lm = "wrapper.model.", max_context, None  # (the module's path to the model; cache slots)
         if max_batch > 1:
             max_chunk, rewind, model_path, slots = max_context - 1, None, "lm.model.", max_context + 1
@@ -497,10 +430,10 @@ def export_llm(model_dir: str | Path, output_path: str | Path, *, max_context: i
         attend_written_prefix(ep, slots)
         fuse_shared_input_projections(ep)
         stage("lowering to MLX (torch's decompositions, then our handlers node by node)")
-        weights = output_path.with_suffix(".ptd") if external_weights else None
+        weights = output_path.with_suffix(".ptd") if o.external_weights else None
         partitioner = MLXPartitioner(activations, weights and weights.stem)
         quantization = quantization_label(config, model_dir, fmt, embedded, activations)
-        meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs and sampling, token_mask,
+        meta = metadata(config, max_context, max_chunk, sampling, quantization, logprobs, o.token_mask,
                         max_draft_tokens, rewind, weights and weights.name, top_logprobs)
         if max_batch > 1:
             meta[program_contract.MAX_BATCH] = max_batch
