@@ -21,11 +21,20 @@ tokens that agree with transformers run on the file's values (each tensor
 dequantized by the gguf package, activations in float: quantized files
 part from it where llama.cpp's and our 8-bit activations round).
 
-Free-running greedy ids compound one difference into all later ones, so
-the verdict feeds llama.cpp's own greedy tokens (float32 cache) to both and
-compares each step's choice: a step where they differ must be a near tie,
+Random weights give nearly flat logits, where the order of float additions
+alone picks between near-equal tokens. Free-running greedy ids compound one
+such difference into all later ones, so for random weights the verdict
+feeds llama.cpp's own greedy tokens (float32 cache) to both and compares
+each step's choice: a step where they differ must be a near tie,
 llama.cpp's gap between its token and ours below the largest logit
-difference of the two at that step. Exit status 0 when every such step is.
+difference of the two at that step.
+
+Each folder is also trained (`--train-steps`, AdamW on the tokenizer's own
+text, ~10 s) until it recites that text, as a real model is confident about
+most of its next tokens; the prompt is the text's first sentence. For those
+files the verdict is the issue's own: our free-running greedy ids equal
+llama.cpp's (float32 cache), every token. Exit status 0 when both verdicts
+hold for every file.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_state_layers import greedy_tokens, llama_cpp_caller  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+TRAINED_PROMPT = "The quick brown fox jumps over the lazy dog."
 QUANT = {"F32": None, "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 
 
@@ -91,30 +101,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src", type=Path, help="a llama.cpp source tree (its converter)")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--train-steps", type=int, default=60)
     args = ap.parse_args()
     import numpy as np
 
-    from executorch_mlx.llm import LLMRunner, export_llm
+    from executorch_mlx.llm import ExportOptions, LLMRunner, export_llm
     from executorch_mlx.llm.model_folders import write_model_folder
 
     print("command: " + " ".join(sys.argv))
     all_equal = True
     with tempfile.TemporaryDirectory() as tmp:
-        for family in ("llama", "qwen3"):
-            folder = write_model_folder(Path(tmp) / family, family, layers=4, hidden=256, heads=8, kv_heads=4,
+        for family, trained in [(f, t) for f in ("llama", "qwen3") for t in (False, True)]:
+            name = f"{family}-trained" if trained else family
+            folder = write_model_folder(Path(tmp) / name, family, layers=4, hidden=256, heads=8, kv_heads=4,
                                         intermediate=512)
+            if trained:
+                train(folder, args.train_steps)
             for qtype in QUANT:
                 gguf = convert(args.src, folder, qtype)
-                pte = export_llm(gguf, Path(tmp) / f"{family}-{qtype}.pte", max_context=256, progress=None)
+                pte = export_llm(gguf, Path(tmp) / f"{name}-{qtype}.pte", ExportOptions(max_context=256), progress=None)
                 runner = LLMRunner(pte, gguf)
-                ids = runner.tokenizer.encode(PROMPT).ids
+                prompt = TRAINED_PROMPT if trained else PROMPT
+                ids = runner.tokenizer.encode(prompt).ids
                 ours = runner.generate(ids, max_new_tokens=args.tokens, temperature=0).token_ids
-                line = f"{family} {qtype}:"
+                line = f"{family} {'trained' if trained else 'random'} {qtype}:"
                 greedy = {}
                 for f32_cache in (False, True):
                     call = llama_cpp_caller(gguf, 256, f32_cache)
                     if not f32_cache:  # (the same vocabulary either way)
-                        theirs_ids = call.llm.tokenize(PROMPT.encode(), add_bos=False, special=False)
+                        theirs_ids = call.llm.tokenize(prompt.encode(), add_bos=False, special=False)
                         line += f" prompt ids {'equal' if ids == theirs_ids else 'DIFFER'} ({len(ids)});"
                     theirs = greedy[f32_cache] = greedy_tokens(call, ids, args.tokens)
                     same = agreeing(ours, theirs)
@@ -124,8 +139,11 @@ def main() -> int:
                         logits = last_logits(call, ids + theirs[:same])
                         line += f" (step {same}: its logit gap {logits[theirs[same]] - logits[ours[same]]:.4f})"
                     line += ";"
-                    if f32_cache:  # the verdict: llama.cpp's tokens, fed to both, step by step
-                        forced, ties = teacher_forced(call, Path(tmp) / family, gguf, ids, theirs)
+                    if f32_cache and trained:  # the verdict: every greedy token equal
+                        all_equal &= ours == theirs and ids == theirs_ids
+                        line += f" its smallest top-2 logit gap on the way {smallest_gap(call, ids, theirs):.2f}"
+                    elif f32_cache:  # the verdict: llama.cpp's tokens, fed to both, step by step
+                        forced, ties = teacher_forced(call, Path(tmp) / name, gguf, ids, theirs)
                         line += f" fed llama.cpp's tokens: {forced}"
                         all_equal &= ties
                     del call
@@ -137,9 +155,37 @@ def main() -> int:
     return 0 if all_equal else 1
 
 
+def train(folder: Path, steps: int) -> None:
+    """Trains the folder's model on its tokenizer's text in place (the whole
+    text as one sequence, AdamW), until its greedy choices are confident."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from executorch_mlx.llm.model_folders import TEXT
+
+    torch.manual_seed(0)
+    text = torch.tensor([Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids])
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(text, labels=text).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+
+
 def agreeing(a: list[int], b: list[int]) -> int:
     """How many greedy tokens agree before the first difference."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def smallest_gap(call, prompt: list[int], tokens: list[int]) -> float:
+    """llama.cpp's smallest gap between its best and second-best logit over
+    the steps of its greedy `tokens` (how confident the model is)."""
+    import numpy as np
+
+    return min(float(np.diff(np.sort(last_logits(call, prompt + tokens[:i]))[-2:])[0]) for i in range(len(tokens)))
 
 
 def last_logits(call, ids: list[int]):
@@ -159,9 +205,9 @@ def teacher_forced(call, stem: Path, gguf: Path, prompt: list[int], theirs: list
     import numpy as np
     import torch
 
-    from executorch_mlx.llm import LLMRunner, export_llm
+    from executorch_mlx.llm import ExportOptions, LLMRunner, export_llm
 
-    pte = export_llm(gguf, stem.with_name(stem.name + "-logits.pte"), max_context=256, sampling=False,
+    pte = export_llm(gguf, stem.with_name(stem.name + "-logits.pte"), ExportOptions(max_context=256, sampling=False),
                      progress=None)
     method = LLMRunner(pte, gguf).method
     steps, ties, noise = [], True, []
