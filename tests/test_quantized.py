@@ -194,7 +194,7 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
     number of groups; and every build gives the same bits."""
     torch.manual_seed(1)
     cases = []
-    for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 256, 32), (8, 96, 32)):
+    for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 640, 128), (4, 256, 32), (8, 96, 32)):
         model = QLinear(torch.randn(37, k), torch.randn(37), group, bits).eval()
         x = rand((13, k), torch.float32)
         pte = tmp_path / f"q{bits}_{group}.pte"

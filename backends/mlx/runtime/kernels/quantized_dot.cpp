@@ -17,13 +17,15 @@ namespace {
 
 constexpr float kLevels = 127.0f;
 
-// Where value k of a row goes in IntRows::q. A 4-bit chunk of 32 values is
-// 16 bytes, each holding values 2j (low nibble) and 2j + 1 (high nibble):
-// unpacking gives the even values, then the odd ones.
-inline size_t slot(size_t k, int bits) {
+// Where value k of a row goes in IntRows::q. 4-bit weights hold values 2j
+// (low nibble) and 2j + 1 (high nibble) in byte j; the kernels unpack 64
+// values (32 bytes) at a time into their even values, then their odd ones,
+// and x is laid out so: per 64 values, the 32 even ones, then the 32 odd
+// ones (per 32 values in groups of 32, which unpack 16 bytes at a time).
+inline size_t slot(size_t k, int bits, int group) {
   if (bits == 8) return k;
-  const size_t chunk = k & ~size_t{31}, j = k & 31;
-  return chunk + (j & 1) * 16 + j / 2;
+  const size_t span = group == 32 ? 32 : 64, chunk = k & ~(span - 1), j = k & (span - 1);
+  return chunk + (j & 1) * (span / 2) + j / 2;
 }
 
 // x's step for a group whose largest |x| is amax: amax / 127, rounded to the
@@ -47,11 +49,12 @@ inline float group_step(float amax) {
 template <int BITS>
 inline int32_t group_sum_generic(const uint8_t* row, const int8_t* q, size_t k0, int group) {
   int32_t s = 0;
-  for (size_t k = k0; k < k0 + group; k += 32) {
+  const size_t span = BITS == 4 && group > 32 ? 64 : 32;  // (slot)
+  for (size_t k = k0; k < k0 + group; k += span) {
     if constexpr (BITS == 4) {
-      for (size_t j = 0; j < 16; ++j) {
+      for (size_t j = 0; j < span / 2; ++j) {
         const int b = row[k / 2 + j];
-        s += (b & 15) * q[k + j] + (b >> 4) * q[k + 16 + j];
+        s += (b & 15) * q[k + j] + (b >> 4) * q[k + span / 2 + j];
       }
     } else {
       for (size_t j = 0; j < 32; ++j) s += row[k + j] * q[k + j];
@@ -143,7 +146,7 @@ bool quantize_group_generic(const float* x, int group, int bits, int8_t* q, floa
   int32_t total = 0;
   for (int i = 0; i < group; ++i) {
     const int v = static_cast<int>(std::nearbyint(x[i] * to_int));
-    q[slot(i, bits)] = static_cast<int8_t>(v);
+    q[slot(i, bits, group)] = static_cast<int8_t>(v);
     total += v;
   }
   scale = group_step(amax);
@@ -172,7 +175,7 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
   const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  __m256i total = _mm256_setzero_si256();
+  __m256i total = _mm256_setzero_si256(), first = _mm256_setzero_si256();
   for (int i = 0; i < group; i += 32) {
     __m256i v[4];
     for (int j = 0; j < 4; ++j) {
@@ -185,6 +188,14 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
     if (bits == 4) {
       // [evens, odds] of values 0-15 and of 16-31, then the evens of both, then the odds
       bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+      if (group > 32) {  // per 64 values (slot): the 16 + 16 evens of both halves, then their odds
+        if (i % 64 == 0) {
+          first = bytes;
+          continue;
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i - 32), _mm256_permute2x128_si256(first, bytes, 0x20));
+        bytes = _mm256_permute2x128_si256(first, bytes, 0x31);
+      }
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
   }
@@ -198,9 +209,10 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 #endif
 
 // Reorders each row's pairs of groups (g, g + 1) for the AVX-512 kernel:
-// per 32 values, group g's then group g + 1's, so one 512-bit load holds
-// both groups' x for a chunk of each. An odd group count's last group keeps
-// the plain layout; groups of 32 are already so.
+// per 32 bytes (32 values; in 4-bit groups of 64 or more, the evens or the
+// odds of 64), group g's then group g + 1's, so one 512-bit load holds both
+// groups' x for a chunk of each. An odd group count's last group keeps the
+// plain layout; groups of 32 are already so.
 void pair_layout(IntRows& rows) {
   const size_t group = rows.group, pairs = rows.K / group / 2;
   if (group == 32) return;
