@@ -20,7 +20,7 @@ namespace emlx {
 struct IntRows {
   size_t M = 0, K = 0;
   int group = 0, bits = 0;
-  std::vector<int8_t> q;     // [M, K]; 4-bit: each 32 values as their 16 even then 16 odd ones
+  std::vector<int8_t> q;     // [M, K]; 4-bit: per 64 values (32 in groups of 32), the even ones, then the odd
   std::vector<float> scale;  // [M, K / group]: a
   std::vector<float> sum;    // [M, K / group]: a * the sum of xq (what the weights' biases meet)
 };
