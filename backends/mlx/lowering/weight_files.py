@@ -169,7 +169,7 @@ def shared_when_copied(tensors) -> None:
     Our backend only reads constants, so the copy may share them."""
     files = _active.get()
     for tensor in tensors if files is not None else ():
-        if files.stored(tensor) is not None:
+        if isinstance(tensor, torch.Tensor) and files.stored(tensor) is not None:  # (constants may be script objects)
             # copy.deepcopy looks __deepcopy__ up on the instance first
             tensor.__deepcopy__ = functools.partial(_itself, weakref.ref(tensor))
 
