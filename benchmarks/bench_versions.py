@@ -88,6 +88,11 @@ def main() -> int:
                           check=True).stdout.strip()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                           check=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
+                      text=True, check=True).stdout.strip():
+        head += "+changes"  # (this checkout's uncommitted changes: another version than its commit)
+    if base == head:
+        ap.error(f"{args.base} is this checkout, unchanged: name an earlier commit")
     print("command: " + " ".join(sys.argv))
     print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-versions-") as tmp:
