@@ -49,7 +49,7 @@ from .local_attention import position_local_attention
 from .mlx_folders import describe as mlx_types, mlx_quantization
 from .mxfp4_folders import is_mxfp4_folder
 from .options import DTYPES, MAX_DRAFT_TOKENS, ExportOptions
-from .quantize import quantize_format, quantize_model
+from .quantize import quantize_model
 from .ring_cache import ring_chunk, use_rings
 from .. import program_contract
 from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
@@ -345,7 +345,7 @@ def export_llm(model_dir: str | Path, output_path: str | Path, options: ExportOp
     check_config(config, model_dir)
     o = options or ExportOptions()
     check_context(config, model_dir, o.max_context, o.allow_longer_context, DTYPES[o.dtype].itemsize)
-    fmt = None if o.quantize is None else quantize_format(o.quantize, o.group_size)
+    fmt = o.quant_format
     max_context, sampling, max_batch, max_draft_tokens = o.max_context, o.sampling, o.max_batch, o.drafts
     logprobs, top_logprobs = o.with_logprobs, o.top_logprobs
     output_path = check_output_path(model_dir, output_path)

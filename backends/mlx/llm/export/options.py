@@ -88,15 +88,12 @@ class ExportOptions:
 
     def __post_init__(self) -> None:
         from ...custom_kernel_ops.quantized import check_activations
-        from .quantize import quantize_format
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not _is_int(self.max_context) or not 2 <= self.max_context <= 1 << 20:
             raise ValueError(f"max_context must be in [2, 2**20], got {self.max_context!r}")
-        if self.quantize is not None:
-            quantize_format(self.quantize, self.group_size)  # (says what it takes)
-        elif self.quantize_embedding:
+        if self.quant_format is None and self.quantize_embedding:  # (quant_format refuses a bad quantize)
             raise ValueError("quantize_embedding needs quantize (int2 ... int8, mxfp4)")
         if self.activations is not None:
             check_activations(self.activations)
@@ -119,6 +116,13 @@ class ExportOptions:
                                                   not 0 <= self.max_draft_tokens <= most):
             raise ValueError(f"max_draft_tokens must be in [0, {most}] (a verify call fits in the context with the "
                              f"token before the drafts), got {self.max_draft_tokens!r}")
+
+    @property
+    def quant_format(self):
+        """`quantize` and `group_size` as a QuantFormat, or None (no quantize)."""
+        from .quantize import quantize_format
+
+        return None if self.quantize is None else quantize_format(self.quantize, self.group_size)
 
     @property
     def drafts(self) -> int:
