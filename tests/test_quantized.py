@@ -186,12 +186,28 @@ def test_each_row_of_a_long_call_is_the_one_row_calls(bits):
     assert all(torch.equal(whole[i:i + 1], method.execute([x[i:i + 1]])[0]) for i in range(len(x)))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_x_with_a_nan_or_an_infinity_meets_tiled_weights_in_floats(bits):
+    """4- and 8-bit weights are tiled at load (16 rows side by side:
+    kernels/quantized_dot.h); a call whose x holds a NaN or an infinity takes
+    the float path, which reads them back in rows: those rows come out NaN
+    or infinite, the others as MLX's quantized_matmul makes them."""
+    weight = torch.randn(37, 320)
+    model = QLinear(weight, None, 64, bits).eval()
+    x = rand((4, 320), torch.float32)
+    x[0, 5], x[1, 7] = float("nan"), float("inf")
+    got = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
+    assert torch.isnan(got[0]).all() and not torch.isfinite(got[1]).any()
+    torch.testing.assert_close(got[2:], mlx_quantized_linear(x[2:], weight, None, 64, bits), **TOL[torch.float32])
+
+
 def test_every_x86_build_computes_each_row_alone(tmp_path):
-    """The integer kernel is built for AVX2, AVX-VNNI and AVX-512 VNNI
-    (EMLX_X86_KERNELS caps the build a process uses, so each runs here up to
-    what this CPU has). In each, a row of a many-row call is the one-row
-    call's bit for bit, with every number of rows a pass can take and an odd
-    number of groups; and every build gives the same bits."""
+    """The integer kernel is built in plain C++ and for AVX2, AVX-VNNI and
+    AVX-512 VNNI (EMLX_X86_KERNELS caps the build a process uses, so each
+    runs here up to what this CPU has). In each, a row of a many-row call is
+    the one-row call's bit for bit, with every number of rows a pass can take,
+    an odd number of groups, and 37 weight rows (two tiles of the tiled layout
+    and 5 rows in rows); and every build gives the same bits."""
     torch.manual_seed(1)
     cases = []
     for bits, k, group in ((4, 320, 64), (8, 384, 128), (4, 640, 128), (4, 256, 32), (8, 96, 32)):
@@ -208,7 +224,7 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
               "    out.append((m.execute([x])[0].clone(), [m.execute([x[i:i + 1]])[0] for i in range(len(x))]))\n"
               "torch.save(out, sys.argv[2])")
     builds = {}
-    for build in ("avx2", "avx-vnni", "best"):
+    for build in ("plain", "avx2", "avx-vnni", "best"):
         out = tmp_path / f"{build}.pt"
         if build == "best" and "EMLX_X86_KERNELS" not in os.environ:  # this process's own build
             builds[build] = []
@@ -223,8 +239,8 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
             builds[build] = torch.load(out)
         for (whole, rows), (pte, _) in zip(builds[build], cases):
             assert all(torch.equal(whole[i], row[0]) for i, row in enumerate(rows)), (build, pte)
-    for (a, _), (b, _), (c, _) in zip(builds["avx2"], builds["avx-vnni"], builds["best"]):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    for (a, _), (b, _), (c, _), (d, _) in zip(builds["plain"], builds["avx2"], builds["avx-vnni"], builds["best"]):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -274,7 +274,9 @@ Activations activations(const Node* n) {
 }  // namespace
 
 void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
-  st.set(n->out(), quantized_linear(st.get(n->x()), quantized_matrix(st, n),
+  auto q = quantized_matrix(st, n);
+  q.tiled = st.tiled(n->weight());  // (with its scales and biases: Program::tile_quantized_weights)
+  st.set(n->out(), quantized_linear(st.get(n->x()), std::move(q),
                                     {st.get_optional(n->bias()), st.get_optional(n->residual())}, activations(n)));
 }
 

@@ -14,6 +14,8 @@
 
 #include "checks.h"
 #include "dtype.h"
+#include "kernels/cpu_kernel.h"
+#include "kernels/quantized_dot.h"
 #include "memory_budget.h"
 
 namespace emlx {
@@ -220,6 +222,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
     use_thread_stream();
     for (auto* lit : *graph_->literals()) literals_.emplace_back(lit->slot(), scalar_literal(lit));
     load_constants(named_data);
+    tile_quantized_weights();
     // Build the graph once on zero inputs (nothing is evaluated) so that
     // shape and type errors surface at load time, not on the first call.
     // Dynamic dimensions take their smallest non-empty size.
@@ -240,7 +243,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
     std::vector<mx::array> kept;
     for (auto& [slot, arr] : literals_) kept.push_back(arr);
     mx::eval(kept);
-    Interpreter st(graph_->num_values(), symbols, liveness_);
+    Interpreter st(graph_->num_values(), symbols, liveness_, tiled_);
     for (size_t i = 0; i < buffer_initial_.size(); ++i) {
       st.set(graph_->mutable_buffers()->Get(i)->slot(), buffer_initial_[i]);
     }
@@ -440,6 +443,71 @@ void Program::load_constants(const NamedDataMap* named_data) {
   }
 }
 
+// The affine 4- and 8-bit matrices that only QuantizedLinearNodes with
+// 8-bit activations read, in our CPU kernel's tiled layout
+// (quantized_dot.h), rearranged in place: a decode step then reads each in
+// one pass, and a prefill meets 16 rows at once. Only where that kernel
+// runs (a CPU stream, CPU kernels not disabled); any other reader of a
+// weight (a tied embedding, an experts layer) keeps it in rows. The layer
+// turns a tiled matrix back into rows for a call our kernel does not take.
+void Program::tile_quantized_weights() {
+  const uint32_t n = graph_->num_values();
+  tiled_.assign(n, false);
+  if (!CpuKernel::serves(mx::default_stream(mx::default_device()))) return;
+  std::map<uint32_t, mx::array*> constant;
+  for (auto& [slot, a] : constants_) constant.emplace(slot, &a);
+  struct Trio {
+    uint32_t scales, biases;
+  };
+  std::map<uint32_t, Trio> trios;   // weight slot -> its scales and biases
+  std::set<uint32_t> kept;          // constants that stay in rows
+  std::map<uint32_t, uint32_t> owner;  // scales or biases slot -> its weight
+  std::vector<int64_t> reads, writes;
+  for (auto* node : *graph_->nodes()) {
+    reads.clear();
+    writes.clear();
+    node_refs(node, reads, writes);
+    const auto* q = node->op_type() == ir::Op::QuantizedLinearNode ? node->op_as_QuantizedLinearNode() : nullptr;
+    const bool takes = q && q->mode() == ir::QuantMode::affine && (q->bits() == 4 || q->bits() == 8) &&
+                       !q->float_activations() && q->biases() && constant.count(q->weight()->idx()) &&
+                       constant.count(q->scales()->idx()) && constant.count(q->biases()->idx());
+    if (!takes) {
+      for (auto r : reads) kept.insert(static_cast<uint32_t>(r));
+      continue;
+    }
+    const uint32_t w = q->weight()->idx(), sc = q->scales()->idx(), bi = q->biases()->idx();
+    for (auto r : reads) {
+      if (r != w && r != sc && r != bi) kept.insert(static_cast<uint32_t>(r));
+    }
+    auto [at, added] = trios.emplace(w, Trio{sc, bi});
+    // one weight, one scales and one biases to each other, no slot in two roles
+    if (!added && (at->second.scales != sc || at->second.biases != bi)) kept.insert(w);
+    for (uint32_t p : {sc, bi}) {
+      auto [o, fresh] = owner.emplace(p, w);
+      if ((!fresh && o->second != w) || p == w) kept.insert(p);
+    }
+    if (sc == bi || owner.count(w)) kept.insert(w);
+  }
+  for (auto* io : *graph_->outputs()) kept.insert(io->slot());
+  for (auto& [w, trio] : trios) {
+    if (kept.count(w) || kept.count(trio.scales) || kept.count(trio.biases)) continue;
+    if (trios.count(trio.scales) || trios.count(trio.biases)) continue;
+    mx::array &weight = *constant[w], &scales = *constant[trio.scales], &biases = *constant[trio.biases];
+    // (shapes the node would refuse stay as they are: the node's own checks name them)
+    if (weight.ndim() != 2 || scales.ndim() != 2 || scales.shape() != biases.shape() ||
+        scales.shape(0) != weight.shape(0) || scales.dtype() != biases.dtype() ||
+        (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16) ||
+        (weight.dtype() != mx::uint32 && weight.dtype() != mx::int32) || weight.shape(0) < 16) {
+      continue;
+    }
+    const size_t N = weight.shape(0), param = scales.itemsize();
+    tile_in_place(weight.data<uint8_t>(), N, weight.shape(1), 4);
+    tile_in_place(scales.data<uint8_t>(), N, scales.shape(1), param);
+    tile_in_place(biases.data<uint8_t>(), N, biases.shape(1), param);
+    tiled_[w] = tiled_[trio.scales] = tiled_[trio.biases] = true;
+  }
+}
+
 mx::array Program::initial_value(size_t i) const {
   const auto& init = buffer_initial_[i];
   if (graph_->mutable_buffers()->Get(i)->zero_initial()) return mx::zeros(init.shape(), init.dtype());
@@ -608,7 +676,7 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   auto* buffers = graph_->mutable_buffers();
   std::vector<mx::array> outs, updates;
   {
-    Interpreter st(graph_->num_values(), symbols, liveness_);
+    Interpreter st(graph_->num_values(), symbols, liveness_, tiled_);
     // The state moves into the slot table: once the table is gone, the
     // graph holds the only reference, so MLX updates it in place.
     for (uint32_t i = 0; i < state_.size(); ++i) st.set(buffers->Get(i)->slot(), std::move(state_[i]));

@@ -49,8 +49,13 @@ struct Liveness {
 // Value slots of one execution.
 class Interpreter {
  public:
-  Interpreter(uint32_t num_values, std::vector<int64_t> symbols, const Liveness& liveness)
-      : values_(num_values), counted_(num_values, 0), symbols_(std::move(symbols)), liveness_(liveness) {}
+  Interpreter(uint32_t num_values, std::vector<int64_t> symbols, const Liveness& liveness,
+              const std::vector<bool>& tiled)
+      : values_(num_values),
+        counted_(num_values, 0),
+        symbols_(std::move(symbols)),
+        liveness_(liveness),
+        tiled_(tiled) {}
 
   const mlx::core::array& get(const ir::Tid* t) const;
   std::optional<mlx::core::array> get_optional(const ir::Tid* t) const;
@@ -64,6 +69,8 @@ class Interpreter {
   std::optional<mlx::core::array> take(uint32_t slot);
   // The size of dynamic dimension `i` in this execution.
   int64_t symbol(int64_t i) const;
+  // Whether `t` is a constant stored in the tiled layout (quantized_dot.h).
+  bool tiled(const ir::Tid* t) const { return t && t->idx() < tiled_.size() && tiled_[t->idx()]; }
 
   // Runs node `i`: what it writes counts against the memory budget until
   // its last reader has run. Errors name the node.
@@ -74,6 +81,7 @@ class Interpreter {
   std::vector<size_t> counted_;  // bytes of each node output still alive
   std::vector<int64_t> symbols_;
   const Liveness& liveness_;
+  const std::vector<bool>& tiled_;
   size_t live_bytes_ = 0;
   int64_t node_ = -1;  // the node running, or -1 while binding inputs
 };
@@ -119,6 +127,7 @@ class Program {
   void verify(const void* data, size_t size);
   void plan_liveness();
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
+  void tile_quantized_weights();
   void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
   // A fresh, unevaluated initial value of mutable buffer `i`, made on the
   // calling thread's stream.
@@ -129,6 +138,7 @@ class Program {
   const ir::Graph* graph_ = nullptr;
   Liveness liveness_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
+  std::vector<bool> tiled_;  // per slot: a constant in the tiled layout
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
   // Initial values of the mutable buffers (loaded constants, evaluated; or
   // zeros, never evaluated: see initial_value)

@@ -169,7 +169,7 @@ class GatherQuantizedLinear : public CpuKernel {
         const size_t n0 = (task % blocks) * block, n1 = std::min(N, n0 + block);
         const size_t at = ew.expert * N;
         quantized_dots(ew.x, wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes, bf16,
-                       n0, n1, ew.out.data(), N);
+                       /*tiled=*/false, n0, n1, ew.out.data(), N);
       });
       for (const auto& ew : work) {
         for (size_t i = 0; i < ew.pairs.size(); ++i) {

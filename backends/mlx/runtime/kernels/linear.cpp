@@ -27,6 +27,16 @@ typedef uint64_t u64x4 __attribute__((vector_size(32)));
 // How the weight matrix [N, K] is stored.
 enum class Format : int { F32, BF16, Q4, Q8 };
 
+// A linear layer's weights as our kernel reads them: their format, and for
+// the quantized ones the group, how x meets them, and whether they are
+// tiled (quantized_dot.h).
+struct Spec {
+  Format format;
+  int group = 0;
+  Activations activations = Activations::Float;
+  bool tiled = false;
+};
+
 struct Operands {
   Format format;
   int group;             // quantized: K values per (scale, bias) pair
@@ -280,25 +290,24 @@ void float_rows(const Operands& o) {
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public CpuKernel {
  public:
-  Linear(mx::Stream s, Format format, int group, bool has_bias, bool has_residual, Activations activations)
-      : CpuKernel(s),
-        format_(format),
-        group_(group),
-        has_bias_(has_bias),
-        has_residual_(has_residual),
-        activations_(activations) {}
+  Linear(mx::Stream s, Spec spec, bool has_bias, bool has_residual)
+      : CpuKernel(s), spec_(spec), has_bias_(has_bias), has_residual_(has_residual) {}
 
   const char* name() const override { return "EmlxLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Linear&>(other);
-    return format_ == o.format_ && group_ == o.group_ && has_bias_ == o.has_bias_ &&
-           has_residual_ == o.has_residual_ && activations_ == o.activations_;
+    return spec_.format == o.spec_.format && spec_.group == o.spec_.group &&
+           spec_.activations == o.spec_.activations && spec_.tiled == o.spec_.tiled && has_bias_ == o.has_bias_ &&
+           has_residual_ == o.has_residual_;
   }
 
  private:
   CpuTask task() const override {
-    return [format = format_, group = group_, has_bias = has_bias_, has_residual = has_residual_,
-            activations = activations_](const std::vector<mx::array>& inputs, mx::array& out) {
+    return [spec = spec_, has_bias = has_bias_, has_residual = has_residual_](const std::vector<mx::array>& inputs,
+                                                                             mx::array& out) {
+      const Format format = spec.format;
+      const int group = spec.group;
+      const bool tiled = spec.tiled;
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
@@ -320,7 +329,7 @@ class Linear : public CpuKernel {
       const size_t operands = quantized ? 3 : 1;
       o.bias = has_bias ? inputs[1 + operands].data<void>() : nullptr;
       IntRows xq;
-      if (quantized && activations == Activations::Int8 &&
+      if (quantized && spec.activations == Activations::Int8 &&
           quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
         // Integer dot products on the packed rows (quantized_dot.h), for any
         // number of rows: 2.3x faster a row than sgemm on decoded tiles (a
@@ -330,12 +339,22 @@ class Linear : public CpuKernel {
         const int blocks = static_cast<int>((N + rows - 1) / rows);
         parallel_for(blocks, [&](int b) {
           const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
-          quantized_dots(xq, static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16, n0, n1, o.out, N);
+          quantized_dots(xq, static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16, tiled, n0, n1, o.out,
+                         N);
           if (!o.bias) return;
           for (size_t m = 0; m < M; ++m) {
             for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
           }
         });
+      } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
+        const size_t row_bytes = K * (format == Format::Q4 ? 4 : 8) / 8, params = N * (K / group);
+        const size_t param_bytes = o.params_bf16 ? 2 : 4;
+        std::vector<uint8_t> w(N * row_bytes), scales(params * param_bytes), biases(params * param_bytes);
+        untile(o.w, N, row_bytes / 4, 4, w.data());
+        untile(o.scales, N, K / group, param_bytes, scales.data());
+        untile(o.biases, N, K / group, param_bytes, biases.data());
+        o.w = w.data(), o.scales = scales.data(), o.biases = biases.data();
+        float_rows(o);
       } else {
         float_rows(o);
       }
@@ -353,10 +372,8 @@ class Linear : public CpuKernel {
     };
   }
 
-  Format format_;
-  int group_;
+  Spec spec_;
   bool has_bias_, has_residual_;
-  Activations activations_;
 };
 
 bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
@@ -369,12 +386,22 @@ void check_residual(const mx::array& x, int N, const std::optional<mx::array>& r
   }
 }
 
+// A tiled [N, C] matrix (quantized_dot.h) back in rows, in MLX ops (for
+// MLX's own kernels: another device, other dtypes).
+mx::array untiled(const mx::array& a, mx::Stream s) {
+  const int N = a.shape(0), C = a.shape(1), tiles = N / static_cast<int>(kTileRows), whole = tiles * kTileRows;
+  if (tiles == 0) return a;
+  auto head = mx::slice(a, {0, 0}, {whole, C}, s);
+  head = mx::reshape(mx::transpose(mx::reshape(head, {tiles, C, static_cast<int>(kTileRows)}, s), {0, 2, 1}, s),
+                     {whole, C}, s);
+  return whole == N ? head : mx::concatenate({head, mx::slice(a, {whole, 0}, {N, C}, s)}, 0, s);
+}
+
 // Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
 // and back would be two more nodes), the operands row-contiguous. `product`
 // is MLX's x w^T for the fallback; the addends are added after it there too.
 mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
-                const Addends& addends, Format format, int group, Activations activations,
-                const Fallback& product) {
+                const Addends& addends, Spec spec, const Fallback& product) {
   const auto& [bias, residual] = addends;
   mx::Shape out_shape = x.shape();
   out_shape.back() = operands[0].shape(0);
@@ -392,7 +419,7 @@ mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::v
     return has_residual ? mx::add(y, in.back(), s) : y;
   };
   return CpuKernel::build(s, supported, std::move(in), std::move(out_shape), x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<Linear>(s, format, group, bias.has_value(), residual.has_value(), activations);
+    return std::make_shared<Linear>(s, spec, bias.has_value(), residual.has_value());
   });
 }
 
@@ -443,8 +470,7 @@ mx::array linear(const mx::array& x, const mx::array& w, const Addends& addends,
   auto product = [](const std::vector<mx::array>& in, mx::Stream s) {
     return mx::matmul(in[0], mx::transpose(in[1], s), s);
   };
-  return build(s, supported, x, {w}, addends, x.dtype() == mx::float32 ? Format::F32 : Format::BF16, 0,
-               Activations::Float, product);
+  return build(s, supported, x, {w}, addends, {x.dtype() == mx::float32 ? Format::F32 : Format::BF16}, product);
 }
 
 mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const Addends& addends,
@@ -472,12 +498,13 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
   // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
   const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && q.scales.dtype() == x.dtype() &&
                          (!bias || bias->dtype() == x.dtype());
-  auto product = [group_size, bits](const std::vector<mx::array>& in, mx::Stream s) {
-    return mx::quantized_matmul(in[0], mx::view(in[1], mx::uint32, s), in[2], in[3], /*transpose=*/true, group_size,
-                                bits, "affine", s);
+  auto product = [group_size, bits, tiled = q.tiled](const std::vector<mx::array>& in, mx::Stream s) {
+    auto rows = [&](const mx::array& a) { return tiled ? untiled(a, s) : a; };
+    return mx::quantized_matmul(in[0], mx::view(rows(in[1]), mx::uint32, s), rows(in[2]), rows(in[3]),
+                                /*transpose=*/true, group_size, bits, "affine", s);
   };
-  return build(s, supported, x, {q.w, q.scales, *q.biases}, addends, bits == 4 ? Format::Q4 : Format::Q8, group_size,
-               activations, product);
+  return build(s, supported, x, {q.w, q.scales, *q.biases}, addends,
+               {bits == 4 ? Format::Q4 : Format::Q8, group_size, activations, q.tiled}, product);
 }
 
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {

@@ -39,6 +39,7 @@ struct QuantizedMatrix {
   std::optional<mlx::core::array> biases;
   int group_size, bits;
   std::string mode;
+  bool tiled = false;  // w, scales and biases in the tiled layout (quantized_dot.h): an affine 4- or 8-bit matrix
 };
 
 // How our kernel meets x with 4- and 8-bit weights: Int8 rounds each group

@@ -63,6 +63,10 @@ inline int32_t group_sum_generic(const uint8_t* row, const int8_t* q, size_t k0,
   return s;
 }
 
+// The arithmetic of every build: per weight row n, row m of x and group g,
+// the exact integer sum s of code * xq, then y = fma(s, scale * x's step,
+// y) and y = fma(bias, x's rounded sum, y), group after group. (The x86
+// builds do it for 8 or 16 weight rows at once, one a lane.)
 template <int BITS>
 void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool bf16, size_t n0,
                   size_t n1, float* out, size_t ldo) {
@@ -75,19 +79,38 @@ void dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const 
       for (size_t g = 0; g < groups; ++g) {
         const size_t at = n * groups + g, xg = m * groups + g;
         const int32_t s = group_sum_generic<BITS>(row, q, g * x.group, x.group);
-        y += static_cast<float>(s) * (float_at(scales, at, bf16) * x.scale[xg]) +
-             float_at(biases, at, bf16) * x.sum[xg];
+        const float factor = float_at(scales, at, bf16) * x.scale[xg];
+        y = std::fma(static_cast<float>(s), factor, y);
+        y = std::fma(float_at(biases, at, bf16), x.sum[xg], y);
       }
       out[m * ldo + n] = y;
     }
   }
 }
 
+// The same on a tiled matrix: each whole tile written back in rows first.
+template <int BITS>
+void tiled_dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool bf16,
+                        size_t n0, size_t n1, float* out, size_t ldo) {
+  const size_t groups = x.K / x.group, row_bytes = x.K * BITS / 8, param = bf16 ? 2 : 4;
+  std::vector<uint8_t> rows(kTileRows * row_bytes), s(kTileRows * groups * param), b(kTileRows * groups * param);
+  for (size_t n = n0; n < n1; n += kTileRows) {
+    if (n + kTileRows > n1) {
+      dots_generic<BITS>(x, w, scales, biases, bf16, n, n1, out, ldo);
+      break;
+    }
+    untile(w + n * row_bytes, kTileRows, row_bytes / 4, 4, rows.data());
+    untile(static_cast<const uint8_t*>(scales) + n * groups * param, kTileRows, groups, param, s.data());
+    untile(static_cast<const uint8_t*>(biases) + n * groups * param, kTileRows, groups, param, b.data());
+    dots_generic<BITS>(x, rows.data(), s.data(), b.data(), bf16, 0, kTileRows, out + n, ldo);
+  }
+}
+
 #if defined(__x86_64__)
 // The x86 kernels, built three times: for AVX2+FMA (vpmaddubsw then
 // vpmaddwd); for CPUs with AVX-VNNI (one vpdpbusd multiplies four bytes,
-// sums them and accumulates); and for AVX-512 VNNI (two groups at once in
-// 512-bit registers, 32 of them). EMLX_DPBUSD names the VNNI instruction.
+// sums them and accumulates); and for AVX-512 VNNI (16 weight rows a
+// 512-bit register). EMLX_DPBUSD names the VNNI instruction.
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #else
@@ -208,28 +231,32 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 }
 #endif
 
-// Reorders each row's pairs of groups (g, g + 1) for the AVX-512 kernel:
-// per 32 bytes (32 values; in 4-bit groups of 64 or more, the evens or the
-// odds of 64), group g's then group g + 1's, so one 512-bit load holds both
-// groups' x for a chunk of each. An odd group count's last group keeps the
-// plain layout; groups of 32 are already so.
-void pair_layout(IntRows& rows) {
-  const size_t group = rows.group, pairs = rows.K / group / 2;
-  if (group == 32) return;
-  std::vector<int8_t> pair(2 * group);
-  for (size_t m = 0; m < rows.M; ++m) {
-    for (size_t p = 0; p < pairs; ++p) {
-      int8_t* at = rows.q.data() + m * rows.K + 2 * p * group;
-      for (size_t i = 0; i < 2 * group; i += 64) {  // 32 values of each group
-        std::copy(at + i / 2, at + i / 2 + 32, pair.begin() + i);
-        std::copy(at + group + i / 2, at + group + i / 2 + 32, pair.begin() + i + 32);
-      }
-      std::copy(pair.begin(), pair.end(), at);
+}  // namespace
+
+void tile_in_place(void* data, size_t N, size_t C, size_t elem) {
+  auto* bytes = static_cast<uint8_t*>(data);
+  std::vector<uint8_t> tile(kTileRows * C * elem);
+  for (size_t n = 0; n + kTileRows <= N; n += kTileRows) {
+    uint8_t* at = bytes + n * C * elem;
+    for (size_t r = 0; r < kTileRows; ++r) {
+      for (size_t c = 0; c < C; ++c) std::memcpy(&tile[(c * kTileRows + r) * elem], at + (r * C + c) * elem, elem);
     }
+    std::memcpy(at, tile.data(), tile.size());
   }
 }
 
-}  // namespace
+void untile(const void* data, size_t N, size_t C, size_t elem, void* out) {
+  const auto* from = static_cast<const uint8_t*>(data);
+  auto* to = static_cast<uint8_t*>(out);
+  const size_t whole = N / kTileRows * kTileRows;
+  for (size_t n = 0; n < whole; n += kTileRows) {
+    const uint8_t* tile = from + n * C * elem;
+    for (size_t r = 0; r < kTileRows; ++r) {
+      for (size_t c = 0; c < C; ++c) std::memcpy(to + ((n + r) * C + c) * elem, tile + (c * kTileRows + r) * elem, elem);
+    }
+  }
+  std::memcpy(to + whole * C * elem, from + whole * C * elem, (N - whole) * C * elem);
+}
 
 bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
   const size_t groups = K / group;
@@ -251,19 +278,19 @@ bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntR
       }
     }
   }
-#if defined(__x86_64__)
-  if (has_avx512_vnni()) pair_layout(rows);  // the kernel quantized_dots picks reads it so
-#endif
   return true;
 }
 
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
-                    size_t n0, size_t n1, float* out, size_t ldo) {
+                    bool tiled, size_t n0, size_t n1, float* out, size_t ldo) {
 #if defined(__x86_64__)
-  if (has_avx512_vnni()) return avx512::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
-  if (has_avx_vnni()) return vnni::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
-  if (has_avx2()) return avx2::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, n0, n1, out, ldo);
+  if (has_avx512_vnni()) {
+    return avx512::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, tiled, n0, n1, out, ldo);
+  }
+  if (has_avx_vnni()) return vnni::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, tiled, n0, n1, out, ldo);
+  if (has_avx2()) return avx2::dots_for(x.bits, params_bf16, x.group)(x, w, scales, biases, tiled, n0, n1, out, ldo);
 #endif
+  if (tiled) return (x.bits == 4 ? tiled_dots_generic<4> : tiled_dots_generic<8>)(x, w, scales, biases, params_bf16, n0, n1, out, ldo);
   (x.bits == 4 ? dots_generic<4> : dots_generic<8>)(x, w, scales, biases, params_bf16, n0, n1, out, ldo);
 }
 

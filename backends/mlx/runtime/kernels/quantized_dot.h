@@ -29,10 +29,25 @@ struct IntRows {
 // then takes its float path, which propagates them.
 bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows);
 
+// Weight rows a tile of the tiled layout.
+constexpr size_t kTileRows = 16;
+
+// The tiled layout of an [N, C] matrix of `elem`-byte elements (a weight
+// matrix as 4-byte words, its scales, its biases): each whole tile of 16
+// rows is stored [C, 16], element c of the tile's row r at c * 16 + r; the
+// N % 16 last rows stay as they are. The kernels then read a tile's 16 rows
+// side by side, one a 32-bit lane, in one pass over memory, where rows
+// stored one after another would have to be transposed on the way (which a
+// decode step cannot afford). tile_in_place rearranges a matrix (at load),
+// untile writes one back in rows to `out`.
+void tile_in_place(void* data, size_t N, size_t C, size_t elem);
+void untile(const void* data, size_t N, size_t C, size_t elem, void* out);
+
 // out[m * ldo + n] = x[m] . w[n] for n in [n0, n1) and every row m, with
 // w = q * scale + bias per group (w: [N, K * bits / 8] bytes; scales and
-// biases [N, K / group], float32 or bfloat16).
+// biases [N, K / group], float32 or bfloat16; all three tiled or none). n0
+// is a multiple of 16, and so is n1 unless it is N: each tile whole.
 void quantized_dots(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool params_bf16,
-                    size_t n0, size_t n1, float* out, size_t ldo);
+                    bool tiled, size_t n0, size_t n1, float* out, size_t ldo);
 
 }  // namespace emlx

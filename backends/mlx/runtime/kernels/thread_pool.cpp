@@ -120,15 +120,17 @@ int pool_size() { return pool().size(); }
 
 #if defined(__x86_64__)
 namespace {
-// EMLX_X86_KERNELS=avx2 | avx-vnni caps the x86 kernel builds used below
-// what the CPU has (to test every build on one machine).
+// EMLX_X86_KERNELS=plain | avx2 | avx-vnni caps the x86 kernel builds used
+// below what the CPU has (to test every build on one machine; plain: the
+// plain C++ kernels every CPU runs).
 int x86_cap() {
   static const int cap = [] {
     const char* env = std::getenv("EMLX_X86_KERNELS");
     if (env == nullptr) return 3;
     const std::string v = env;
+    if (v == "plain") return 0;
     if (v == "avx2" || v == "avx-vnni") return v == "avx2" ? 1 : 2;
-    std::fprintf(stderr, "emlx: EMLX_X86_KERNELS=%s ignored (avx2 or avx-vnni)\n", env);
+    std::fprintf(stderr, "emlx: EMLX_X86_KERNELS=%s ignored (plain, avx2 or avx-vnni)\n", env);
     return 3;
   }();
   return cap;
@@ -138,7 +140,7 @@ int x86_cap() {
 
 bool has_avx2() {
 #if defined(__x86_64__)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && x86_cap() >= 1;
   return yes;
 #else
   return false;
