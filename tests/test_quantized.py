@@ -201,6 +201,34 @@ def test_x_with_a_nan_or_an_infinity_meets_tiled_weights_in_floats(bits):
     torch.testing.assert_close(got[2:], mlx_quantized_linear(x[2:], weight, None, 64, bits), **TOL[torch.float32])
 
 
+class TiedTable(torch.nn.Module):
+    """An embedding and the output layer tied to it: one table."""
+
+    def __init__(self, weight, group_size, bits):
+        super().__init__()
+        self.table = QuantizedTable(weight, QuantFormat(bits, group_size))
+
+    def forward(self, ids):
+        h = self.table(ids)
+        return h, self.table.linear(h)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tied_table_is_tiled_for_its_head_and_its_embedding_reads_rows_of_the_tiles(bits):
+    """A table the output layer and the embedding share is tiled at load
+    for the layer (kernels/quantized_dot.h); the embedding takes its rows
+    from the tiles: every row (37: two tiles and 5 rows stored in rows) is the
+    table's dequantized row, and the logits are what the layer computes on
+    its own."""
+    weight = torch.randn(37, 128)
+    ids = torch.tensor([[0, 15, 16, 31, 32, 36, 5, 20, 33]])
+    h, logits = run(lower(TiedTable(weight, 64, bits).eval(), (ids,)).to_executorch().buffer, [ids])
+    table = QuantizedTable(weight, QuantFormat(bits, 64))
+    torch.testing.assert_close(h, dequantized(table)[ids], atol=1e-6, rtol=1e-6)
+    alone = run(lower(QLinear(weight, None, 64, bits).eval(), (h[0],)).to_executorch().buffer, [h[0]])[0]
+    assert torch.equal(logits[0], alone)
+
+
 def test_every_x86_build_computes_each_row_alone(tmp_path):
     """The integer kernel is built in plain C++ and for AVX2, AVX-VNNI and
     AVX-512 VNNI (EMLX_X86_KERNELS caps the build a process uses, so each

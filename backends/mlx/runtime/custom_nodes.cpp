@@ -281,15 +281,17 @@ void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n)
 }
 
 void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {
-  const auto q = quantized_matrix(st, n);
+  auto q = quantized_matrix(st, n);
+  q.tiled = st.tiled(n->weight());  // a tied output layer's (Program::tile_quantized_weights)
   const int K = q.w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(q.w.shape(1)) * 32 / std::max(q.bits, 1)) : 0;
   check_quantization("QuantizedEmbeddingNode", q, K);
   auto ids = in_range(st.get(n->indices()), q.w.shape(0), "QuantizedEmbeddingNode");
-  auto biases = q.biases ? std::optional<mx::array>(mx::take(*q.biases, ids, 0)) : std::nullopt;
+  auto rows = [&](const mx::array& a) { return take_rows(a, ids, q.tiled); };
+  auto biases = q.biases ? std::optional<mx::array>(rows(*q.biases)) : std::nullopt;
   // affine rows come out in the scales' type; the microscaling formats' in the node's dtype
   auto dtype = q.mode == "affine" ? std::nullopt : std::optional<mx::Dtype>(to_mlx_dtype(n->dtype()));
-  st.set(n->out(), mx::dequantize(mx::view(mx::take(q.w, ids, 0), mx::uint32), mx::take(q.scales, ids, 0), biases,
-                                  q.group_size, q.bits, q.mode, std::nullopt, dtype));
+  st.set(n->out(), mx::dequantize(mx::view(rows(q.w), mx::uint32), rows(q.scales), biases, q.group_size, q.bits,
+                                  q.mode, std::nullopt, dtype));
 }
 
 namespace {

@@ -443,57 +443,63 @@ void Program::load_constants(const NamedDataMap* named_data) {
   }
 }
 
-// The affine 4- and 8-bit matrices that only QuantizedLinearNodes with
-// 8-bit activations read, in our CPU kernel's tiled layout
-// (quantized_dot.h), rearranged in place: a decode step then reads each in
-// one pass, and a prefill meets 16 rows at once. Only where that kernel
-// runs (a CPU stream, CPU kernels not disabled); any other reader of a
-// weight (a tied embedding, an experts layer) keeps it in rows. The layer
-// turns a tiled matrix back into rows for a call our kernel does not take.
+// The affine 4- and 8-bit matrices that QuantizedLinearNodes with 8-bit
+// activations read, in our CPU kernel's tiled layout (quantized_dot.h),
+// rearranged in place: a decode step then reads each in one pass, and a
+// prefill meets 16 rows at once. Only where that kernel runs (a CPU stream,
+// CPU kernels not disabled), and only matrices no other node reads but a
+// QuantizedEmbeddingNode (a tied embedding: it takes its rows from the
+// tiles). The layer turns a tiled matrix back into rows for a call our
+// kernel does not take.
 void Program::tile_quantized_weights() {
-  const uint32_t n = graph_->num_values();
-  tiled_.assign(n, false);
+  tiled_.assign(graph_->num_values(), false);
   if (!CpuKernel::serves(mx::default_stream(mx::default_device()))) return;
   std::map<uint32_t, mx::array*> constant;
   for (auto& [slot, a] : constants_) constant.emplace(slot, &a);
   struct Trio {
     uint32_t scales, biases;
+    bool linear = false;  // read by a QuantizedLinearNode
   };
-  std::map<uint32_t, Trio> trios;   // weight slot -> its scales and biases
-  std::set<uint32_t> kept;          // constants that stay in rows
+  std::map<uint32_t, Trio> trios;      // weight slot -> its scales and biases
   std::map<uint32_t, uint32_t> owner;  // scales or biases slot -> its weight
+  std::set<uint32_t> kept;             // constants that stay in rows
+  // A node reading (w, sc, bi) as its weight, scales and biases: each slot in one role, of one trio.
+  auto claim = [&](uint32_t w, uint32_t sc, uint32_t bi, bool linear) {
+    auto [at, added] = trios.emplace(w, Trio{sc, bi});
+    if (!added && (at->second.scales != sc || at->second.biases != bi)) kept.insert(w);
+    at->second.linear |= linear;
+    for (uint32_t p : {sc, bi}) {
+      auto [o, fresh] = owner.emplace(p, w);
+      if (!fresh && o->second != w) kept.insert(p);
+    }
+    if (sc == bi || sc == w || bi == w) kept.insert(w);
+  };
   std::vector<int64_t> reads, writes;
   for (auto* node : *graph_->nodes()) {
     reads.clear();
     writes.clear();
     node_refs(node, reads, writes);
-    const auto* q = node->op_type() == ir::Op::QuantizedLinearNode ? node->op_as_QuantizedLinearNode() : nullptr;
-    const bool takes = q && q->mode() == ir::QuantMode::affine && (q->bits() == 4 || q->bits() == 8) &&
-                       !q->float_activations() && q->biases() && constant.count(q->weight()->idx()) &&
-                       constant.count(q->scales()->idx()) && constant.count(q->biases()->idx());
-    if (!takes) {
-      for (auto r : reads) kept.insert(static_cast<uint32_t>(r));
-      continue;
+    const ir::Tid *w = nullptr, *sc = nullptr, *bi = nullptr;
+    bool affine = false, linear = false;
+    if (const auto* q = node->op_as_QuantizedLinearNode()) {
+      w = q->weight(), sc = q->scales(), bi = q->biases(), linear = true;
+      affine = q->mode() == ir::QuantMode::affine && (q->bits() == 4 || q->bits() == 8) && !q->float_activations();
+    } else if (const auto* e = node->op_as_QuantizedEmbeddingNode()) {
+      w = e->weight(), sc = e->scales(), bi = e->biases();
+      affine = e->mode() == ir::QuantMode::affine && (e->bits() == 4 || e->bits() == 8);
     }
-    const uint32_t w = q->weight()->idx(), sc = q->scales()->idx(), bi = q->biases()->idx();
+    const bool takes = affine && bi && constant.count(w->idx()) && constant.count(sc->idx()) && constant.count(bi->idx());
     for (auto r : reads) {
-      if (r != w && r != sc && r != bi) kept.insert(static_cast<uint32_t>(r));
+      if (!takes || (r != w->idx() && r != sc->idx() && r != bi->idx())) kept.insert(static_cast<uint32_t>(r));
     }
-    auto [at, added] = trios.emplace(w, Trio{sc, bi});
-    // one weight, one scales and one biases to each other, no slot in two roles
-    if (!added && (at->second.scales != sc || at->second.biases != bi)) kept.insert(w);
-    for (uint32_t p : {sc, bi}) {
-      auto [o, fresh] = owner.emplace(p, w);
-      if ((!fresh && o->second != w) || p == w) kept.insert(p);
-    }
-    if (sc == bi || owner.count(w)) kept.insert(w);
+    if (takes) claim(w->idx(), sc->idx(), bi->idx(), linear);
   }
   for (auto* io : *graph_->outputs()) kept.insert(io->slot());
   for (auto& [w, trio] : trios) {
-    if (kept.count(w) || kept.count(trio.scales) || kept.count(trio.biases)) continue;
-    if (trios.count(trio.scales) || trios.count(trio.biases)) continue;
+    if (!trio.linear || kept.count(w) || kept.count(trio.scales) || kept.count(trio.biases)) continue;
+    if (trios.count(trio.scales) || trios.count(trio.biases) || owner.count(w)) continue;
     mx::array &weight = *constant[w], &scales = *constant[trio.scales], &biases = *constant[trio.biases];
-    // (shapes the node would refuse stay as they are: the node's own checks name them)
+    // (shapes the nodes would refuse stay as they are: the nodes' own checks name them)
     if (weight.ndim() != 2 || scales.ndim() != 2 || scales.shape() != biases.shape() ||
         scales.shape(0) != weight.shape(0) || scales.dtype() != biases.dtype() ||
         (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16) ||

@@ -507,6 +507,31 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
                {bits == 4 ? Format::Q4 : Format::Q8, group_size, activations, q.tiled}, product);
 }
 
+mx::array take_rows(const mx::array& a, const mx::array& ids, bool tiled, mx::StreamOrDevice s) {
+  if (!tiled) return mx::take(a, ids, 0, s);
+  const int N = a.shape(0), C = a.shape(1), lanes = static_cast<int>(kTileRows), tiles = N / lanes;
+  const int whole = tiles * lanes;
+  if (tiles == 0) return mx::take(a, ids, 0, s);
+  const auto type = ids.dtype();
+  auto row = mx::where(mx::less(ids, mx::array(0, type), s), mx::add(ids, mx::array(N, type), s), ids, s);
+  // row r of a tile: its element c at [c, r] of the tile's [C, 16]
+  auto head = mx::reshape(mx::slice(a, {0, 0}, {whole, C}, s), {tiles, C, lanes}, s);
+  auto tile = mx::minimum(mx::floor_divide(row, mx::array(lanes, type), s), mx::array(tiles - 1, type), s);
+  auto lane = mx::expand_dims(mx::remainder(row, mx::array(lanes, type), s), {-1, -2}, s);  // [..., 1, 1]
+  auto picked = mx::take(head, tile, 0, s);                                                 // [..., C, 16]
+  lane = mx::broadcast_to(lane, [&] {
+    auto shape = picked.shape();
+    shape.back() = 1;
+    return shape;
+  }(), s);
+  auto from_tiles = mx::squeeze(mx::take_along_axis(picked, lane, -1, s), -1, s);
+  if (whole == N) return from_tiles;
+  auto tail = mx::slice(a, {whole, 0}, {N, C}, s);
+  auto in_tail = mx::maximum(mx::subtract(row, mx::array(whole, type), s), mx::array(0, type), s);
+  auto from_tail = mx::take(tail, in_tail, 0, s);
+  return mx::where(mx::expand_dims(mx::less(row, mx::array(whole, type), s), -1, s), from_tiles, from_tail, s);
+}
+
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {
   Operands o{};
   o.format = w_bf16 ? Format::BF16 : Format::F32;

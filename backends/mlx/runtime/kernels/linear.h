@@ -54,6 +54,11 @@ enum class Activations { Int8, Float };
 mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q, const Addends& addends,
                                   Activations activations, mlx::core::StreamOrDevice s = {});
 
+// Rows `ids` (any shape, in [-N, N)) of an [N, C] matrix stored in rows or
+// tiled (quantized_dot.h): [..., C].
+mlx::core::array take_rows(const mlx::core::array& a, const mlx::core::array& ids, bool tiled,
+                           mlx::core::StreamOrDevice s = {});
+
 // Throws std::invalid_argument naming `node` unless `q` is a valid
 // quantization of an [N, K] matrix (N: w's rows).
 void check_quantization(const char* node, const QuantizedMatrix& q, int K);
