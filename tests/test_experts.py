@@ -20,7 +20,7 @@ from executorch_mlx.llm.export.experts import check_experts_routed, route_expert
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
 from executorch_mlx.llm.export.quantize import QuantizedExperts, QuantizedTable, quantize_model
 
-E, N, K, T, TOP = 5, 12, 64, 7, 2
+E, N, K, T, TOP = 5, 20, 64, 7, 2  # N: a tile of the tiled layout and 4 rows (kernels/quantized_dot.h)
 
 
 def _indices(t: int = T) -> torch.Tensor:

@@ -361,6 +361,7 @@ void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
 
 void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLinearNode* n) {
   auto q = quantized_matrix(st, n);
+  q.tiled = st.tiled(n->weight());  // each expert's matrix (Program::tile_quantized_weights)
   const char* node = "GatherQuantizedLinearNode";
   if (q.w.ndim() != 3 || q.scales.ndim() != 3 || (q.biases && q.biases->ndim() != 3)) {
     throw std::invalid_argument(std::string(node) + ": weight, scales and biases must be [E, N, ...]");

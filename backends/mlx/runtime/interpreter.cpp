@@ -5,6 +5,7 @@
 
 #include <flatbuffers/flatbuffers.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -443,13 +444,14 @@ void Program::load_constants(const NamedDataMap* named_data) {
   }
 }
 
-// The affine 4- and 8-bit matrices that QuantizedLinearNodes with 8-bit
-// activations read, in our CPU kernel's tiled layout (quantized_dot.h),
-// rearranged in place: a decode step then reads each in one pass, and a
-// prefill meets 16 rows at once. Only where that kernel runs (a CPU stream,
-// CPU kernels not disabled), and only matrices no other node reads but a
-// QuantizedEmbeddingNode (a tied embedding: it takes its rows from the
-// tiles). The layer turns a tiled matrix back into rows for a call our
+// The affine 4- and 8-bit matrices that QuantizedLinearNodes and
+// GatherQuantizedLinearNodes with 8-bit activations read, in our CPU
+// kernel's tiled layout (quantized_dot.h; an experts table's matrices each
+// alone), rearranged in place: a decode step then reads each in one pass,
+// and a prefill meets 16 rows at once. Only where that kernel runs (a CPU
+// stream, CPU kernels not disabled), and only matrices no other node reads
+// but a QuantizedEmbeddingNode (a tied embedding: it takes its rows from the
+// tiles). The layers turn a tiled matrix back into rows for a call our
 // kernel does not take.
 void Program::tile_quantized_weights() {
   tiled_.assign(graph_->num_values(), false);
@@ -484,6 +486,9 @@ void Program::tile_quantized_weights() {
     if (const auto* q = node->op_as_QuantizedLinearNode()) {
       w = q->weight(), sc = q->scales(), bi = q->biases(), linear = true;
       affine = q->mode() == ir::QuantMode::affine && (q->bits() == 4 || q->bits() == 8) && !q->float_activations();
+    } else if (const auto* g = node->op_as_GatherQuantizedLinearNode()) {
+      w = g->weight(), sc = g->scales(), bi = g->biases(), linear = true;
+      affine = g->mode() == ir::QuantMode::affine && (g->bits() == 4 || g->bits() == 8) && !g->float_activations();
     } else if (const auto* e = node->op_as_QuantizedEmbeddingNode()) {
       w = e->weight(), sc = e->scales(), bi = e->biases();
       affine = e->mode() == ir::QuantMode::affine && (e->bits() == 4 || e->bits() == 8);
@@ -499,17 +504,22 @@ void Program::tile_quantized_weights() {
     if (!trio.linear || kept.count(w) || kept.count(trio.scales) || kept.count(trio.biases)) continue;
     if (trios.count(trio.scales) || trios.count(trio.biases) || owner.count(w)) continue;
     mx::array &weight = *constant[w], &scales = *constant[trio.scales], &biases = *constant[trio.biases];
-    // (shapes the nodes would refuse stay as they are: the nodes' own checks name them)
-    if (weight.ndim() != 2 || scales.ndim() != 2 || scales.shape() != biases.shape() ||
-        scales.shape(0) != weight.shape(0) || scales.dtype() != biases.dtype() ||
-        (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16) ||
-        (weight.dtype() != mx::uint32 && weight.dtype() != mx::int32) || weight.shape(0) < 16) {
+    // [N, ...] or an experts table's [E, N, ...]; shapes the nodes would
+    // refuse stay as they are (the nodes' own checks name them)
+    const int rank = weight.ndim();
+    if ((rank != 2 && rank != 3) || scales.ndim() != rank || scales.shape() != biases.shape() ||
+        !std::equal(scales.shape().begin(), scales.shape().end() - 1, weight.shape().begin()) ||
+        scales.dtype() != biases.dtype() || (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16) ||
+        (weight.dtype() != mx::uint32 && weight.dtype() != mx::int32) || weight.shape(-2) < 16) {
       continue;
     }
-    const size_t N = weight.shape(0), param = scales.itemsize();
-    tile_in_place(weight.data<uint8_t>(), N, weight.shape(1), 4);
-    tile_in_place(scales.data<uint8_t>(), N, scales.shape(1), param);
-    tile_in_place(biases.data<uint8_t>(), N, biases.shape(1), param);
+    const size_t matrices = rank == 3 ? weight.shape(0) : 1, N = weight.shape(-2), param = scales.itemsize();
+    const size_t words = weight.shape(-1), groups = scales.shape(-1);
+    for (size_t e = 0; e < matrices; ++e) {
+      tile_in_place(weight.data<uint8_t>() + e * N * words * 4, N, words, 4);
+      tile_in_place(scales.data<uint8_t>() + e * N * groups * param, N, groups, param);
+      tile_in_place(biases.data<uint8_t>() + e * N * groups * param, N, groups, param);
+    }
     tiled_[w] = tiled_[trio.scales] = tiled_[trio.biases] = true;
   }
 }

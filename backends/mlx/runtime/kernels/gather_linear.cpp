@@ -103,19 +103,19 @@ IntRows pick_rows(const IntRows& all, const std::vector<size_t>& rows) {
 // [T, k, N] in x's dtype (float32 or bfloat16, the scales' dtype).
 class GatherQuantizedLinear : public CpuKernel {
  public:
-  GatherQuantizedLinear(mx::Stream s, int group, int bits, Activations activations)
-      : CpuKernel(s), group_(group), bits_(bits), activations_(activations) {}
+  GatherQuantizedLinear(mx::Stream s, int group, int bits, Activations activations, bool tiled)
+      : CpuKernel(s), group_(group), bits_(bits), activations_(activations), tiled_(tiled) {}
 
   const char* name() const override { return "EmlxGatherQuantizedLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const GatherQuantizedLinear&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && activations_ == o.activations_;
+    return group_ == o.group_ && bits_ == o.bits_ && activations_ == o.activations_ && tiled_ == o.tiled_;
   }
 
  private:
   CpuTask task() const override {
-    return [group = group_, bits = bits_, activations = activations_](const std::vector<mx::array>& inputs,
-                                                                       mx::array& out) {
+    return [group = group_, bits = bits_, activations = activations_, tiled = tiled_](
+               const std::vector<mx::array>& inputs, mx::array& out) {
       const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
       const bool bf16 = x.dtype() == mx::bfloat16;
       const bool shared = x.ndim() == 2;
@@ -139,8 +139,16 @@ class GatherQuantizedLinear : public CpuKernel {
         // which float products propagate as gather_qmm does)
         float_experts(xf, K, ids_array, shared, E, bias, out, [&](size_t e, const float* rows, size_t m, float* y) {
           const size_t at = e * N;
-          const PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
-                                  bf16, group, bits};
+          PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
+                            bf16, group, bits};
+          std::vector<uint8_t> w_rows, s_rows, b_rows;  // a tiled expert back in rows, for this call
+          if (tiled) {
+            w_rows.resize(N * row_bytes), s_rows.resize(N * G * param_bytes), b_rows.resize(N * G * param_bytes);
+            untile(expert.w, N, row_bytes / 4, 4, w_rows.data());
+            untile(expert.scales, N, G, param_bytes, s_rows.data());
+            untile(expert.biases, N, G, param_bytes, b_rows.data());
+            expert.w = w_rows.data(), expert.scales = s_rows.data(), expert.biases = b_rows.data();
+          }
           dequantized_linear_rows(rows, m, K, expert, N, y);
         });
         return;
@@ -169,7 +177,7 @@ class GatherQuantizedLinear : public CpuKernel {
         const size_t n0 = (task % blocks) * block, n1 = std::min(N, n0 + block);
         const size_t at = ew.expert * N;
         quantized_dots(ew.x, wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes, bf16,
-                       /*tiled=*/false, n0, n1, ew.out.data(), N);
+                       tiled, n0, n1, ew.out.data(), N);
       });
       for (const auto& ew : work) {
         for (size_t i = 0; i < ew.pairs.size(); ++i) {
@@ -181,6 +189,7 @@ class GatherQuantizedLinear : public CpuKernel {
 
   int group_, bits_;
   Activations activations_;
+  bool tiled_;  // each expert's matrix tiled (quantized_dot.h)
 };
 
 // MLX primitive: inputs x [T, K] or [T, k, K], ids uint32 [T, k] in [0, E),
@@ -228,7 +237,9 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
     const auto &x = in[0], &ids = in[1];
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
-    auto y = mx::gather_qmm(left, mx::view(q.w, mx::uint32, s), q.scales, q.biases, std::nullopt, ids,
+    auto rows = [&](const mx::array& a) { return q.tiled ? untiled(a, s) : a; };
+    auto biases = q.biases ? std::optional(rows(*q.biases)) : std::nullopt;
+    auto y = mx::gather_qmm(left, mx::view(rows(q.w), mx::uint32, s), rows(q.scales), biases, std::nullopt, ids,
                             /*transpose=*/true, q.group_size, q.bits, q.mode, std::nullopt, false, s);
     return plus_bias(mx::squeeze(y, 2, s), bias, ids, s);
   };
@@ -240,7 +251,7 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
   }
   if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   return CpuKernel::build(s, supported, std::move(in), {T, k, N}, x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits, activations);
+    return std::make_shared<GatherQuantizedLinear>(s, q.group_size, q.bits, activations, q.tiled);
   });
 }
 

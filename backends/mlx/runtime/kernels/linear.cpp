@@ -386,17 +386,6 @@ void check_residual(const mx::array& x, int N, const std::optional<mx::array>& r
   }
 }
 
-// A tiled [N, C] matrix (quantized_dot.h) back in rows, in MLX ops (for
-// MLX's own kernels: another device, other dtypes).
-mx::array untiled(const mx::array& a, mx::Stream s) {
-  const int N = a.shape(0), C = a.shape(1), tiles = N / static_cast<int>(kTileRows), whole = tiles * kTileRows;
-  if (tiles == 0) return a;
-  auto head = mx::slice(a, {0, 0}, {whole, C}, s);
-  head = mx::reshape(mx::transpose(mx::reshape(head, {tiles, C, static_cast<int>(kTileRows)}, s), {0, 2, 1}, s),
-                     {whole, C}, s);
-  return whole == N ? head : mx::concatenate({head, mx::slice(a, {whole, 0}, {N, C}, s)}, 0, s);
-}
-
 // Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
 // and back would be two more nodes), the operands row-contiguous. `product`
 // is MLX's x w^T for the fallback; the addends are added after it there too.
@@ -505,6 +494,23 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
   };
   return build(s, supported, x, {q.w, q.scales, *q.biases}, addends,
                {bits == 4 ? Format::Q4 : Format::Q8, group_size, activations, q.tiled}, product);
+}
+
+mx::array untiled(const mx::array& a, mx::StreamOrDevice s) {
+  const int rank = a.ndim(), N = a.shape(-2), C = a.shape(-1), lanes = static_cast<int>(kTileRows);
+  const int tiles = N / lanes, whole = tiles * lanes;
+  if (tiles == 0) return a;
+  mx::Shape start(rank, 0), stop = a.shape(), shape(a.shape().begin(), a.shape().end() - 2);
+  stop[rank - 2] = whole;
+  auto head = mx::slice(a, start, stop, s);
+  shape.insert(shape.end(), {tiles, C, lanes});
+  head = mx::swapaxes(mx::reshape(head, shape, s), -1, -2, s);
+  shape.resize(rank);
+  shape[rank - 2] = whole, shape[rank - 1] = C;
+  head = mx::reshape(head, shape, s);
+  if (whole == N) return head;
+  start[rank - 2] = whole, stop[rank - 2] = N;
+  return mx::concatenate({head, mx::slice(a, start, stop, s)}, rank - 2, s);
 }
 
 mx::array take_rows(const mx::array& a, const mx::array& ids, bool tiled, mx::StreamOrDevice s) {

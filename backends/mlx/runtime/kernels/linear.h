@@ -54,6 +54,11 @@ enum class Activations { Int8, Float };
 mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q, const Addends& addends,
                                   Activations activations, mlx::core::StreamOrDevice s = {});
 
+// A tiled [..., N, C] matrix (quantized_dot.h; each [N, C] tiled alone)
+// back in rows, in MLX ops: for MLX's own kernels (another device, dtypes
+// ours do not take).
+mlx::core::array untiled(const mlx::core::array& a, mlx::core::StreamOrDevice s = {});
+
 // Rows `ids` (any shape, in [-N, N)) of an [N, C] matrix stored in rows or
 // tiled (quantized_dot.h): [..., C].
 mlx::core::array take_rows(const mlx::core::array& a, const mlx::core::array& ids, bool tiled,
