@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "cpu_arrays.h"
 #include "thread_pool.h"
@@ -233,29 +234,44 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 
 }  // namespace
 
-void tile_in_place(void* data, size_t N, size_t C, size_t elem) {
-  auto* bytes = static_cast<uint8_t*>(data);
-  std::vector<uint8_t> tile(kTileRows * C * elem);
+namespace {
+// tile_in_place and untile for elements of type T (a whole tile at a time:
+// [16, C] <-> [C, 16], through `scratch`)
+template <typename T>
+void tile_rows_of(T* data, size_t N, size_t C) {
+  std::vector<T> tile(kTileRows * C);
   for (size_t n = 0; n + kTileRows <= N; n += kTileRows) {
-    uint8_t* at = bytes + n * C * elem;
-    for (size_t r = 0; r < kTileRows; ++r) {
-      for (size_t c = 0; c < C; ++c) std::memcpy(&tile[(c * kTileRows + r) * elem], at + (r * C + c) * elem, elem);
+    T* at = data + n * C;
+    for (size_t c = 0; c < C; ++c) {
+      for (size_t r = 0; r < kTileRows; ++r) tile[c * kTileRows + r] = at[r * C + c];
     }
-    std::memcpy(at, tile.data(), tile.size());
+    std::copy(tile.begin(), tile.end(), at);
   }
 }
 
-void untile(const void* data, size_t N, size_t C, size_t elem, void* out) {
-  const auto* from = static_cast<const uint8_t*>(data);
-  auto* to = static_cast<uint8_t*>(out);
+template <typename T>
+void untile_rows_of(const T* from, size_t N, size_t C, T* to) {
   const size_t whole = N / kTileRows * kTileRows;
   for (size_t n = 0; n < whole; n += kTileRows) {
-    const uint8_t* tile = from + n * C * elem;
+    const T* tile = from + n * C;
     for (size_t r = 0; r < kTileRows; ++r) {
-      for (size_t c = 0; c < C; ++c) std::memcpy(to + ((n + r) * C + c) * elem, tile + (c * kTileRows + r) * elem, elem);
+      for (size_t c = 0; c < C; ++c) to[(n + r) * C + c] = tile[c * kTileRows + r];
     }
   }
-  std::memcpy(to + whole * C * elem, from + whole * C * elem, (N - whole) * C * elem);
+  std::copy(from + whole * C, from + N * C, to + whole * C);
+}
+}  // namespace
+
+void tile_in_place(void* data, size_t N, size_t C, size_t elem) {
+  if (elem == 4) return tile_rows_of(static_cast<uint32_t*>(data), N, C);
+  if (elem == 2) return tile_rows_of(static_cast<uint16_t*>(data), N, C);
+  throw std::invalid_argument("tile_in_place: 2- or 4-byte elements");
+}
+
+void untile(const void* data, size_t N, size_t C, size_t elem, void* out) {
+  if (elem == 4) return untile_rows_of(static_cast<const uint32_t*>(data), N, C, static_cast<uint32_t*>(out));
+  if (elem == 2) return untile_rows_of(static_cast<const uint16_t*>(data), N, C, static_cast<uint16_t*>(out));
+  throw std::invalid_argument("untile: 2- or 4-byte elements");
 }
 
 bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {
