@@ -36,14 +36,15 @@ from bench_llm import GROUP_SIZE, load_average, machine, write_folder  # noqa: E
 
 def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache: bool) -> Path:
     from executorch_mlx.llm.export import hf_export
+    from executorch_mlx.llm.export.options import ExportOptions
 
     options = dict(quantize=variant, group_size=GROUP_SIZE, quantize_embedding=True) if variant != "fp32" else {}
     name = f"{variant}-{max_context}{'-whole' if whole_cache else ''}.pte"
     off = mock.patch.object(hf_export, "attend_written_prefix", lambda ep, n: 0) if whole_cache else nullcontext()
     t0 = time.perf_counter()
     with off:
-        pte = hf_export.export_llm(folder, out / name, max_context=max_context, sampling=True, progress=None,
-                                   **options)
+        pte = hf_export.export_llm(folder, out / name, ExportOptions(max_context=max_context, sampling=True, **options),
+                                   progress=None)
     print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
     return pte
 
