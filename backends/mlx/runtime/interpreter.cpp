@@ -460,7 +460,7 @@ void Program::tile_quantized_weights() {
   for (auto& [slot, a] : constants_) constant.emplace(slot, &a);
   struct Trio {
     uint32_t scales, biases;
-    bool linear = false;  // read by a QuantizedLinearNode
+    bool linear = false;  // read by a (Gather)QuantizedLinearNode, not only an embedding
   };
   std::map<uint32_t, Trio> trios;      // weight slot -> its scales and biases
   std::map<uint32_t, uint32_t> owner;  // scales or biases slot -> its weight
@@ -493,7 +493,8 @@ void Program::tile_quantized_weights() {
       w = e->weight(), sc = e->scales(), bi = e->biases();
       affine = e->mode() == ir::QuantMode::affine && (e->bits() == 4 || e->bits() == 8);
     }
-    const bool takes = affine && bi && constant.count(w->idx()) && constant.count(sc->idx()) && constant.count(bi->idx());
+    const bool takes = affine && w && sc && bi && constant.count(w->idx()) && constant.count(sc->idx()) &&
+                       constant.count(bi->idx());
     for (auto r : reads) {
       if (!takes || (r != w->idx() && r != sc->idx() && r != bi->idx())) kept.insert(static_cast<uint32_t>(r));
     }

@@ -331,11 +331,10 @@ class Linear : public CpuKernel {
       IntRows xq;
       if (quantized && spec.activations == Activations::Int8 &&
           quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
-        // Integer dot products on the packed rows (quantized_dot.h), for any
-        // number of rows: 2.3x faster a row than sgemm on decoded tiles (a
-        // 32000 x 1024 int8 layer, docs/llm.md), and every row is what a
-        // decode step computes. Each weight row meets every row of x while in L1.
-        const size_t rows = block_rows(N, 16);
+        // Integer dot products (quantized_dot.h), for any number of rows,
+        // every row what a decode step computes; blocks of whole tiles of
+        // 16 weight rows (the tiled layout's).
+        const size_t rows = block_rows(N, kTileRows);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
         parallel_for(blocks, [&](int b) {
           const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
