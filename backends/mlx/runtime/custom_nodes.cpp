@@ -286,12 +286,14 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
   const int K = q.w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(q.w.shape(1)) * 32 / std::max(q.bits, 1)) : 0;
   check_quantization("QuantizedEmbeddingNode", q, K);
   auto ids = in_range(st.get(n->indices()), q.w.shape(0), "QuantizedEmbeddingNode");
-  auto rows = [&](const mx::array& a) { return take_rows(a, ids, q.tiled); };
-  auto biases = q.biases ? std::optional<mx::array>(rows(*q.biases)) : std::nullopt;
+  std::vector<mx::array> tables = {q.w, q.scales};
+  if (q.biases) tables.push_back(*q.biases);
+  auto rows = take_rows(tables, ids, q.tiled);
+  auto biases = q.biases ? std::optional<mx::array>(rows[2]) : std::nullopt;
   // affine rows come out in the scales' type; the microscaling formats' in the node's dtype
   auto dtype = q.mode == "affine" ? std::nullopt : std::optional<mx::Dtype>(to_mlx_dtype(n->dtype()));
-  st.set(n->out(), mx::dequantize(mx::view(rows(q.w), mx::uint32), rows(q.scales), biases, q.group_size, q.bits,
-                                  q.mode, std::nullopt, dtype));
+  st.set(n->out(), mx::dequantize(mx::view(rows[0], mx::uint32), rows[1], biases, q.group_size, q.bits, q.mode,
+                                  std::nullopt, dtype));
 }
 
 namespace {

@@ -512,29 +512,34 @@ mx::array untiled(const mx::array& a, mx::StreamOrDevice s) {
   return mx::concatenate({head, mx::slice(a, start, stop, s)}, rank - 2, s);
 }
 
-mx::array take_rows(const mx::array& a, const mx::array& ids, bool tiled, mx::StreamOrDevice s) {
-  if (!tiled) return mx::take(a, ids, 0, s);
-  const int N = a.shape(0), C = a.shape(1), lanes = static_cast<int>(kTileRows), tiles = N / lanes;
+std::vector<mx::array> take_rows(const std::vector<mx::array>& tables, const mx::array& ids, bool tiled,
+                                 mx::StreamOrDevice s) {
+  std::vector<mx::array> rows;
+  const int N = tables.at(0).shape(0), lanes = static_cast<int>(kTileRows), tiles = N / lanes;
+  if (!tiled || tiles == 0) {
+    for (const auto& a : tables) rows.push_back(mx::take(a, ids, 0, s));
+    return rows;
+  }
+  // which tile and lane each id is, computed once for all the tables
   const int whole = tiles * lanes;
-  if (tiles == 0) return mx::take(a, ids, 0, s);
   const auto type = ids.dtype();
   auto row = mx::where(mx::less(ids, mx::array(0, type), s), mx::add(ids, mx::array(N, type), s), ids, s);
-  // row r of a tile: its element c at [c, r] of the tile's [C, 16]
-  auto head = mx::reshape(mx::slice(a, {0, 0}, {whole, C}, s), {tiles, C, lanes}, s);
   auto tile = mx::minimum(mx::floor_divide(row, mx::array(lanes, type), s), mx::array(tiles - 1, type), s);
   auto lane = mx::expand_dims(mx::remainder(row, mx::array(lanes, type), s), {-1, -2}, s);  // [..., 1, 1]
-  auto picked = mx::take(head, tile, 0, s);                                                 // [..., C, 16]
-  lane = mx::broadcast_to(lane, [&] {
+  auto in_tail = mx::maximum(mx::subtract(row, mx::array(whole, type), s), mx::array(0, type), s);
+  auto from_tiles = mx::expand_dims(mx::less(row, mx::array(whole, type), s), -1, s);
+  for (const auto& a : tables) {
+    // row r of a tile: its element c at [c, r] of the tile's [C, 16]
+    const int C = a.shape(1);
+    auto head = mx::reshape(mx::slice(a, {0, 0}, {whole, C}, s), {tiles, C, lanes}, s);
+    auto picked = mx::take(head, tile, 0, s);  // [..., C, 16]
     auto shape = picked.shape();
     shape.back() = 1;
-    return shape;
-  }(), s);
-  auto from_tiles = mx::squeeze(mx::take_along_axis(picked, lane, -1, s), -1, s);
-  if (whole == N) return from_tiles;
-  auto tail = mx::slice(a, {whole, 0}, {N, C}, s);
-  auto in_tail = mx::maximum(mx::subtract(row, mx::array(whole, type), s), mx::array(0, type), s);
-  auto from_tail = mx::take(tail, in_tail, 0, s);
-  return mx::where(mx::expand_dims(mx::less(row, mx::array(whole, type), s), -1, s), from_tiles, from_tail, s);
+    auto got = mx::squeeze(mx::take_along_axis(picked, mx::broadcast_to(lane, shape, s), -1, s), -1, s);
+    if (whole < N) got = mx::where(from_tiles, got, mx::take(mx::slice(a, {whole, 0}, {N, C}, s), in_tail, 0, s), s);
+    rows.push_back(got);
+  }
+  return rows;
 }
 
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out) {

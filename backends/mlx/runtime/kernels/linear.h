@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace emlx {
 
@@ -59,10 +60,11 @@ mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatr
 // ours do not take).
 mlx::core::array untiled(const mlx::core::array& a, mlx::core::StreamOrDevice s = {});
 
-// Rows `ids` (any shape, in [-N, N)) of an [N, C] matrix stored in rows or
-// tiled (quantized_dot.h): [..., C].
-mlx::core::array take_rows(const mlx::core::array& a, const mlx::core::array& ids, bool tiled,
-                           mlx::core::StreamOrDevice s = {});
+// Rows `ids` (any shape, in [-N, N)) of [N, C] matrices with the same N
+// (a table, its scales, its biases), stored in rows or tiled
+// (quantized_dot.h): [..., C] each.
+std::vector<mlx::core::array> take_rows(const std::vector<mlx::core::array>& tables, const mlx::core::array& ids,
+                                        bool tiled, mlx::core::StreamOrDevice s = {});
 
 // Throws std::invalid_argument naming `node` unless `q` is a valid
 // quantization of an [N, K] matrix (N: w's rows).
