@@ -526,8 +526,11 @@ std::vector<mx::array> take_rows(const std::vector<mx::array>& tables, const mx:
   auto row = mx::where(mx::less(ids, mx::array(0, type), s), mx::add(ids, mx::array(N, type), s), ids, s);
   auto tile = mx::minimum(mx::floor_divide(row, mx::array(lanes, type), s), mx::array(tiles - 1, type), s);
   auto lane = mx::expand_dims(mx::remainder(row, mx::array(lanes, type), s), {-1, -2}, s);  // [..., 1, 1]
-  auto in_tail = mx::maximum(mx::subtract(row, mx::array(whole, type), s), mx::array(0, type), s);
-  auto from_tiles = mx::expand_dims(mx::less(row, mx::array(whole, type), s), -1, s);
+  std::optional<mx::array> in_tail, from_tiles;  // the rows after the last whole tile, if any
+  if (whole < N) {
+    in_tail = mx::maximum(mx::subtract(row, mx::array(whole, type), s), mx::array(0, type), s);
+    from_tiles = mx::expand_dims(mx::less(row, mx::array(whole, type), s), -1, s);
+  }
   for (const auto& a : tables) {
     // row r of a tile: its element c at [c, r] of the tile's [C, 16]
     const int C = a.shape(1);
@@ -536,7 +539,7 @@ std::vector<mx::array> take_rows(const std::vector<mx::array>& tables, const mx:
     auto shape = picked.shape();
     shape.back() = 1;
     auto got = mx::squeeze(mx::take_along_axis(picked, mx::broadcast_to(lane, shape, s), -1, s), -1, s);
-    if (whole < N) got = mx::where(from_tiles, got, mx::take(mx::slice(a, {whole, 0}, {N, C}, s), in_tail, 0, s), s);
+    if (whole < N) got = mx::where(*from_tiles, got, mx::take(mx::slice(a, {whole, 0}, {N, C}, s), *in_tail, 0, s), s);
     rows.push_back(got);
   }
   return rows;
