@@ -232,11 +232,8 @@ __attribute__((target("avx2,fma"))) bool quantize_group_avx2(const float* x, int
 }
 #endif
 
-}  // namespace
-
-namespace {
 // tile_in_place and untile for elements of type T (a whole tile at a time:
-// [16, C] <-> [C, 16], through `scratch`)
+// [16, C] <-> [C, 16])
 template <typename T>
 void tile_rows_of(T* data, size_t N, size_t C) {
   std::vector<T> tile(kTileRows * C);
