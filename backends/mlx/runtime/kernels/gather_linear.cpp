@@ -141,14 +141,8 @@ class GatherQuantizedLinear : public CpuKernel {
           const size_t at = e * N;
           PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
                             bf16, group, bits};
-          std::vector<uint8_t> w_rows, s_rows, b_rows;  // a tiled expert back in rows, for this call
-          if (tiled) {
-            w_rows.resize(N * row_bytes), s_rows.resize(N * G * param_bytes), b_rows.resize(N * G * param_bytes);
-            untile(expert.w, N, row_bytes / 4, 4, w_rows.data());
-            untile(expert.scales, N, G, param_bytes, s_rows.data());
-            untile(expert.biases, N, G, param_bytes, b_rows.data());
-            expert.w = w_rows.data(), expert.scales = s_rows.data(), expert.biases = b_rows.data();
-          }
+          std::vector<uint8_t> bytes[3];  // a tiled expert back in rows, for this call
+          if (tiled) expert = untile_matrix(expert, N, K, bytes);
           dequantized_linear_rows(rows, m, K, expert, N, y);
         });
         return;

@@ -346,13 +346,11 @@ class Linear : public CpuKernel {
           }
         });
       } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
-        const size_t row_bytes = K * (format == Format::Q4 ? 4 : 8) / 8, params = N * (K / group);
-        const size_t param_bytes = o.params_bf16 ? 2 : 4;
-        std::vector<uint8_t> w(N * row_bytes), scales(params * param_bytes), biases(params * param_bytes);
-        untile(o.w, N, row_bytes / 4, 4, w.data());
-        untile(o.scales, N, K / group, param_bytes, scales.data());
-        untile(o.biases, N, K / group, param_bytes, biases.data());
-        o.w = w.data(), o.scales = scales.data(), o.biases = biases.data();
+        std::vector<uint8_t> bytes[3];
+        const PackedRows rows = untile_matrix({static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16,
+                                               group, format == Format::Q4 ? 4 : 8},
+                                              N, K, bytes);
+        o.w = rows.w, o.scales = rows.scales, o.biases = rows.biases;
         float_rows(o);
       } else {
         float_rows(o);

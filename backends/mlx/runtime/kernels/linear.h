@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "quantized_dot.h"
+
 namespace emlx {
 
 // What a linear layer adds to x w^T, in this order: a bias [N], then a
@@ -75,15 +77,6 @@ void check_quantization(const char* node, const QuantizedMatrix& q, int K);
 // one-row call computes it up to kDotRows rows, sgemm beyond), for other
 // kernels of ours. Runs on the calling thread and our pool.
 void float_linear_rows(const float* x, size_t M, size_t K, const void* w, bool w_bf16, size_t N, float* out);
-
-// An affine 4- or 8-bit matrix [N, K] as the CPU kernels read it: packed
-// rows of K * bits / 8 bytes, scales and biases [N, K / group].
-struct PackedRows {
-  const uint8_t* w;
-  const void *scales, *biases;
-  bool params_bf16;  // scales and biases bfloat16, else float32
-  int group, bits;
-};
 
 // The same for w packed: QuantizedLinearNode's kernel with Activations::Float.
 void dequantized_linear_rows(const float* x, size_t M, size_t K, const PackedRows& w, size_t N, float* out);

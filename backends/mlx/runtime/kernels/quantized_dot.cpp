@@ -94,16 +94,16 @@ template <int BITS>
 void tiled_dots_generic(const IntRows& x, const uint8_t* w, const void* scales, const void* biases, bool bf16,
                         size_t n0, size_t n1, float* out, size_t ldo) {
   const size_t groups = x.K / x.group, row_bytes = x.K * BITS / 8, param = bf16 ? 2 : 4;
-  std::vector<uint8_t> rows(kTileRows * row_bytes), s(kTileRows * groups * param), b(kTileRows * groups * param);
+  std::vector<uint8_t> bytes[3];
   for (size_t n = n0; n < n1; n += kTileRows) {
     if (n + kTileRows > n1) {
       dots_generic<BITS>(x, w, scales, biases, bf16, n, n1, out, ldo);
       break;
     }
-    untile(w + n * row_bytes, kTileRows, row_bytes / 4, 4, rows.data());
-    untile(static_cast<const uint8_t*>(scales) + n * groups * param, kTileRows, groups, param, s.data());
-    untile(static_cast<const uint8_t*>(biases) + n * groups * param, kTileRows, groups, param, b.data());
-    dots_generic<BITS>(x, rows.data(), s.data(), b.data(), bf16, 0, kTileRows, out + n, ldo);
+    const PackedRows tiled{w + n * row_bytes, static_cast<const uint8_t*>(scales) + n * groups * param,
+                           static_cast<const uint8_t*>(biases) + n * groups * param, bf16, x.group, BITS};
+    const PackedRows tile = untile_matrix(tiled, kTileRows, x.K, bytes);
+    dots_generic<BITS>(x, tile.w, tile.scales, tile.biases, bf16, 0, kTileRows, out + n, ldo);
   }
 }
 
@@ -269,6 +269,15 @@ void untile(const void* data, size_t N, size_t C, size_t elem, void* out) {
   if (elem == 4) return untile_rows_of(static_cast<const uint32_t*>(data), N, C, static_cast<uint32_t*>(out));
   if (elem == 2) return untile_rows_of(static_cast<const uint16_t*>(data), N, C, static_cast<uint16_t*>(out));
   throw std::invalid_argument("untile: 2- or 4-byte elements");
+}
+
+PackedRows untile_matrix(const PackedRows& tiled, size_t N, size_t K, std::vector<uint8_t> (&bytes)[3]) {
+  const size_t words = K * tiled.bits / 32, groups = K / tiled.group, param = tiled.params_bf16 ? 2 : 4;
+  bytes[0].resize(N * words * 4), bytes[1].resize(N * groups * param), bytes[2].resize(N * groups * param);
+  untile(tiled.w, N, words, 4, bytes[0].data());
+  untile(tiled.scales, N, groups, param, bytes[1].data());
+  untile(tiled.biases, N, groups, param, bytes[2].data());
+  return {bytes[0].data(), bytes[1].data(), bytes[2].data(), tiled.params_bf16, tiled.group, tiled.bits};
 }
 
 bool quantize_rows(const float* x, size_t M, size_t K, int group, int bits, IntRows& rows) {

@@ -43,6 +43,19 @@ constexpr size_t kTileRows = 16;
 void tile_in_place(void* data, size_t N, size_t C, size_t elem);
 void untile(const void* data, size_t N, size_t C, size_t elem, void* out);
 
+// An affine 4- or 8-bit matrix [N, K] as the CPU kernels read it: packed
+// rows of K * bits / 8 bytes, scales and biases [N, K / group].
+struct PackedRows {
+  const uint8_t* w;
+  const void *scales, *biases;
+  bool params_bf16;  // scales and biases bfloat16, else float32
+  int group, bits;
+};
+
+// A tiled matrix (weights, scales and biases) back in rows, into `bytes`:
+// the same matrix, read from there.
+PackedRows untile_matrix(const PackedRows& tiled, size_t N, size_t K, std::vector<uint8_t> (&bytes)[3]);
+
 // out[m * ldo + n] = x[m] . w[n] for n in [n0, n1) and every row m, with
 // w = q * scale + bias per group (w: [N, K * bits / 8] bytes; scales and
 // biases [N, K / group], float32 or bfloat16; all three tiled or none). n0
