@@ -474,7 +474,7 @@ void Program::tile_quantized_weights() {
       auto [o, fresh] = owner.emplace(p, w);
       if (!fresh && o->second != w) kept.insert(p);
     }
-    if (sc == bi || sc == w || bi == w) kept.insert(w);
+    if (sc == bi) kept.insert(w);  // (a weight that is also scales or biases: the owner check below)
   };
   std::vector<int64_t> reads, writes;
   for (auto* node : *graph_->nodes()) {
