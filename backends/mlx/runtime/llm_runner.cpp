@@ -17,13 +17,9 @@
 // both read the program contract (generated/program_contract.h) and the
 // sampler table (generated/sampler_params.h) generated from one source.
 
-#include <executorch/extension/data_loader/mmap_data_loader.h>
-#include <executorch/extension/flat_tensor/flat_tensor_data_map.h>
-#include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
 #include <executorch/extension/tensor/tensor_ptr.h>
 #include <executorch/runtime/backend/backend_options_map.h>
 #include <executorch/runtime/backend/options.h>
-#include <executorch/runtime/executor/memory_manager.h>
 #include <executorch/runtime/executor/method.h>
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/runtime.h>
@@ -50,12 +46,10 @@
 
 #include "generated/program_contract.h"
 #include "generated/sampler_params.h"
+#include "program_files.h"
 
 extern "C" int emlx_registered();  // our plugin: linking it registers the backend
 extern "C" const char* emlx_backend_id();
-extern "C" int emlx_check_program(const char* path, const uint8_t* data, uint64_t size);  // program_checks.h
-extern "C" int emlx_check_data_file(const char* path);  // data_file_checks.cpp
-extern "C" const char* emlx_last_error();
 
 namespace {
 
@@ -72,45 +66,8 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// ExecuTorch's error is a code; our runtime's reason (a delegate that refused
-// the program), when there is one, says why.
-void check(et::Error e, const std::string& what) {
-  if (e != et::Error::Ok) {
-    const std::string reason = emlx_last_error();
-    throw std::runtime_error(what + " failed (ExecuTorch " + et::to_string(e) + ")" +
-                             (reason.empty() ? "" : ": " + reason));
-  }
-}
-
-// A loaded method with the memory it plans into (which must outlive it).
-struct LoadedMethod {
-  executorch::extension::MallocMemoryAllocator method_allocator, temp_allocator;
-  std::vector<std::unique_ptr<uint8_t[]>> planned;
-  std::vector<et::Span<uint8_t>> spans;
-  std::unique_ptr<et::HierarchicalAllocator> planned_allocator;
-  std::unique_ptr<et::MemoryManager> memory;
-  std::unique_ptr<et::Method> method;
-
-  LoadedMethod(et::Program& program, const char* name, const et::LoadBackendOptionsMap* options = nullptr,
-               const et::NamedDataMap* data = nullptr) {
-    auto meta = program.method_meta(name);
-    check(meta.error(), std::string("reading method '") + name + "'");
-    for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
-      auto size = meta->memory_planned_buffer_size(i);  // .get() on an error aborts
-      check(size.error(), std::string("reading method '") + name + "''s memory plan");
-      // Not zero-filled: untouched pages of a large plan cost nothing.
-      planned.emplace_back(new uint8_t[static_cast<size_t>(size.get())]);
-      spans.emplace_back(planned.back().get(), static_cast<size_t>(size.get()));
-    }
-    planned_allocator = std::make_unique<et::HierarchicalAllocator>(et::Span(spans.data(), spans.size()));
-    memory = std::make_unique<et::MemoryManager>(&method_allocator, planned_allocator.get(), &temp_allocator);
-    auto m = program.load_method(name, memory.get(), nullptr, data, options);
-    check(m.error(), std::string("loading method '") + name + "'");
-    method = std::make_unique<et::Method>(std::move(m.get()));
-  }
-
-  void execute() { check(method->execute(), "execute"); }
-};
+using emlx::files::check;
+using emlx::files::LoadedMethod;
 
 // The program's metadata: ExecuTorch's LLM-runner names plus ours.
 struct Metadata {
@@ -606,37 +563,11 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-// A program file, memory-mapped and checked; `loader` must outlive the program.
-et::Program load_program(const std::string& path, std::optional<executorch::extension::MmapDataLoader>& loader) {
-  auto mapped = executorch::extension::MmapDataLoader::from(path.c_str());
-  check(mapped.error(), "opening " + path);
-  loader.emplace(std::move(mapped.get()));
-  {  // ExecuTorch would log a wrong identifier's raw bytes: refused here, said cleanly
-    char head[8] = {};
-    std::ifstream(path, std::ios::binary).read(head, sizeof head);
-    if (head[4] != 'E' || head[5] != 'T' || !std::isdigit(static_cast<unsigned char>(head[6])) ||
-        !std::isdigit(static_cast<unsigned char>(head[7]))) {
-      throw std::runtime_error(path + " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)");
-    }
-  }
-  // The whole container is verified (FlatBuffers bounds and offsets) before
-  // anything in it is trusted: the default (Minimal) lets a corrupt file crash.
-  // Then our own checks of what ExecuTorch later reads unchecked (method
-  // input/output value indices: an assert, SIGABRT, in Method::get_output).
-  if (emlx_check_program(path.c_str(), nullptr, 0) != 0) {
-    throw std::runtime_error("loading program " + path + ": " + emlx_last_error());
-  }
-  auto program = et::Program::load(&*loader, et::Program::Verification::InternalConsistency);
-  check(program.error(), "loading program " + path);
-  return std::move(program.get());
-}
-
 // A program's weights file (export --external-weights), mapped: `given`
 // (--data), else the file its metadata names, beside the program. Empty for
 // a program that holds its weights.
 struct WeightsData {
-  std::optional<executorch::extension::MmapDataLoader> loader;
-  std::optional<executorch::extension::FlatTensorDataMap> map;
+  std::optional<emlx::files::DataFile> file;
 
   WeightsData(const std::string& pte, const std::string& weights_file, const std::string& given) {
     if (weights_file.empty()) {
@@ -652,17 +583,10 @@ struct WeightsData {
       throw std::runtime_error(pte + " keeps its weights in " + weights_file + "; " + path +
                                " cannot be read (keep the two files together, or give --data)");
     }
-    // ExecuTorch trusts the file's offsets: checked first, as the program is
-    if (emlx_check_data_file(path.c_str()) != 0) throw std::runtime_error(emlx_last_error());
-    auto mapped = executorch::extension::MmapDataLoader::from(path.c_str());
-    check(mapped.error(), "opening " + path);
-    loader.emplace(std::move(mapped.get()));
-    auto data = executorch::extension::FlatTensorDataMap::load(&*loader);
-    check(data.error(), "reading the weights file " + path);
-    map.emplace(std::move(data.get()));
+    file.emplace(path);
   }
 
-  const et::NamedDataMap* get() const { return map ? &*map : nullptr; }
+  const et::NamedDataMap* get() const { return file ? file->map() : nullptr; }
 };
 
 std::string ids_text(const std::set<int64_t>& ids) {
@@ -674,8 +598,8 @@ std::string ids_text(const std::set<int64_t>& ids) {
 int run(const Options& o) {
   et::runtime_init();
   if (!emlx_registered()) throw std::runtime_error("the MLX backend plugin failed to register");
-  std::optional<executorch::extension::MmapDataLoader> loader, draft_loader;
-  auto program = load_program(o.pte, loader);
+  emlx::files::ProgramFile file(o.pte);
+  et::Program& program = file.program();
   const Metadata md = read_metadata(program);
 
   const auto prompt_len = static_cast<int64_t>(o.prompt.size());
@@ -708,7 +632,7 @@ int run(const Options& o) {
   Generator gen(forward, md, o);
 
   std::unique_ptr<Drafter> drafter;
-  std::optional<et::Program> draft_program;
+  std::optional<emlx::files::ProgramFile> draft_file;
   std::optional<WeightsData> draft_weights;
   std::unique_ptr<LoadedMethod> draft_forward;
   Metadata draft_md;
@@ -725,8 +649,8 @@ int run(const Options& o) {
   if (o.prompt_lookup) {
     drafter = std::make_unique<PromptLookup>();
   } else if (!o.draft_model.empty()) {
-    draft_program.emplace(load_program(o.draft_model, draft_loader));
-    draft_md = read_metadata(*draft_program);
+    draft_file.emplace(o.draft_model);
+    draft_md = read_metadata(draft_file->program());
     auto mismatch = [](const char* what, const std::string& draft, const std::string& target) {
       return std::runtime_error(std::string("the draft model's ") + what + " (" + draft + ") is not the target's (" +
                                 target + "): a draft model must share the target's tokenizer");
@@ -740,7 +664,7 @@ int run(const Options& o) {
       throw mismatch("bos id", std::to_string(draft_md.bos_id), std::to_string(md.bos_id));
     }
     draft_weights.emplace(o.draft_model, draft_md.weights_file, "");
-    draft_forward = std::make_unique<LoadedMethod>(*draft_program, "forward", nullptr, draft_weights->get());
+    draft_forward = std::make_unique<LoadedMethod>(draft_file->program(), "forward", nullptr, draft_weights->get());
     drafter = std::make_unique<DraftModel>(*draft_forward, draft_md, o);
   }
   DraftLength length(o.num_draft_tokens ? o.num_draft_tokens : md.max_draft_tokens, !o.fixed_draft_length);
