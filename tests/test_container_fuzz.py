@@ -21,7 +21,6 @@ import pytest
 from flatbuffers.table import Table
 
 import executorch_mlx
-from executorch_mlx.llm.run.program_runner import _named_error
 from executorch_mlx.llm.run.runner import LLMRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,12 +168,6 @@ def test_emlx_runner_says_why_the_backend_refused(program, tmp_path):
     assert done.returncode == 1
     assert re.search(r"loading method 'forward' failed \(ExecuTorch Error::InvalidProgram\): invalid program: "
                      r"constant 'emlx_\w+' not found in named data", done.stderr), done.stderr
-
-
-def test_executorch_error_codes_are_named():
-    assert _named_error(RuntimeError("Failed to load program, error: 0x:23")) == (
-        "Failed to load program, error: 0x:23 (InvalidProgram; ExecuTorch logs the reason)")
-    assert _named_error(RuntimeError("something else")) == "something else"
 
 
 # ------------------------------------------------------------- the fuzzer --

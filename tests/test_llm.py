@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,6 +60,26 @@ def test_greedy_generation_equals_transformers(exported, family):
     assert result.prefill_tokens_per_s > 0 and result.decode_tokens_per_s > 0
 
 
+def test_a_runner_starts_without_torch_and_generates_what_it_generates_beside_it(exported):
+    """A process that runs a program (LLMRunner, and so generate, chat and
+    serve) imports neither torch nor ExecuTorch's export stack: seconds of
+    start-up it never uses (loaded_program.py). Its tokens are this
+    process's, where torch is loaded."""
+    folder, pte = exported("llama")
+    code = f"""
+import sys
+from executorch_mlx.llm.run.runner import LLMRunner
+runner = LLMRunner({str(pte)!r}, {str(folder)!r})
+print(runner.generate({PROMPT!r}, max_new_tokens=8, temperature=0.8, seed=3).token_ids)
+print(sorted(m for m in ("torch", "executorch.exir", "executorch.extension.pybindings.portable_lib")
+             if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[1] == "[]"
+    here = LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=8, temperature=0.8, seed=3)
+    assert out[0] == str(here.token_ids)
+
+
 def test_bfloat16_export_matches_transformers(exported, tmp_path):
     folder, _ = exported("llama")
     pte = export_llm(folder, tmp_path / "bf16.pte", ExportOptions(max_context=64, dtype="bf16"), progress=None)
@@ -98,7 +120,7 @@ def test_the_cache_persists_between_calls_and_resets(exported):
     folder, pte = exported("llama", sampling=False)
     runner = LLMRunner(pte, folder)
     ids = [5, 9, 17, 33, 2, 7, 11]
-    step = lambda tok, pos: runner.method.execute([torch.tensor([[tok]]), torch.tensor([pos])])[0]  # noqa: E731
+    step = lambda tok, pos: torch.from_numpy(runner.method.execute([[[tok]], [pos]])[0])  # noqa: E731
     runner.method.execute([torch.tensor([ids]), torch.arange(len(ids))])
     got = step(4, len(ids))
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -55,6 +55,30 @@ print("executorch.exir" in sys.modules)
     assert executorch_mlx.MLXGraphBackend.__name__ == executorch_mlx.BACKEND_ID
 
 
+class Twice(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_loaded_program_reads_and_writes_bfloat16_as_float32():
+    """Our runners' loader (loaded_program.py) speaks numpy, which has no
+    bfloat16: a float32 input is rounded to it as torch rounds (to nearest,
+    ties to even), a torch bfloat16 tensor is taken as it is, and a bfloat16
+    output comes back widened."""
+    import numpy as np
+
+    from executorch_mlx.loaded_program import BFLOAT16, LoadedProgram
+
+    # ties at bfloat16's precision (1 + 2**-8 and 1 + 3 * 2**-8), one below, large and tiny values
+    x = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-9, -3.3e38 / 2], [1e-30, -7.77, 0.0, 123456.0]])
+    method = LoadedProgram(lower(Twice(), (x.bfloat16(),)).to_executorch().buffer).load_method("forward")
+    assert method.inputs[0] == (BFLOAT16, (2, 4)) and method.outputs[0] == (BFLOAT16, (2, 4))
+    want = (x.bfloat16() * 2).float().numpy()
+    for given in (x.numpy(), x.bfloat16()):
+        got = method.execute([given])[0]
+        assert got.dtype == np.float32 and np.array_equal(got, want), (given, got, want)
+
+
 def _pte_with_blob(mutate) -> bytes:
     """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
     (mutators re-serialize an edited graph)."""

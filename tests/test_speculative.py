@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+import numpy as np
 
 from executorch_mlx.cli import main as cli_main
 from executorch_mlx.llm.run.drafting import DraftLength, PromptLookup
@@ -68,16 +68,15 @@ def test_one_verify_call(programs):
     plain = target.generate(PROMPT, max_new_tokens=6, temperature=0.8, seed=2).token_ids
     target.generate(PROMPT, max_new_tokens=1, temperature=0.8, seed=2)  # the cache holds the prompt
     sampler = lambda drafts: target.sampler_values(target.input_names[2:], {  # noqa: E731
-        "temperature": torch.tensor(0.8), "seed": torch.tensor(2), "position": torch.tensor(1),
+        "temperature": np.array(0.8, dtype=np.float32), "seed": np.array(2), "position": np.array(1),
         "history": history_rows(PROMPT + plain[:1], drafts, 0)})
     wrong = (plain[3] + 1) % target.vocab_size
     drafts = plain[1:3] + [wrong, plain[4]]
     emitted, _ = target._step(plain[:1] + drafts, len(PROMPT), sampler(drafts))
     assert emitted == plain[1:4]  # two drafts accepted, then the token plain decoding samples instead of `wrong`
-    out = target.execute([torch.tensor([plain[:1] + drafts]), torch.arange(len(PROMPT), len(PROMPT) + 5)]
-                         + sampler(drafts))
+    out = target.execute([np.array([plain[:1] + drafts]), np.arange(len(PROMPT), len(PROMPT) + 5)] + sampler(drafts))
     assert out[0].tolist() == plain[1:4] + [-1, -1]
-    assert torch.isinf(out[1][3:]).all() and torch.isfinite(out[1][:3]).all()
+    assert np.isinf(out[1][3:]).all() and np.isfinite(out[1][:3]).all()
 
 
 def test_a_draft_model_prefills_the_prompt_with_the_target(programs):

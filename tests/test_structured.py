@@ -122,6 +122,8 @@ def test_ids_past_the_tokenizer_are_never_allowed(program, tmp_path):
     mask never allows an id the tokenizer does not have."""
     import shutil
 
+    import torch
+
     from executorch_mlx.custom_kernel_ops.sample import allowed_by
     from executorch_mlx.llm.model_folders import train_tokenizer
 
@@ -129,7 +131,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(program, tmp_path):
     small = shutil.copytree(folder, tmp_path / "small")
     train_tokenizer(vocab_size=300, all_bytes=True).save(str(small / "tokenizer.json"))
     runner = LLMRunner(pte, small)
-    allowed = allowed_by(runner.constraint(regex=r"(?s:.{1,8})").mask(), runner.vocab_size)[0]
+    allowed = allowed_by(torch.from_numpy(runner.constraint(regex=r"(?s:.{1,8})").mask()), runner.vocab_size)[0]
     assert runner.vocab_size == 384 and allowed[:300].sum() > 100 and not allowed[300:].any()
 
 

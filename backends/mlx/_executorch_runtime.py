@@ -1,22 +1,28 @@
-"""ExecuTorch's Python runtime without its export stack.
+"""ExecuTorch's Python runtime without its export stack, for those who run
+our programs through it (`executorch.runtime.Runtime`).
 
 ExecuTorch's pybindings (`portable_lib`) import `executorch.exir`, the whole
 export stack with torchao (about 8 s on a 2-core machine), for one warning
-class, and its ScalarType table lives in the same package. Running a program
-needs neither: we load those two leaf modules from their files, so importing
-this package or `executorch-mlx generate` starts in about 2.5 s, not 10.
-`executorch.exir` itself stays unimported, for whoever exports to import for
-real; once it is imported, everything here takes the ordinary path.
+class. Running a program does not need it: once `executorch_mlx` is
+imported, the pybindings import with a stand-in `executorch.exir` that holds
+only that warnings module (run from its file), gone again afterwards. So
+`import executorch_mlx; from executorch.runtime import Runtime` takes the
+seconds of torch, not ten. `executorch.exir` itself stays unimported, for
+whoever exports to import for real; once it is, the pybindings import as
+they are. (Our own runners need no pybindings: loaded_program.py.)
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 _PYBINDINGS = "executorch.extension.pybindings.portable_lib"
+_STAND_IN = ("executorch.exir", "executorch.exir._warnings")
 
 
 def _exir_leaf(name: str) -> ModuleType:
@@ -30,31 +36,41 @@ def _exir_leaf(name: str) -> ModuleType:
     return module
 
 
-def import_pybindings() -> ModuleType:
-    """ExecuTorch's pybindings (and so libexecutorch.so), imported without
-    `executorch.exir`: a stand-in package holding only its `_warnings` module
-    is in sys.modules while they import, and gone afterwards."""
-    if _PYBINDINGS in sys.modules or "executorch.exir" in sys.modules:
-        return importlib.import_module(_PYBINDINGS)
-    import executorch
+class _WithStandIn(importlib.abc.Loader):
+    """The pybindings' own loader, run with the stand-in in sys.modules."""
 
-    stand_in = ModuleType("executorch.exir")
-    stand_in.__path__ = []
-    names = ("executorch.exir", "executorch.exir._warnings")
-    sys.modules.update(zip(names, (stand_in, _exir_leaf("_warnings"))))
-    try:
-        return importlib.import_module(_PYBINDINGS)
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        if getattr(executorch, "exir", None) is stand_in:
-            del executorch.exir
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        import executorch
+
+        stand_in = ModuleType("executorch.exir")
+        stand_in.__path__ = []
+        sys.modules.update(zip(_STAND_IN, (stand_in, _exir_leaf("_warnings"))))
+        try:
+            self.loader.exec_module(module)
+        finally:
+            for name in _STAND_IN:
+                sys.modules.pop(name, None)
+            if getattr(executorch, "exir", None) is stand_in:
+                del executorch.exir
 
 
-def scalar_types() -> type:
-    """ExecuTorch's ScalarType enum (the dtype codes of a program's tensors)."""
-    if "executorch.exir" in sys.modules:
-        from executorch.exir.scalar_type import ScalarType
+class _PybindingsFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _PYBINDINGS or "executorch.exir" in sys.modules:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            spec.loader = _WithStandIn(spec.loader)
+        return spec
 
-        return ScalarType
-    return _exir_leaf("scalar_type").ScalarType
+
+def install() -> None:
+    """From now on, ExecuTorch's pybindings import without its export stack."""
+    if not any(isinstance(f, _PybindingsFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PybindingsFinder())

@@ -1,9 +1,11 @@
 """Loads the compiled runtime plugin into this process.
 
 The plugin links the executorch wheel's libexecutorch.so and registers its
-backend from a static initializer. ExecuTorch's pybindings and mlx.core are
-imported first so that the very libraries it links are already loaded (one
-backend registry, one MLX), whatever rpath the platform honours.
+backend from a static initializer. That libexecutorch.so (the one ExecuTorch's
+pybindings link too) and mlx.core are loaded first, so that the very libraries
+it links are already there (one backend registry, one MLX), whatever rpath
+the platform honours. Not the pybindings themselves: they link libtorch,
+seconds to import, and running a program needs none of it (loaded_program.py).
 """
 
 from __future__ import annotations
@@ -36,13 +38,24 @@ def runner_binary() -> Path:
                             "reinstall the package (pip install .)")
 
 
+def _load_executorch() -> None:
+    """The executorch wheel's libexecutorch.so, global: the library its
+    pybindings link, so both share one backend registry."""
+    import importlib.util
+
+    folder = Path(importlib.util.find_spec("executorch").submodule_search_locations[0]) / "lib"
+    for name in ("libexecutorch.so", "libexecutorch.dylib"):
+        if (folder / name).exists():
+            ctypes.CDLL(str(folder / name), mode=ctypes.RTLD_GLOBAL)
+            return
+    raise ImportError(f"executorch_mlx: libexecutorch not found in {folder}; reinstall executorch")
+
+
 @functools.cache
 def load() -> ctypes.CDLL:
     import mlx.core  # noqa: F401  (libmlx.so)
 
-    from ._executorch_runtime import import_pybindings
-
-    import_pybindings()  # libexecutorch.so
+    _load_executorch()
 
     for path in _candidates():
         if path.exists():

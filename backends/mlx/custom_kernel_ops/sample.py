@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..serialization.sampler_params import BY_NAME, PARAMS, stream_seed
+from ..serialization.sampler_params import BY_NAME, PARAMS, mask_words, stream_seed
 
 torch.library.define(
     "mlx::sample",
@@ -84,11 +84,6 @@ def check_args(logits, temperature, seed, position, params: dict) -> None:
         if other.shape != t.shape:
             raise ValueError(f"mlx::sample: {name} {list(t.shape)} and {spec.together} {list(other.shape)} "
                              f"must have one shape")
-
-
-def mask_words(vocab: int) -> int:
-    """The int32 words of a token bitmask over `vocab` tokens."""
-    return (vocab + 31) // 32
 
 
 def allowed_by(token_bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

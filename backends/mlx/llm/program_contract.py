@@ -125,7 +125,7 @@ class Contract:
 
     input_names: list[str]
     input_shapes: dict[str, tuple[int, ...]]
-    input_dtypes: dict  # name -> torch.dtype (None for a type torch lacks)
+    input_dtypes: dict  # name -> numpy dtype, or loaded_program.BFLOAT16
     output_dtypes: list
     output_shapes: list[tuple[int, ...]]
     samples: bool
@@ -145,26 +145,15 @@ class Contract:
         return values[0]
 
 
-def _torch_dtypes() -> dict:
-    """ExecuTorch's ScalarType codes -> torch dtypes, from ExecuTorch's own table."""
-    import torch
-
-    from .._executorch_runtime import scalar_types
-
-    codes = scalar_types()
-    names = {torch.uint8: "BYTE", torch.int8: "CHAR", torch.int16: "SHORT", torch.int32: "INT", torch.int64: "LONG",
-             torch.float16: "HALF", torch.float32: "FLOAT", torch.float64: "DOUBLE", torch.bool: "BOOL",
-             torch.bfloat16: "BFLOAT16"}
-    return {int(codes[name]): dtype for dtype, name in names.items()}
-
-
 class NoContract(ValueError):
     """The program carries no input names: not exported by this package."""
 
 
 def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract:
-    """The contract of `method` of a loaded `executorch.runtime` Program.
-    NoContract when it has none; ValueError (ending in `hint`) when it is malformed."""
+    """The contract of `method` of a LoadedProgram (loaded_program.py), and
+    that method, loaded. NoContract when it has none; ValueError (ending in
+    `hint`) when it is malformed. A program that keeps its weights in a data
+    file is given it (`use_data`) before `method` loads."""
     names = program.method_names
     if INPUT_NAMES not in names:
         raise NoContract(f"this .pte has no {INPUT_NAMES} metadata: {hint}")
@@ -179,17 +168,19 @@ def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract
                          f"beside {LOGPROBS}: {hint}")
     if WEIGHTS_FILE in metadata:
         contract.weights_file = contract.one(WEIGHTS_FILE, str, hint=hint)
-    meta = program.metadata(method)
-    if meta.num_inputs() != len(contract.input_names):
-        raise ValueError(f"this .pte's {INPUT_NAMES} names {len(contract.input_names)} inputs; '{method}' takes "
-                         f"{meta.num_inputs()}: {hint}")
-    dtypes = _torch_dtypes()
-    for i, name in enumerate(contract.input_names):
-        info = meta.input_tensor_meta(i)
-        contract.input_shapes[name] = tuple(info.sizes())
-        contract.input_dtypes[name] = dtypes.get(info.dtype())
-    for i in range(meta.num_outputs()):
-        info = meta.output_tensor_meta(i)
-        contract.output_shapes.append(tuple(info.sizes()))
-        contract.output_dtypes.append(dtypes.get(info.dtype()))
     return contract
+
+
+def read_signature(contract: Contract, loaded, hint: str = _EXPORT_HINT) -> None:
+    """The input shapes and dtypes, by name, and the outputs' of the loaded
+    method (a LoadedMethod) the contract describes."""
+    if len(loaded.inputs) != len(contract.input_names):
+        raise ValueError(f"this .pte's {INPUT_NAMES} names {len(contract.input_names)} inputs; the method takes "
+                         f"{len(loaded.inputs)}: {hint}")
+    for name, spec in zip(contract.input_names, loaded.inputs):
+        if spec is None:
+            raise ValueError(f"this .pte's input '{name}' is not a tensor: {hint}")
+        contract.input_shapes[name], contract.input_dtypes[name] = spec.shape, spec.dtype
+    for spec in loaded.outputs:
+        contract.output_shapes.append(spec.shape if spec else ())
+        contract.output_dtypes.append(spec.dtype if spec else None)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
-from ..custom_kernel_ops.sample import mask_words
-from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, SAMPLER_INPUTS as _TABLE, TABLE_PARAMS
+from ..loaded_program import as_array
+from ..serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, SAMPLER_INPUTS as _TABLE, TABLE_PARAMS, mask_words
 
 # Sampler inputs of a program, in order (model inputs come first).
 SAMPLER_INPUTS = tuple(p.name for p in _TABLE)
@@ -22,14 +22,14 @@ PENALTIES = tuple(name for name in PARAMS if BY_NAME[name].needs == "history")
 TOKEN_MASK = "token_bitmask"
 
 
-def param_dtype(name: str) -> torch.dtype:
-    return getattr(torch, BY_NAME[name].dtype)
+def param_dtype(name: str) -> np.dtype:
+    return np.dtype(BY_NAME[name].dtype)
 
 
 # ------------------------------------------------------ host-side checks --
-def _int64_param(name: str, value, unsigned_ok: bool = False) -> torch.Tensor:
+def _int64_param(name: str, value, unsigned_ok: bool = False) -> np.ndarray:
     """An integer scalar or [B] parameter as int64; TypeError/ValueError naming it."""
-    t = value if isinstance(value, torch.Tensor) else None
+    t = as_array(value)
     if t is None:
         items = value if isinstance(value, (list, tuple)) else [value]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
@@ -39,28 +39,33 @@ def _int64_param(name: str, value, unsigned_ok: bool = False) -> torch.Tensor:
             raise ValueError(f"{name} must fit in 64 bits{' (signed)' if not unsigned_ok else ''}, got {value!r}")
         # keep all 64 bits of a seed >= 2**63 in an int64
         items = [v - 2**64 if v >= 2**63 else v for v in items]
-        t = torch.tensor(items if isinstance(value, (list, tuple)) else items[0], dtype=torch.int64)
-    elif t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        t = np.array(items if isinstance(value, (list, tuple)) else items[0], dtype=np.int64)
+    elif t.dtype.kind not in "iu":
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
-    return t.to(torch.int64)
+    return t.astype(np.int64)
 
 
-def _float_param(name: str, value) -> torch.Tensor:
-    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple, torch.Tensor)):
+def _float_param(name: str, value) -> np.ndarray:
+    t = as_array(value)
+    if t is not None:
+        if t.dtype.kind != "f" and t.dtype != np.int64:
+            raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+        return t.astype(np.float32)
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
         raise TypeError(f"{name} must be a number (or numbers), got {value!r}")
     try:
-        t = torch.as_tensor(value, dtype=torch.float32)
-    except (TypeError, ValueError, RuntimeError):
+        t = np.array(value, dtype=np.float32)
+    except (TypeError, ValueError, OverflowError):
         raise TypeError(f"{name} must be a number (or numbers), got {value!r}") from None
-    if isinstance(value, torch.Tensor) and not (value.dtype.is_floating_point or value.dtype == torch.int64):
-        raise TypeError(f"{name} must be a float tensor, got {value.dtype}")
+    if t.dtype == object:
+        raise TypeError(f"{name} must be a number (or numbers), got {value!r}")
     return t
 
 
-def _row_param(name: str, value, batch: int) -> torch.Tensor:
+def _row_param(name: str, value, batch: int) -> np.ndarray:
     spec = BY_NAME[name]
     t = _int64_param(name, value) if spec.integer else _float_param(name, value)
-    if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != batch):
+    if t.ndim > 1 or (t.ndim == 1 and t.shape[0] != batch):
         raise ValueError(f"{name} must be a scalar or have {batch} values (the batch), got shape {list(t.shape)}")
     lo, lo_closed, hi, hi_closed = spec.valid
     if not bool((((t >= lo) if lo_closed else (t > lo)) & ((t <= hi) if hi_closed else (t < hi))).all()):
@@ -68,24 +73,25 @@ def _row_param(name: str, value, batch: int) -> torch.Tensor:
     return t
 
 
-def _table(name: str, value, batch: int, dtype: torch.dtype, vocab: int | None) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
+def _table(name: str, value, batch: int, dtype: np.dtype, vocab: int | None) -> np.ndarray:
+    t = as_array(value)
+    if t is None:
         raise ValueError(f"{name} must be a {dtype} tensor [{batch}, N], got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise ValueError(f"{name} must be a {dtype} tensor, got {value.dtype}")
-    if value.dim() != 2 or value.shape[0] != batch:
-        raise ValueError(f"{name} must be [{batch}, N] (one row per batch row), got {list(value.shape)}")
-    if dtype == torch.int64 and vocab is not None and bool(((value < -1) | (value >= vocab)).any()):
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be a {dtype} tensor, got {t.dtype}")
+    if t.ndim != 2 or t.shape[0] != batch:
+        raise ValueError(f"{name} must be [{batch}, N] (one row per batch row), got {list(t.shape)}")
+    if dtype == np.int64 and vocab is not None and bool(((t < -1) | (t >= vocab)).any()):
         raise ValueError(f"{name} must hold token ids in [0, {vocab}) or -1 (padding)")
-    if name == TOKEN_MASK and vocab is not None and value.shape[1] > mask_words(vocab):
-        raise ValueError(f"{TOKEN_MASK} has {value.shape[1]} words per row; {vocab} tokens take {mask_words(vocab)}")
-    if dtype.is_floating_point and bool(torch.isnan(value).any()):
+    if name == TOKEN_MASK and vocab is not None and t.shape[1] > mask_words(vocab):
+        raise ValueError(f"{TOKEN_MASK} has {t.shape[1]} words per row; {vocab} tokens take {mask_words(vocab)}")
+    if dtype.kind == "f" and bool(np.isnan(t).any()):
         raise ValueError(f"{name} must not contain NaN")
-    return value
+    return t
 
 
 def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None, *, vocab: int | None = None,
-                    **params) -> dict[str, torch.Tensor]:
+                    **params) -> dict[str, np.ndarray]:
     """Checks the sampling parameters on the host (TypeError/ValueError naming
     the parameter, before anything runs); returns those given as tensors, in
     the program's input order. `params` are SAMPLER_INPUTS names."""
@@ -99,7 +105,7 @@ def sampling_inputs(batch: int, temperature=1.0, seed=None, position=None, *, vo
         if bool((out["position"] < 0).any()):
             raise ValueError(f"position must be >= 0 (the decode step), got {position!r}")
         for name in ("seed", "position"):
-            if out[name].dim() > 1 or (out[name].dim() == 1 and out[name].shape[0] != batch):
+            if out[name].ndim > 1 or (out[name].ndim == 1 and out[name].shape[0] != batch):
                 raise ValueError(f"{name} must be a scalar or have {batch} values (the batch), "
                                  f"got shape {list(out[name].shape)}")
     elif position is not None:
@@ -126,15 +132,15 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def logit_bias_tensors(bias: dict[int, float], slots: int,
-                       vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       vocab: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """{token id: value} as ([1, slots] ids, [1, slots] values), -1 padded.
     Ids must be in [0, vocab): -1 would be taken for padding and ignored."""
     if not isinstance(bias, dict) or not all(isinstance(k, int) and not isinstance(k, bool) for k in bias):
         raise TypeError(f"logit_bias must be a dict {{token id: value}}, got {bias!r}")
     if len(bias) > slots:
         raise ValueError(f"logit_bias has {len(bias)} entries; this program takes at most {slots}")
-    ids = torch.full((1, slots), -1, dtype=torch.int64)
-    values = torch.zeros(1, slots)
+    ids = np.full((1, slots), -1, dtype=np.int64)
+    values = np.zeros((1, slots), dtype=np.float32)
     for j, (k, v) in enumerate(bias.items()):
         if not (0 <= k < (vocab if vocab is not None else 2**63)):
             raise ValueError(f"logit_bias: token id {k} is outside [0, {vocab if vocab is not None else 2**63})")
@@ -146,7 +152,7 @@ def logit_bias_tensors(bias: dict[int, float], slots: int,
     return ids, values
 
 
-def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, torch.Tensor]) -> list:
+def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, np.ndarray]) -> list:
     """The sampler inputs a program takes (`names`, with their exported
     shapes), from checked `given` values; what is not given is off.
     ValueError for a given parameter the program does not take."""
@@ -163,9 +169,9 @@ def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, 
             if name == "seed":
                 raise ValueError("this program is seeded: pass a seed")
             if name == "temperature":
-                value = torch.tensor(1.0)
+                value = np.array(1.0, dtype=np.float32)
             else:  # off (a table: all padding)
-                value = torch.full(shape if table else (), BY_NAME[name].off, dtype=param_dtype(name))
+                value = np.full(shape if table else (), BY_NAME[name].off, dtype=param_dtype(name))
         if table:
             if value.shape[1] > shape[1]:
                 if name != "history":
@@ -174,12 +180,12 @@ def program_inputs(names: list[str], shapes: dict[str, tuple], given: dict[str, 
             if value.shape[1] < shape[1]:
                 # ids pad with -1, bias values with 0, and a mask for fewer
                 # tokens than the model has (a tokenizer's) with 0: not allowed
-                fill = torch.full((value.shape[0], shape[1] - value.shape[1]),
-                                  -1 if value.dtype == torch.int64 else 0, dtype=value.dtype)
-                value = torch.cat([value, fill], dim=1)
+                fill = np.full((value.shape[0], shape[1] - value.shape[1]),
+                               -1 if value.dtype == np.int64 else 0, dtype=value.dtype)
+                value = np.concatenate([value, fill], axis=1)
         elif tuple(value.shape) != shape:
-            if value.dim() != 0:
+            if value.ndim != 0:
                 raise ValueError(f"{name} must have shape {list(shape)} for this program, got {list(value.shape)}")
-            value = value.expand(shape)  # one value for every row
-        out.append(value.contiguous())
+            value = np.broadcast_to(value, shape)  # one value for every row
+        out.append(np.asarray(value, order="C"))
     return out

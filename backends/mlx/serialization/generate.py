@@ -712,7 +712,10 @@ class SamplerGen:
         out += ["\n",
                 "def stream_seed(seed: int, position: int) -> int:",
                 '    """The 64-bit key seed of a row\'s random stream: a pure function of (seed, position)."""',
-                "    return mix64((seed & _MASK64) ^ mix64(position & _MASK64))"]
+                "    return mix64((seed & _MASK64) ^ mix64(position & _MASK64))\n\n",
+                "def mask_words(vocab: int) -> int:",
+                '    """The int32 words of a token bitmask over `vocab` tokens (bit j of word w: token 32w + j)."""',
+                "    return (vocab + 31) // 32"]
         return "\n".join(out) + "\n"
 
     def inputs_cpp(self) -> str:

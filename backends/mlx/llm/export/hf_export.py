@@ -52,7 +52,8 @@ from .options import DTYPES, MAX_DRAFT_TOKENS, ExportOptions
 from .quantize import quantize_model
 from .ring_cache import ring_chunk, use_rings
 from .. import program_contract
-from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK, mask_words
+from ...serialization.sampler_params import mask_words
+from ..sampler_inputs import SAMPLER_INPUTS, TOKEN_MASK
 from .sampling import llm_forward_signature, sampler_examples
 from .speculative import verify
 from .state_cache import StateCachedModel, find_state_layers, one_token_cache

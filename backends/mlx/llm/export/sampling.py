@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS
+from ...serialization.sampler_params import BY_NAME, PARAMS, ROW_PARAMS, TABLE_PARAMS, mask_words
 from .. import program_contract
-from ..sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK, mask_words, param_dtype
+from ..sampler_inputs import OFF, PENALTIES, SAMPLER_INPUTS, TOKEN_MASK
 
 if TYPE_CHECKING:
     from executorch.exir import ExecutorchProgramManager
@@ -49,6 +49,10 @@ def llm_forward_signature() -> inspect.Signature:
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                            default=None if name == TOKEN_MASK else inspect.Parameter.empty)
          for name in ("self", *program_contract.LLM_INPUTS, *SAMPLER_INPUTS)])
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, BY_NAME[name].dtype)
 
 
 def last_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -150,12 +154,12 @@ def sampler_examples(batch: int, *, seeded: bool, per_row: bool, params: tuple[s
         examples["position"] = torch.zeros(shape, dtype=torch.int64)
     for name in ROW_PARAMS:
         if name in params:
-            examples[name] = torch.full(shape, OFF[name], dtype=param_dtype(name))
+            examples[name] = torch.full(shape, OFF[name], dtype=_torch_dtype(name))
     sizes = {"history": history_size, "logit_bias_ids": logit_bias_size, "logit_bias_values": logit_bias_size,
              TOKEN_MASK: mask_words}
     for name in TABLE_PARAMS:
         if sizes[name]:
-            examples[name] = torch.full((batch, sizes[name]), BY_NAME[name].off, dtype=param_dtype(name))
+            examples[name] = torch.full((batch, sizes[name]), BY_NAME[name].off, dtype=_torch_dtype(name))
     return examples
 
 

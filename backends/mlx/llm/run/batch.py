@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+import numpy as np
 
 from .decode_parts import SamplerFeed, StopRules
 from .plan import Plan
@@ -68,7 +68,7 @@ class _Sequence:
         """The tokens this call feeds: the next chunk of the prompt, or the last token sampled."""
         return self.tokens[self.fed:self.fed + limit]
 
-    def sampler(self, runner) -> list[torch.Tensor]:
+    def sampler(self, runner) -> list[np.ndarray]:
         return self.feed(runner, len(self.out), self.tokens)
 
 
@@ -201,8 +201,8 @@ class Batch:
         limit = INTERLEAVED_CHUNK if decoding else runner.max_chunk
         takes = [seq.take(limit) if seq is not None else [] for seq in self.rows[:top]]
         length = max(len(t) for t in takes)
-        ids = torch.zeros(top, length, dtype=torch.int64)
-        positions = torch.empty(top, length, dtype=torch.int64)
+        ids = np.zeros((top, length), dtype=np.int64)
+        positions = np.empty((top, length), dtype=np.int64)
         sampler = []
         for r in range(top):
             seq, take = self.rows[r], takes[r]
@@ -210,10 +210,10 @@ class Batch:
             end = start + len(take)
             # pads first, at the slots after the row's tokens (the scratch slot past the context)
             pads = [min(end + j, runner.max_context) for j in range(length - len(take))]
-            ids[r, length - len(take):] = torch.tensor(take, dtype=torch.int64)
-            positions[r] = torch.tensor(pads + list(range(start, end)), dtype=torch.int64)
+            ids[r, length - len(take):] = take
+            positions[r] = pads + list(range(start, end))
             sampler.append(seq.sampler(runner) if seq is not None else self._idle_sampler())
-        values = [torch.cat(column) if top > 1 else column[0] for column in zip(*sampler)]
+        values = [np.concatenate(column) if top > 1 else column[0] for column in zip(*sampler)]
         try:
             outputs = runner.execute([ids, positions] + values)
         except Exception as e:
@@ -275,11 +275,11 @@ class Batch:
             logprobs=seq.logprobs if self.runner.logprobs else None, prompt_tokens=prompt,
             cached_tokens=seq.cached, tool_calls=seq.rules.text.tool_calls))
 
-    def _idle_sampler(self) -> list[torch.Tensor]:
+    def _idle_sampler(self) -> list[np.ndarray]:
         """A row with no generation below a running one: greedy, its token unused."""
         if self._idle is None:
             names = self.runner.input_names[2:]
-            given = {"seed": torch.tensor(0), "position": torch.tensor(0), "temperature": torch.tensor(0.0)}
+            given = {"seed": np.array(0), "position": np.array(0), "temperature": np.array(0.0, dtype=np.float32)}
             self._idle = self.runner.sampler_values(names, {k: v for k, v in given.items() if k in names})
         return self._idle
 

@@ -1,4 +1,4 @@
-"""Step-by-step decoding of a SamplingHead .pte through ExecuTorch's runtime.
+"""Step-by-step decoding of a SamplingHead .pte, torch tensors in and out.
 
 Each step feeds the model its token window, gets one sampled id per row
 back (no logits cross to the host) and appends it to the window.
@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..program_contract import NoContract
@@ -41,11 +42,11 @@ class SampledDecoder(ProgramRunner):
         names = c.input_names
         # A sampling/greedy head takes a window [B, S] and returns int64 ids [B].
         window = c.input_shapes[names[0]]
-        if (len(c.output_dtypes) != 1 + self.logprobs or c.output_dtypes[0] != torch.int64 or len(window) != 2
+        if (len(c.output_dtypes) != 1 + self.logprobs or c.output_dtypes[0] != np.int64 or len(window) != 2
                 or c.output_shapes[0] != window[:1] or any(n not in SAMPLER_INPUTS for n in names[1:])):
             raise ValueError(f"{method} is not a sampling head: expected a window [B, S] and sampling inputs in, "
                              f"int64 ids [B] out ({hint})")
-        self.window_dtype = c.input_dtypes[names[0]]
+        self.window_dtype = getattr(torch, str(c.input_dtypes[names[0]]))
         self.batch, self.window = (int(s) for s in window)
         self.input_names = names[1:]
         self.seeded = "seed" in self.input_names
@@ -71,7 +72,7 @@ class SampledDecoder(ProgramRunner):
                 raise ValueError("this program was exported without a seed input; re-export with seeded=True")
             given = sampling_inputs(self.batch, temperature, seed, position, **params)
             inputs += self.sampler_values(self.input_names, given)
-        outputs = self.execute(inputs)
+        outputs = [torch.from_numpy(o) for o in self.execute(inputs)]
         ids = outputs[0]
         bad = (ids < 0).nonzero().flatten().tolist()
         if bad:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
+import numpy as np
 
 from ..sampler_inputs import TOKEN_MASK
 from .chat import StopText
@@ -28,7 +28,7 @@ class SamplerFeed:
 
     def __init__(self, plan: Plan):
         self.given, self.window, self.constraint = dict(plan.sampling), plan.window, plan.constraint
-        self._fixed: dict[int, dict[str, torch.Tensor]] = {}  # by id(runner): each input as it is every call
+        self._fixed: dict[int, dict[str, np.ndarray]] = {}  # by id(runner): each input as it is every call
 
     def __call__(self, runner, position: int, context: list[int], drafts: list[int] = ()) -> list:
         """`runner`'s sampler inputs for the token after `context` (decode
@@ -40,7 +40,7 @@ class SamplerFeed:
         if fixed is None:  # (a draft program may take fewer inputs: it drafts without those)
             given = {k: v for k, v in self.given.items() if k in names}
             fixed = self._fixed[id(runner)] = dict(zip(names, runner.sampler_values(names, given)))
-        changing = {"position": torch.tensor(position, dtype=torch.int64)}
+        changing = {"position": np.array(position, dtype=np.int64)}
         if "history" in names:  # a row per token sampled: the rows a program samples
             changing["history"] = history_rows(context, drafts, self.window)
         if self.constraint is not None:
@@ -77,15 +77,15 @@ class StopRules:
         return "max_new_tokens" if len(out) >= self.max_new_tokens else None
 
 
-def history_rows(context: list[int], drafts: list[int], window: int) -> torch.Tensor:
+def history_rows(context: list[int], drafts: list[int], window: int) -> np.ndarray:
     """The penalty history of the token after `context` and after each
     draft: row i holds the last `window` tokens of context + drafts[:i]
     (plain decoding's history at that step), -1 padded: [len(drafts) + 1, window]."""
-    rows = torch.full((len(drafts) + 1, window), -1, dtype=torch.int64)
+    rows = np.full((len(drafts) + 1, window), -1, dtype=np.int64)
     if window:
         for i in range(len(drafts) + 1):
             tail = (context + list(drafts[:i]))[-window:]
-            rows[i, :len(tail)] = torch.tensor(tail, dtype=torch.int64)
+            rows[i, :len(tail)] = tail
     return rows
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from ...custom_kernel_ops.sample import mask_words
+from ...serialization.sampler_params import mask_words
 
 # No free whitespace: {"a":1,"b":[2,3]}
 _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -138,11 +138,11 @@ class TokenConstraint:
         if error:
             raise ValueError(f"the grammar is not valid: {_first_line(error)}")
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        self._mask = torch.zeros(1, mask_words(lltok.vocab_size), dtype=torch.int32)
+        self._mask = np.zeros((1, mask_words(lltok.vocab_size)), dtype=np.int32)
         self._try(set(eos_ids))
 
     def _try(self, eos_ids: set[int]) -> None:
-        matcher, mask = self.matcher.deep_copy(), torch.zeros_like(self._mask)
+        matcher, mask = self.matcher.deep_copy(), np.zeros_like(self._mask)
         for step in range(TRIAL_STEPS):
             allowed = [t for t in _ids(_compute(matcher, mask)) if t not in eos_ids]
             if not allowed:
@@ -152,7 +152,7 @@ class TokenConstraint:
             if not matcher.consume_token(allowed[0]):
                 raise ValueError(f"the grammar fails on its first tokens: {_first_line(matcher.get_error())}")
 
-    def mask(self) -> torch.Tensor:
+    def mask(self) -> np.ndarray:
         """[1, ceil(V/32)] int32: the tokens allowed next."""
         return _compute(self.matcher, self._mask)
 
@@ -166,14 +166,14 @@ class TokenConstraint:
         return self.matcher.is_stopped()
 
 
-def _compute(matcher, mask: torch.Tensor) -> torch.Tensor:
-    matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
+def _compute(matcher, mask: np.ndarray) -> np.ndarray:
+    matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
     if matcher.is_error():
         raise GrammarError(f"the grammar failed: {_first_line(matcher.get_error())}")
     return mask
 
 
-def _ids(mask: torch.Tensor) -> list[int]:
+def _ids(mask: np.ndarray) -> list[int]:
     """The token ids a [1, W] int32 bitmask allows."""
-    bits = (mask.reshape(-1, 1).to(torch.int64) >> torch.arange(32)) & 1
-    return bits.reshape(-1).nonzero().reshape(-1).tolist()
+    bits = (mask.reshape(-1, 1).astype(np.int64) >> np.arange(32)) & 1
+    return np.flatnonzero(bits).tolist()

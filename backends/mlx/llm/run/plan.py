@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Plan:
     max_new_tokens: int
     # the sampler's inputs by name; the decode loop sets the position, the
     # penalty history and the token mask of each step
-    sampling: dict[str, torch.Tensor]
+    sampling: dict[str, np.ndarray]
     window: int  # tokens of history the penalties count (0: no penalties)
     stops: list[str]
     constraint: object | None = None  # grammar.TokenConstraint

@@ -6,25 +6,24 @@ names) is llm/program_contract.py.
 
 from __future__ import annotations
 
-import re
+from contextlib import contextmanager
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from .. import program_contract
 from ..sampler_inputs import program_inputs
 
-# ExecuTorch's load errors reach Python as a bare code ("error: 0x:23"); its
-# reason goes to its log (stderr).
-_EXECUTORCH_ERRORS = {0x12: "InvalidArgument", 0x20: "NotFound", 0x21: "MemoryAllocationFailed",
-                      0x22: "AccessFailed", 0x23: "InvalidProgram", 0x24: "InvalidExternalData",
-                      0x25: "OutOfResources"}
 
-
-def _named_error(e: Exception) -> str:
-    m = re.search(r"error:? 0x:?([0-9a-fA-F]+)", str(e))
-    name = _EXECUTORCH_ERRORS.get(int(m.group(1), 16)) if m else None
-    return f"{e} ({name}; ExecuTorch logs the reason)" if name else str(e)
+@contextmanager
+def _loading(label, *kinds: type[Exception]):
+    """Says which program failed to load, for errors of `kinds`: RuntimeError
+    (ExecuTorch's, with our runtime's reason) and ValueError (a file our
+    checks refuse)."""
+    try:
+        yield
+    except kinds as e:
+        raise type(e)(f"cannot load {label}: {e}") from (e if isinstance(e, RuntimeError) else None)
 
 
 def weights_path(weights_file: str | None, given: str | Path | None, program: str | Path | None,
@@ -42,12 +41,6 @@ def weights_path(weights_file: str | None, given: str | Path | None, program: st
     if not path.is_file():
         raise FileNotFoundError(f"{label} keeps its weights in {weights_file}; {path} does not exist (keep the "
                                 f"two files together, or give the data file's path)")
-    from executorch_mlx._runtime_library import check_data_file
-
-    try:
-        check_data_file(path)  # ExecuTorch trusts the file's offsets
-    except ValueError as e:
-        raise ValueError(f"cannot load {label}: {e}") from None
     return path
 
 
@@ -63,11 +56,9 @@ class ProgramRunner:
 
     def __init__(self, program: str | Path | bytes, method: str = "forward",
                  hint: str = "export it with executorch-mlx export", data_path: str | Path | None = None):
-        import executorch_mlx  # noqa: F401  (registers the backend)
-        from executorch.runtime import Runtime
-
-        from executorch_mlx._runtime_library import check_program, clear_last_error, last_error
+        from executorch_mlx._runtime_library import clear_last_error
         from executorch_mlx.inspector import check_identifier
+        from executorch_mlx.loaded_program import LoadedProgram
 
         named = not isinstance(program, (bytes, bytearray))
         label = program if named else "the program"
@@ -77,46 +68,42 @@ class ProgramRunner:
         elif not Path(program).is_file():
             raise FileNotFoundError(f"program {program} does not exist")
         else:
-            # By path, ExecuTorch maps the file: the delegate reads each weight
-            # once and unmaps it, so memory stays near the weights' size
-            # (bytes would be held by ExecuTorch as well: twice that).
+            # By path, the file is mapped: the delegate reads each weight once
+            # and unmaps it, so memory stays near the weights' size (bytes
+            # would be held by ExecuTorch as well: twice that).
             source = str(program)
             with open(source, "rb") as f:
                 head = f.read(8)
         check_identifier(head, label)
-        try:
-            # What ExecuTorch reads later without a bounds check (method
-            # input/output indices) is checked here: an assert would abort.
-            check_program(source)
-        except ValueError as e:
-            raise ValueError(f"cannot load {label}: {e}") from None
         clear_last_error()
-        try:
-            # Keep the Program: a Method does not keep its Program alive.
-            self.program = Runtime.get().load_program(source)
+        with _loading(label, RuntimeError, ValueError):
+            # Our checks of the container (what ExecuTorch reads later without
+            # a bounds check, such as method input/output indices: an assert
+            # would abort) run as it loads: ValueError names what is corrupt.
+            self.program = LoadedProgram(source)
+        with _loading(label, RuntimeError):
             self.contract = program_contract.read(self.program, method, hint)
             data = weights_path(self.contract.weights_file, data_path, program if named else None, label)
             if data is not None:
-                self.program = Runtime.get().load_program(source, data_path=str(data))
+                with _loading(label, ValueError):
+                    self.program.use_data(data)  # checked as the program is
             self.method = self.program.load_method(method)
-        except RuntimeError as e:
-            raise RuntimeError(f"cannot load {label}: {last_error() or _named_error(e)}") from e
+        program_contract.read_signature(self.contract, self.method, hint)
         self.input_names = self.contract.input_names
         self.input_shapes = self.contract.input_shapes
         self.logprobs = self.contract.logprobs
 
-    def sampler_values(self, names: list[str], given: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def sampler_values(self, names: list[str], given: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The program's sampler inputs `names` from checked values; what is not given is off."""
         return program_inputs(names, {name: self.input_shapes[name] for name in names}, given)
 
-    def execute(self, values: list[torch.Tensor]) -> list:
-        """Runs the method; a failure says our runtime's reason."""
-        from executorch_mlx._runtime_library import clear_last_error, last_error
+    def execute(self, values: list) -> list:
+        """Runs the method on numpy arrays (or what numpy.asarray reads), one
+        per input; returns numpy arrays. A failure says our runtime's reason."""
+        from executorch_mlx._runtime_library import clear_last_error
 
         clear_last_error()
         try:
             return self.method.execute(values)
         except RuntimeError as e:
-            # ExecuTorch reports an error code; the reason is our runtime's
-            # (kept per thread, so read in this one)
-            raise RuntimeError(f"the program failed: {last_error() or e}") from e
+            raise RuntimeError(f"the program failed: {e}") from e

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
+import numpy as np
 
 from .. import program_contract
 from .drafting import DraftLength, DraftModel, PromptLookup
@@ -291,13 +291,13 @@ class LLMRunner(ProgramRunner):
             self.prompt_cache.clear()
         self.prompt_cache = PromptCache(max_bytes) if max_bytes else None
 
-    def _step(self, ids: list[int], start: int, sampling: list[torch.Tensor],
+    def _step(self, ids: list[int], start: int, sampling: list[np.ndarray],
               constrained: bool = False) -> tuple[list[int], list[float | None]]:
         """One call: `ids` at positions start, start + 1, ...; returns the
         emitted tokens (one, or with drafts last in `ids` and a history row
         per draft, the accepted drafts and the next token) and their logprobs."""
-        positions = torch.arange(start, start + len(ids), dtype=torch.int64)
-        values = [torch.tensor([ids], dtype=torch.int64), positions[None] if self.max_batch > 1 else positions]
+        positions = np.arange(start, start + len(ids), dtype=np.int64)
+        values = [np.array([ids], dtype=np.int64), positions[None] if self.max_batch > 1 else positions]
         known, self._cached = self._cached[:start], []  # unknown if the call fails
         outputs = self.execute(values + sampling)
         self._cached = known + ids
@@ -307,9 +307,9 @@ class LLMRunner(ProgramRunner):
             # -1 ends the emitted tokens (a first -1: nothing could be sampled)
             emitted = tokens[:1] + list(takewhile(lambda t: t >= 0, tokens[1:]))
         else:  # greedy as the sampler: NaN never chosen, -1 when nothing can be
-            row = out.reshape(-1, out.shape[-1])[-1].float()
-            row = torch.where(torch.isnan(row), float("-inf"), row)
-            emitted = [int(torch.argmax(row)) if bool((row > float("-inf")).any()) else -1]
+            row = out.reshape(-1, out.shape[-1])[-1].astype(np.float32)
+            row = np.where(np.isnan(row), -np.inf, row)
+            emitted = [int(np.argmax(row)) if bool((row > -np.inf).any()) else -1]
         for token in emitted:
             self._check_token(token, constrained)
         return emitted, self.read_logprobs(outputs, len(emitted))
