@@ -25,8 +25,8 @@ namespace {
 void check_identifier(const char* head, size_t size, const std::string& label) {
   if (size < 8 || head[4] != 'E' || head[5] != 'T' || !std::isdigit(static_cast<unsigned char>(head[6])) ||
       !std::isdigit(static_cast<unsigned char>(head[7]))) {
-    const std::string message = label + " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)";
-    throw BadProgram(message, message);
+    const std::string what = " is not an ExecuTorch program (no ET.. file identifier at bytes 4-8)";
+    throw BadProgram(label + what, "the file" + what);
   }
 }
 

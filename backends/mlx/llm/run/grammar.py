@@ -50,12 +50,14 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
     """llguidance's grammar for exactly one of the three (None for none).
     `json_schema`: a dict, JSON text, or a path to a .json file; `grammar`:
     Lark text or a path to a .lark file."""
-    import llguidance
-
     given = [name for name, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar))
              if v is not None]
     if len(given) > 1:
         raise ValueError(f"give at most one of json_schema, regex and grammar, got {' and '.join(given)}")
+    if not given:
+        return None
+    import llguidance  # (a generation without a grammar never imports it)
+
     if json_schema is not None:
         if isinstance(json_schema, (str, Path)) and not str(json_schema).lstrip().startswith(("{", "[")):
             json_schema = read_text_file(json_schema, "JSON schema")
@@ -77,12 +79,10 @@ def grammar_text(*, json_schema=None, regex: str | None = None, grammar: str | N
         if not isinstance(regex, str):
             raise TypeError(f"regex must be a string, got {type(regex).__name__}")
         return _grammar(llguidance.LLMatcher.grammar_from_regex, _bounded(regex, "regex"))
-    if grammar is not None:
-        text = str(grammar)
-        if isinstance(grammar, Path) or (text.endswith(".lark") and "\n" not in text):
-            text = read_text_file(grammar, "grammar")
-        return _grammar(llguidance.LLMatcher.grammar_from_lark, _bounded(text, "grammar"))
-    return None
+    text = str(grammar)
+    if isinstance(grammar, Path) or (text.endswith(".lark") and "\n" not in text):
+        text = read_text_file(grammar, "grammar")
+    return _grammar(llguidance.LLMatcher.grammar_from_lark, _bounded(text, "grammar"))
 
 
 def _grammar(front_end, *args, **kwargs) -> str:

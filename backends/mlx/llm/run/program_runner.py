@@ -57,14 +57,12 @@ class ProgramRunner:
     def __init__(self, program: str | Path | bytes, method: str = "forward",
                  hint: str = "export it with executorch-mlx export", data_path: str | Path | None = None):
         from executorch_mlx._runtime_library import clear_last_error
-        from executorch_mlx.inspector import check_identifier
         from executorch_mlx.loaded_program import LoadedProgram
 
         named = not isinstance(program, (bytes, bytearray))
         label = program if named else "the program"
         if not named:
             source = bytes(program)
-            head = source[:8]
         elif not Path(program).is_file():
             raise FileNotFoundError(f"program {program} does not exist")
         else:
@@ -72,14 +70,12 @@ class ProgramRunner:
             # and unmaps it, so memory stays near the weights' size (bytes
             # would be held by ExecuTorch as well: twice that).
             source = str(program)
-            with open(source, "rb") as f:
-                head = f.read(8)
-        check_identifier(head, label)
         clear_last_error()
         with _loading(label, RuntimeError, ValueError):
-            # Our checks of the container (what ExecuTorch reads later without
-            # a bounds check, such as method input/output indices: an assert
-            # would abort) run as it loads: ValueError names what is corrupt.
+            # Our checks of the file (its identifier, the container, what
+            # ExecuTorch reads later without a bounds check such as method
+            # input/output indices: an assert would abort) run before
+            # ExecuTorch reads it: ValueError names what is corrupt.
             self.program = LoadedProgram(source)
         with _loading(label, RuntimeError):
             self.contract = program_contract.read(self.program, method, hint)
