@@ -51,17 +51,19 @@ def export(folder: Path, out: Path, variant: str, max_context: int, whole_cache:
 
 def greedy_caller(pte: Path):
     """call(ids, start) -> the greedy next token, through the sampling program."""
+    import numpy as np
+
     from executorch_mlx.llm.run.runner import LLMRunner
     from executorch_mlx.llm.sampler_inputs import program_inputs
 
     runner = LLMRunner(pte)
     names = runner.input_names[2:]
-    given = {"temperature": torch.tensor(0.0), "seed": torch.tensor(0)}
+    given = {"temperature": np.array(0.0, dtype=np.float32), "seed": np.array(0)}
 
     def call(ids: list[int], start: int) -> int:
-        given["position"] = torch.tensor(start)
+        given["position"] = np.array(start)
         sampler = program_inputs(names, {n: runner.input_shapes[n] for n in names}, given)
-        return int(runner.method.execute([torch.tensor([ids]), torch.arange(start, start + len(ids))] + sampler)[0][0])
+        return int(runner.method.execute([np.array([ids]), np.arange(start, start + len(ids))] + sampler)[0][0])
 
     call.runner = runner  # the Method needs its Program alive
     return call

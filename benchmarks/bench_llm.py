@@ -95,6 +95,8 @@ GROUP_SIZE = 64
 
 
 def ours(folder: Path, out: Path, max_context: int, variant: str):
+    import numpy as np
+
     from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.export.options import ExportOptions
     from executorch_mlx.llm.run.runner import LLMRunner
@@ -112,13 +114,14 @@ def ours(folder: Path, out: Path, max_context: int, variant: str):
 
     def make(temperature: float):
         # every sampler input the program takes; what is not given is off
-        given = {"temperature": torch.tensor(temperature), "seed": torch.tensor(42), "position": torch.tensor(0)}
+        given = {"temperature": np.array(temperature, dtype=np.float32), "seed": np.array(42),
+                 "position": np.array(0)}
         sampler = runner.sampler_values(names, given)
         at = names.index("position")
 
         def call(ids: list[int], start: int) -> int:
-            sampler[at] = torch.tensor(start)
-            inputs = [torch.tensor([ids]), torch.arange(start, start + len(ids))] + sampler
+            sampler[at] = np.array(start)
+            inputs = [np.array([ids]), np.arange(start, start + len(ids))] + sampler
             return int(runner.method.execute(inputs)[0][0])
 
         call.weight_bytes = pte.stat().st_size

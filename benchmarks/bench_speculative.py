@@ -74,12 +74,14 @@ def draft_folder(target: Path, path: Path, layers: int, seed: int | None = None)
 
 def call_seconds(runner, fed: list[int], position: int, reps: int) -> float:
     """The median seconds of one call feeding `fed` (the last len(fed) - 1 drafts)."""
+    import numpy as np
+
     from executorch_mlx.llm.run.decode_parts import history_rows
 
-    given = {"temperature": torch.tensor(TEMPERATURE), "seed": torch.tensor(1), "position": torch.tensor(0),
+    given = {"temperature": np.array(TEMPERATURE, dtype=np.float32), "seed": np.array(1), "position": np.array(0),
              "history": history_rows([], fed[1:], 0)}
     sampler = runner.sampler_values(runner.input_names[2:], given)
-    ids, positions = torch.tensor([fed]), torch.arange(position, position + len(fed))
+    ids, positions = np.array([fed]), np.arange(position, position + len(fed))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

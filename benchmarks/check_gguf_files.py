@@ -213,7 +213,7 @@ def teacher_forced(call, stem: Path, gguf: Path, prompt: list[int], theirs: list
     steps, ties, noise = [], True, []
     for i, token in enumerate(theirs):
         seq = prompt + theirs[:i]
-        ours = method.execute([torch.tensor([seq]), torch.arange(len(seq))])[0].reshape(-1).float().numpy()
+        ours = method.execute([np.array([seq]), np.arange(len(seq))])[0].reshape(-1).astype(np.float32)
         logits = last_logits(call, seq)
         diff = float(np.abs(ours - logits).max())
         noise.append(diff)
