@@ -5,14 +5,21 @@ end-of-generation ids; and stop strings cut from streamed text.
         text = ChatTemplate("model_dir").render([{"role": "user", "content": "Hi"}])
     eos = end_of_generation_ids("model_dir", tokenizer)
 
-The template is rendered by transformers' `apply_chat_template` (the
-folder's `tokenizer_config.json` `chat_template` or `chat_template.jinja`),
-so a prompt is exactly the text transformers would build.
+The template is the one transformers' tokenizer loads (chat_template.jinja
+and additional_chat_templates/*.jinja, else `tokenizer_config.json`'s
+`chat_template`), rendered by transformers' own renderer (its sandbox,
+filters and globals) with the special tokens the folder names, as
+`apply_chat_template` renders it: a prompt is exactly the text transformers
+would build. The tokenizer classes behind `apply_chat_template` import
+torch (5-9 s before a first token); the renderer alone does not (about 1 s).
+Only a template that shows a special token the folder does not name (which
+the tokenizer class may give a default) is rendered by the tokenizer itself.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .text_limits import check_unicode, prefix_tail
@@ -34,28 +41,58 @@ def _json(path: Path) -> dict:
 
 
 def has_chat_template(folder: str | Path) -> bool:
-    return bool(template_source(folder))
+    return bool(chat_templates(folder))
+
+
+def chat_templates(folder: str | Path) -> dict[str, str]:
+    """A folder's chat templates by name ("default", "tool_use", ...), read
+    as transformers' tokenizer reads them: the template files, when there
+    are any, replace `tokenizer_config.json`'s `chat_template` (a string:
+    the default, or a list of named ones); {} for none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    files = {}
+    for path in [folder / "chat_template.jinja", *sorted((folder / "additional_chat_templates").glob("*.jinja"))]:
+        try:
+            name = "default" if path.parent == folder else path.name.removesuffix(".jinja")
+            files[name] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            pass
+    if files:
+        return files
+    template = _json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, str):
+        return {"default": template}
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
 
 
 def template_source(folder: str | Path) -> str:
-    """The text of a folder's chat templates, read without transformers
-    (tokenizer_config.json's `chat_template`, a string or named ones, then
-    chat_template.jinja and chat_template.json); "" for none."""
+    """The text of all of a folder's chat templates ("" for none): what the
+    runner reads a tool-call format and a final channel from."""
+    return "\n".join(chat_templates(folder).values())
+
+
+# The special tokens a template sees by name (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def special_tokens(folder: str | Path) -> dict[str, str | None]:
+    """The special tokens `tokenizer_config.json` names (a string, an
+    {"content": ...} object or null each), with a legacy
+    special_tokens_map.json's over them where the config has no
+    added_tokens_decoder, as transformers reads them."""
     folder = Path(folder)
-    if not folder.is_dir():
-        return ""
-    parts = []
-    template = _json(folder / "tokenizer_config.json").get("chat_template")
-    if isinstance(template, str):
-        parts.append(template)
-    elif isinstance(template, list):
-        parts += [t.get("template", "") for t in template if isinstance(t, dict)]
-    for name in ("chat_template.jinja", "chat_template.json"):
-        try:
-            parts.append((folder / name).read_text())
-        except (OSError, UnicodeDecodeError):
-            pass
-    return "\n".join(p for p in parts if isinstance(p, str))
+    config = _json(folder / "tokenizer_config.json")
+    values = {name: config[name] for name in SPECIAL_TOKENS if name in config}
+    if "added_tokens_decoder" not in config:
+        values.update({name: value for name, value in _json(folder / "special_tokens_map.json").items()
+                       if name in SPECIAL_TOKENS})
+    texts = {name: value.get("content") if isinstance(value, dict) else value for name, value in values.items()}
+    return {name: text if isinstance(text, str) else None for name, text in texts.items()}
 
 
 def check_messages(messages) -> list[dict]:
@@ -108,26 +145,52 @@ def _tool_fields(message: dict, where: str) -> dict:
 
 
 class ChatTemplate:
-    """A folder's chat template, rendered by transformers."""
+    """A folder's chat template (see the module's docstring)."""
 
     def __init__(self, folder: str | Path):
-        from transformers import AutoTokenizer
-
         self.folder = Path(folder)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.templates = chat_templates(self.folder)
+        if not self.templates:
+            raise ValueError(f"{self.folder} has no chat template")
+        self.special_tokens = special_tokens(self.folder)
+        self._transformers_tokenizer = None  # loaded only for a special token the folder does not name
 
     def render(self, messages: list[dict], system_prompt: str | None = None, tools: list[dict] | None = None) -> str:
         """The prompt text of `messages` (checked), ending with the assistant's
         turn opened; `system_prompt` goes first unless a system message is
         there; `tools` (checked: tool_calls.check_tools) as the template shows them."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         messages = check_messages(messages)
         if system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
+        # apply_chat_template's choice: "tool_use" when there are tools and a template of that name
+        template = self.templates.get("tool_use") if tools is not None else None
+        template = template or self.templates.get("default")
+        if template is None:
+            raise ValueError(f"{self.folder} has chat templates {sorted(self.templates)} but no default one")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as apply_chat_template
+        # A special token the template shows but the folder does not name may
+        # have a default in the tokenizer class transformers picks: only
+        # transformers' tokenizer knows it (and imports torch).
+        unnamed = [n for n in SPECIAL_TOKENS if n not in self.special_tokens and re.search(rf"\b{n}\b", template)]
         try:
-            return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                       add_generation_prompt=True)
+            if unnamed:
+                return self._tokenizer().apply_chat_template(messages, tools=tools, tokenize=False,
+                                                             add_generation_prompt=True)
+            tokens = {name: text for name, text in self.special_tokens.items() if text is not None}
+            rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template,
+                                                add_generation_prompt=True, **tokens)
         except Exception as e:  # jinja raises its own errors (raise_exception in templates)
             raise ValueError(f"the chat template of {self.folder} refused these messages: {e}") from None
+        return rendered[0]
+
+    def _tokenizer(self):
+        if self._transformers_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._transformers_tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        return self._transformers_tokenizer
 
 
 def end_of_generation_ids(folder: str | Path, tokenizer=None) -> set[int]:
