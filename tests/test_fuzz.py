@@ -321,6 +321,44 @@ def test_budget_at_execute_for_dynamic_shapes_keeps_the_state():
     assert float(method.execute([x[:1]])[0]) == 1 + 2
 
 
+class WideAfterAProduct(Wide):
+    """Wide, after a matrix product: evaluation starts while its graph is
+    still being built (interpreter.cpp, Liveness::evaluate_after)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2**20, 2, bias=False)
+
+    def forward(self, x):
+        self.calls.copy_(self.calls + 1)
+        wide = (self.proj(x)[:, :, None] * torch.ones(1, 1, 2**26)).amax()
+        return wide + self.calls
+
+
+def test_budget_refused_after_evaluation_started_resets_the_state_and_says_so():
+    """The state may have been updated in place by then: it goes back to its
+    initial value (the call count starts over), as after a failed evaluation."""
+    from harness import lower
+
+    x = torch.ones(2, 2**20)
+    edge = lower(WideAfterAProduct(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("b", min=1, max=8)}})
+    executorch_mlx.set_memory_budget(1 << 30)  # batch 1's 512 MiB (and the weight) fit
+    try:
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(edge.to_executorch().buffer)
+        method = program.load_method("forward")
+    finally:
+        executorch_mlx.set_memory_budget(None)
+    assert float(method.execute([torch.zeros(1, 2**20)])[0]) == 1
+    assert float(method.execute([torch.zeros(1, 2**20)])[0]) == 2
+    clear_last_error()
+    with pytest.raises(RuntimeError, match=r"method->execute\(\) failed"):
+        method.execute([torch.zeros(4, 2**20)])  # 2 GiB
+    assert "values alive at once reach" in last_error() and "state (KV cache) was reset" in last_error()
+    assert float(method.execute([torch.zeros(1, 2**20)])[0]) == 1
+
+
 # ---------------------------------------------------------------- fuzzing --
 def test_every_node_type_has_a_seed_graph_that_runs(sketch_report):
     assert set(ir.OP_TYPES) <= {getattr(ir, name, None) for name in graphs.GRAPHS}

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -40,8 +41,14 @@ mlx::core::Shape to_shape(const flatbuffers::Vector<int32_t>* v);
 // computed once per program from the graph.
 struct Liveness {
   // dies_after[i]: the slots node i writes or reads for the last time (not
-  // graph outputs or buffer updates, which live to the end of the run).
+  // graph outputs or buffer updates, which live to the end of the run): node
+  // outputs and mutable buffers, let go of then, so that the graph holds
+  // the only reference and MLX may reuse their memory in place.
   std::vector<std::vector<uint32_t>> dies_after;
+  // evaluate_after[i]: node i carries much of a run's work (a matrix
+  // product, attention, a scan): evaluation of what it depends on starts
+  // once it is built, while the rest of the graph is still being built.
+  std::vector<bool> evaluate_after;
   size_t state_bytes = 0;  // the mutable buffers, alive throughout
   size_t budget = 0;
 };
@@ -67,6 +74,10 @@ class Interpreter {
   const mlx::core::array& at(uint32_t slot) const;
   // Takes a value out of its slot (the slot becomes unwritten).
   std::optional<mlx::core::array> take(uint32_t slot);
+  // The value in a slot, or null (unwritten, or let go of after its last reader).
+  const mlx::core::array* find(uint32_t slot) const {
+    return slot < values_.size() && values_[slot] ? &*values_[slot] : nullptr;
+  }
   // The size of dynamic dimension `i` in this execution.
   int64_t symbol(int64_t i) const;
   // Whether `t` is a constant stored in the tiled layout (quantized_dot.h).
@@ -128,7 +139,14 @@ class Program {
   void plan_liveness();
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
   void tile_quantized_weights();
-  void build(Interpreter& st, const std::vector<mlx::core::array>& inputs) const;
+  // Builds the graph on `inputs`. `evaluating`, when given, is called before
+  // evaluation first starts (Liveness::evaluate_after) and it starts there;
+  // otherwise nothing is evaluated.
+  void build(Interpreter& st, const std::vector<mlx::core::array>& inputs,
+             const std::function<void()>* evaluating = nullptr) const;
+  // After a run failed part way: the state back to its initial value, and
+  // a runtime_error saying `reason` and that (never returns).
+  [[noreturn]] void reset_after_failure(const std::string& reason);
   // A fresh, unevaluated initial value of mutable buffer `i`, made on the
   // calling thread's stream.
   mlx::core::array initial_value(size_t i) const;
