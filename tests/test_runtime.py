@@ -79,6 +79,24 @@ def test_a_loaded_program_reads_and_writes_bfloat16_as_float32():
         assert got.dtype == np.float32 and np.array_equal(got, want), (given, got, want)
 
 
+class Next(torch.nn.Module):
+    def forward(self, ids):
+        return ids + 1
+
+
+def test_a_loaded_program_casts_inputs_within_their_kind_only():
+    """An int32 array feeds an int64 input; floats never become token ids."""
+    import numpy as np
+
+    from executorch_mlx.loaded_program import LoadedProgram
+
+    method = LoadedProgram(lower(Next(), (torch.tensor([1, 2]),)).to_executorch().buffer).load_method("forward")
+    assert method.execute([np.array([4, 5], dtype=np.int32)])[0].tolist() == [5, 6]
+    assert method.execute([[7, 8]])[0].tolist() == [8, 9]
+    with pytest.raises(TypeError, match="input 0 takes int64, got float32"):
+        method.execute([np.array([4.5, 5.0], dtype=np.float32)])
+
+
 def _pte_with_blob(mutate) -> bytes:
     """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
     (mutators re-serialize an edited graph)."""

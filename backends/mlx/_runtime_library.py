@@ -65,7 +65,6 @@ def load() -> ctypes.CDLL:
             lib.emlx_memory_budget.restype = ctypes.c_uint64
             lib.emlx_set_memory_budget.argtypes = [ctypes.c_uint64]
             lib.emlx_check_program.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64]
-            lib.emlx_check_data_file.argtypes = [ctypes.c_char_p]
             lib.emlx_state_snapshot.restype = ctypes.c_uint64
             lib.emlx_state_snapshot.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             lib.emlx_state_restore.argtypes = [ctypes.c_uint64]
@@ -118,13 +117,6 @@ def reset_state() -> None:
     reset_count += 1
     if load().emlx_reset_state() != 0:
         raise RuntimeError(last_error())
-
-
-def check_data_file(path: str) -> None:
-    """Our checks of an ExecuTorch data file (.ptd) before ExecuTorch reads
-    it (runtime/data_file_checks.cpp). Raises ValueError naming what is corrupt."""
-    if load().emlx_check_data_file(str(path).encode()) != 0:
-        raise ValueError(last_error())
 
 
 def snapshot_state() -> tuple[int, int]:

@@ -4,7 +4,8 @@ that running a program never needs. So `executorch-mlx generate`, `chat`,
 `serve` and `LLMRunner` start without torch.
 
 Inputs are anything `numpy.asarray` reads (numpy arrays, torch tensors on the
-CPU, lists) and are cast to the dtype the method takes; outputs are numpy
+CPU, lists), cast to the dtype the method takes within their kind (an int64
+array to int32, not a float one to ints: TypeError); outputs are numpy
 arrays (copies), ints, floats, bools or strings. numpy has no bfloat16: a
 bfloat16 input is rounded from float32, a bfloat16 output widened to it.
 """
@@ -160,6 +161,10 @@ class LoadedMethod:
             value = value if as_array(value) is None else as_array(value)  # (torch's bfloat16)
             if spec is None:
                 raise ValueError(f"input {i} of the method is not a tensor: this runner passes only tensors")
+            given = getattr(value, "dtype", None)
+            want = np.float32 if spec.dtype == BFLOAT16 else spec.dtype
+            if isinstance(given, np.dtype) and not np.can_cast(given, want, casting="same_kind"):
+                raise TypeError(f"input {i} takes {spec.dtype}, got {given}")
             if spec.dtype == BFLOAT16:
                 array, code = _to_bfloat16(np.asarray(value, dtype=np.float32)), _BFLOAT16
             else:

@@ -67,8 +67,8 @@ class ProgramRunner:
             raise FileNotFoundError(f"program {program} does not exist")
         else:
             # By path, the file is mapped: the delegate reads each weight once
-            # and unmaps it, so memory stays near the weights' size (bytes
-            # would be held by ExecuTorch as well: twice that).
+            # and unmaps it, so memory stays near the weights' size (bytes are
+            # copied and held as well: twice that).
             source = str(program)
         clear_last_error()
         with _loading(label, RuntimeError, ValueError):
