@@ -150,10 +150,11 @@ class NoContract(ValueError):
 
 
 def read(program, method: str = "forward", hint: str = _EXPORT_HINT) -> Contract:
-    """The contract of `method` of a LoadedProgram (loaded_program.py), and
-    that method, loaded. NoContract when it has none; ValueError (ending in
-    `hint`) when it is malformed. A program that keeps its weights in a data
-    file is given it (`use_data`) before `method` loads."""
+    """The contract of `method` of a LoadedProgram (loaded_program.py), from
+    its metadata methods: read_signature adds the method's inputs and
+    outputs once it is loaded (after its data file, if it has one).
+    NoContract when it has none; ValueError (ending in `hint`) when it is
+    malformed."""
     names = program.method_names
     if INPUT_NAMES not in names:
         raise NoContract(f"this .pte has no {INPUT_NAMES} metadata: {hint}")
