@@ -11,6 +11,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -173,7 +174,11 @@ EMLX_API int emlx_method_execute(void* method, int64_t count, const emlx::Value*
 // Output `i` of the last call: a tensor points into the method's memory.
 EMLX_API int emlx_method_output(void* method, int64_t i, emlx::Value* out) {
   return emlx::guarded<int>(1, [&] {
-    const auto& v = static_cast<emlx::MethodHandle*>(method)->loaded.method->get_output(static_cast<size_t>(i));
+    const auto& m = *static_cast<emlx::MethodHandle*>(method)->loaded.method;
+    if (i < 0 || i >= static_cast<int64_t>(m.outputs_size())) {  // (get_output would abort)
+      throw std::out_of_range("output " + std::to_string(i) + " of " + std::to_string(m.outputs_size()));
+    }
+    const auto& v = m.get_output(static_cast<size_t>(i));
     *out = {};
     if (v.isTensor()) {
       const auto& t = v.toTensor();
