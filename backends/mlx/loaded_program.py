@@ -158,7 +158,8 @@ class LoadedMethod:
             raise ValueError(f"the method takes {len(self.inputs)} inputs, got {len(values)}")
         arrays, packed = [], (_Value * len(values))()
         for i, (value, spec) in enumerate(zip(values, self.inputs)):
-            value = value if as_array(value) is None else as_array(value)  # (torch's bfloat16)
+            array = as_array(value)  # (torch's bfloat16 too)
+            value = value if array is None else array
             if spec is None:
                 raise ValueError(f"input {i} of the method is not a tensor: this runner passes only tensors")
             given = getattr(value, "dtype", None)

@@ -57,8 +57,6 @@ def _float_param(name: str, value) -> np.ndarray:
         t = np.array(value, dtype=np.float32)
     except (TypeError, ValueError, OverflowError):
         raise TypeError(f"{name} must be a number (or numbers), got {value!r}") from None
-    if t.dtype == object:
-        raise TypeError(f"{name} must be a number (or numbers), got {value!r}")
     return t
 
 

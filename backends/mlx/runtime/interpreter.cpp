@@ -144,11 +144,6 @@ int64_t Interpreter::resolve_int(const ir::IntOrSlot* d) const {
   return i.item<int64_t>();
 }
 
-std::optional<mx::array> Interpreter::take(uint32_t slot) {
-  if (slot >= values_.size()) return std::nullopt;
-  return std::exchange(values_[slot], std::nullopt);
-}
-
 int64_t Interpreter::symbol(int64_t i) const {
   if (i < 0 || i >= static_cast<int64_t>(symbols_.size())) {
     throw std::invalid_argument("symbol " + std::to_string(i) + " out of range");
@@ -391,12 +386,12 @@ void Program::plan_liveness() {
   static const std::set<std::string> kHeavy = {
       "MatmulNode", "LinearNode", "QuantizedLinearNode", "GatherLinearNode", "GatherQuantizedLinearNode",
       "ScaledDotProductAttentionNode", "SsdScanNode", "SelectiveScanNode"};
-  liveness_.evaluate_after.assign(nodes->size(), false);
+  liveness_.evaluate_after.assign(nodes->size(), {});
   for (uint32_t i = 0; i < nodes->size(); ++i) {
     reads.clear();
     writes.clear();
     const char* name = node_refs(nodes->Get(i), reads, writes);
-    liveness_.evaluate_after[i] = name && kHeavy.count(name) && !writes.empty();
+    if (name && kHeavy.count(name)) liveness_.evaluate_after[i].assign(writes.begin(), writes.end());
   }
   // The state, alive throughout: refused before it is allocated.
   for (auto* b : *graph_->mutable_buffers()) {
@@ -702,17 +697,13 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
   auto* ins = graph_->inputs();
   for (uint32_t i = 0; i < ins->size(); ++i) st.set(ins->Get(i)->slot(), inputs[i]);
   auto* nodes = graph_->nodes();
-  std::vector<int64_t> reads, writes;
   bool started = false;
   for (uint32_t i = 0; i < nodes->size(); ++i) {
     st.run_node(i, nodes->Get(i));
-    if (!evaluating || !liveness_.evaluate_after[i]) continue;
-    reads.clear();
-    writes.clear();
-    node_refs(nodes->Get(i), reads, writes);
+    if (!evaluating || liveness_.evaluate_after[i].empty()) continue;
     std::vector<mx::array> written;
-    for (auto slot : writes) {
-      if (const auto* a = st.find(static_cast<uint32_t>(slot))) written.push_back(*a);
+    for (auto slot : liveness_.evaluate_after[i]) {
+      if (const auto* a = st.find(slot)) written.push_back(*a);
     }
     if (written.empty()) continue;
     if (!started) (*evaluating)();

@@ -45,10 +45,11 @@ struct Liveness {
   // outputs and mutable buffers, let go of then, so that the graph holds
   // the only reference and MLX may reuse their memory in place.
   std::vector<std::vector<uint32_t>> dies_after;
-  // evaluate_after[i]: node i carries much of a run's work (a matrix
-  // product, attention, a scan): evaluation of what it depends on starts
-  // once it is built, while the rest of the graph is still being built.
-  std::vector<bool> evaluate_after;
+  // evaluate_after[i]: the slots node i writes when it carries much of a
+  // run's work (a matrix product, attention, a scan), else none: their
+  // evaluation starts once it is built, while the rest of the graph is
+  // still being built.
+  std::vector<std::vector<uint32_t>> evaluate_after;
   size_t state_bytes = 0;  // the mutable buffers, alive throughout
   size_t budget = 0;
 };
@@ -72,8 +73,6 @@ class Interpreter {
   void set(const ir::Tid* t, mlx::core::array a);
   void set(uint32_t slot, mlx::core::array a);
   const mlx::core::array& at(uint32_t slot) const;
-  // Takes a value out of its slot (the slot becomes unwritten).
-  std::optional<mlx::core::array> take(uint32_t slot);
   // The value in a slot, or null (unwritten, or let go of after its last reader).
   const mlx::core::array* find(uint32_t slot) const {
     return slot < values_.size() && values_[slot] ? &*values_[slot] : nullptr;

@@ -48,7 +48,7 @@ struct MethodHandle {
 };
 
 // Runs `body`; an exception becomes the thread's last error and `failed`.
-// A BadProgram returns 2 through `bad` (a file that is not a sound program).
+// A BadProgram (a file that is not a sound program) also sets *bad to 1.
 template <typename T, typename F>
 T guarded(T failed, F&& body, int* bad = nullptr) {
   try {
