@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "kernels/cpu_kernel.h"
 #include "kernels/quantized_dot.h"
 #include "memory_budget.h"
+#include "weight_arena.h"
 
 namespace emlx {
 
@@ -418,32 +420,55 @@ void Program::load_constants(const NamedDataMap* named_data) {
   // (a file mapping, or a region of the program buffer) is released at once.
   // MLX's CPU allocator cannot wrap foreign memory: mx::array(pointer, ...)
   // would copy as well, while keeping the source mapped (twice the weights).
-  auto load = [&](const char* name, ir::DType dtype, mx::Shape shape) {
-    auto data = named_data->get_data(name);
-    if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
-    FreeableBuffer buf = std::move(data.get());
-    auto mdtype = to_mlx_dtype(dtype);
-    size_t nbytes = mx::size_of(mdtype);
+  auto shape_of = [](const ir::Constant* c) {
+    mx::Shape shape;
+    if (c->shape()) {
+      for (auto d : *c->shape()) shape.push_back(checked_dim(d));
+    }
+    return shape;
+  };
+  auto byte_size = [](const char* name, mx::Dtype dtype, const mx::Shape& shape) {
+    size_t nbytes = mx::size_of(dtype);
     for (auto d : shape) {
       if (__builtin_mul_overflow(nbytes, static_cast<size_t>(d), &nbytes)) {
         throw ProgramError(std::string("constant '") + name + "': size overflows");
       }
     }
+    return nbytes;
+  };
+  // into `a` (nullopt: a fresh array)
+  auto load = [&](const char* name, ir::DType dtype, mx::Shape shape, std::optional<mx::array> a = std::nullopt) {
+    auto data = named_data->get_data(name);
+    if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
+    FreeableBuffer buf = std::move(data.get());
+    auto mdtype = to_mlx_dtype(dtype);
+    const size_t nbytes = byte_size(name, mdtype, shape);
     if (buf.size() != nbytes) {
       throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf.size()) +
                          " bytes, expected " + std::to_string(nbytes));
     }
-    mx::array a(mx::allocator::malloc(buf.size()), std::move(shape), mdtype);
-    if (buf.size() > 0) std::memcpy(a.data<void>(), buf.data(), buf.size());
+    if (!a) a.emplace(mx::allocator::malloc(buf.size()), std::move(shape), mdtype);
+    if (buf.size() > 0) std::memcpy(a->data<void>(), buf.data(), buf.size());
     buf.Free();
-    return a;
+    return *a;
   };
-  for (auto* c : *consts) {
-    mx::Shape shape;
-    if (c->shape()) {
-      for (auto d : *c->shape()) shape.push_back(checked_dim(d));
+  // On a CPU the weights share a few allocations, aligned and in huge pages
+  // (weight_arena.h); elsewhere each is MLX's own allocation.
+  std::vector<mx::array> room;
+  if (mx::default_device() == mx::Device::cpu) {
+    std::vector<WeightSpec> specs;
+    for (auto* c : *consts) {
+      auto mdtype = to_mlx_dtype(c->dtype());
+      auto shape = shape_of(c);
+      byte_size(c->name()->c_str(), mdtype, shape);
+      specs.push_back({std::move(shape), mdtype});
     }
-    constants_.emplace_back(c->slot(), load(c->name()->c_str(), c->dtype(), std::move(shape)));
+    room = weight_arrays(specs);
+  }
+  for (size_t i = 0; i < consts->size(); ++i) {
+    auto* c = consts->Get(i);
+    auto a = room.empty() ? std::nullopt : std::optional<mx::array>(room[i]);
+    constants_.emplace_back(c->slot(), load(c->name()->c_str(), c->dtype(), shape_of(c), std::move(a)));
   }
   for (auto* b : *buffers) {
     mx::Shape shape;
