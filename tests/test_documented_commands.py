@@ -107,7 +107,7 @@ def test_readme_export_and_generate_print_only_our_lines(workspace):
     from executorch.runtime import Runtime
 
     program = Runtime.get().load_program(str(tmp / "model.pte"))
-    assert program.load_method("emlx_quantization").execute([])[0] == "int4 group 64 +embedding"
+    assert program.load_method("emlx_quantization").execute([])[0] == "int4 group 64 +embedding, bf16 scales"
 
 
 def test_readme_python_generate_gives_the_text_of_the_command(workspace, monkeypatch, capsys):

@@ -59,19 +59,23 @@ def _experts_and_dense(kind):
         w, b = (w, b) if kind == "fp32" else (w.bfloat16(), b.bfloat16())
         return (lambda x, i: torch.ops.mlx.gather_linear(x, w, i, b),
                 lambda r: torch.nn.functional.linear(r, w.reshape(E * N, K), b.reshape(-1)), "GatherLinearNode")
-    table = QuantizedExperts(w, QuantFormat(kind, 32))
+    bits, bf16_params = (4, True) if kind == "int4-bf16-scales" else (kind, False)
+    table = QuantizedExperts(w, QuantFormat(bits, 32, bf16_params=bf16_params))
     every = QuantizedTable(None, table.fmt, tables=tuple(t.reshape(E * N, -1)
                                                          for t in (table.qweight, table.scales, table.biases)))
     return lambda x, i: table(x, i, b), lambda r: every.linear(r, b.reshape(-1)), "GatherQuantizedLinearNode"
 
 
 @pytest.mark.parametrize("kind,activations", [("fp32", "int8"), ("bf16", "int8"), (4, "int8"), (8, "int8"),
-                                              (4, "float"), (8, "float")],
-                         ids=["fp32", "bf16", "int4", "int8", "int4-float-x", "int8-float-x"])
+                                              (4, "float"), (8, "float"), ("int4-bf16-scales", "int8"),
+                                              ("int4-bf16-scales", "float")],
+                         ids=["fp32", "bf16", "int4", "int8", "int4-float-x", "int8-float-x", "int4-bf16-scales",
+                              "int4-bf16-scales-float-x"])
 @pytest.mark.parametrize("per_expert_x", [False, True], ids=["x-shared", "x-per-expert"])
 def test_experts_kernel_is_the_dense_kernel_per_pair(kind, activations, per_expert_x):
     """Float (float32, bfloat16) and affine 4/8-bit experts (x rounded to
-    8 bits or, with activations="float", not) run on our CPU kernels, which group
+    8 bits or, with activations="float", not; float32 or bfloat16 scales
+    under float32 x) run on our CPU kernels, which group
     a call's rows by expert: each (row, expert) pair is bit for bit what the
     dense kernel computes for that row against that expert's rows, and a
     row of a many-row call is bit for bit the one-row call of that row."""
@@ -210,13 +214,15 @@ def test_int4_experts_export_whole_and_match_the_quantized_model(shared, tmp_pat
     from executorch_mlx.llm.run.runner import LLMRunner
 
     folder = shared.get("qwen3_moe", lambda r: write_model_folder(r / "qwen3_moe", "qwen3_moe", layers=1))
-    pte = export_llm(folder, tmp_path / "int4.pte", ExportOptions(max_context=64, quantize="int4", group_size=32),
-                     progress=None)
+    # float activations: the reference model computes in floats (int8 ones
+    # would tip its near-ties; the kernels' integer rows are tested above)
+    options = ExportOptions(max_context=64, quantize="int4", group_size=32, activations="float")
+    pte = export_llm(folder, tmp_path / "int4.pte", options, progress=None)
     assert non_delegated_ops(pte.read_bytes()) == []
     runner = LLMRunner(pte, folder)
     ids = runner.tokenizer.encode("Once upon a time").ids
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantized = quantize_model(model, QuantFormat(4, 32))
+    quantized = quantize_model(model, options.quant_format)  # (as export quantizes: bfloat16 scales)
     assert "model.layers.0.mlp.experts.down_proj" in quantized
     with torch.no_grad():
         want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):].tolist()

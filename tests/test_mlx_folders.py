@@ -63,6 +63,38 @@ def quantized_linear_flags(pte_bytes: bytes) -> set[bool]:
             if type(n.op).__name__ == "QuantizedLinearNode"}
 
 
+def as_bf16_params(folder):
+    """The folder's scales and biases rounded to bfloat16, as mlx-lm saves a
+    bfloat16 model's."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    path = folder / "model.safetensors"
+    tensors = load_torch(str(path))
+    tensors = {k: v.to(torch.bfloat16) if k.endswith((".scales", ".biases")) else v for k, v in tensors.items()}
+    save_torch(tensors, str(path), metadata={"format": "mlx"})
+    return tensors
+
+
+def test_an_mlx_lm_folder_keeps_its_bfloat16_scales_in_a_float32_program(llama, tmp_path):
+    """bfloat16 scales and biases are kept as they are (our kernel reads them
+    under float32 x: half the bytes of widened ones), and compute what our
+    own export with bfloat16 scales does from the same float32 weights."""
+    folder = write_mlx_folder(llama, tmp_path / "mlx", 4, 64)
+    tensors = as_bf16_params(folder)
+    pte = export_llm(folder, tmp_path / "mlx.pte", ExportOptions(max_context=64, activations="int8"), progress=None)
+    data = pte.read_bytes()
+    scales = [v for k, v in tensors.items() if k.endswith(".scales")]
+    assert scales and all(v.view(torch.int16).numpy().tobytes() in data for v in scales), \
+        "the folder's bfloat16 scales, unchanged"
+    ours = export_llm(llama, tmp_path / "ours.pte",
+                      ExportOptions(max_context=64, quantize="int4", quantize_embedding=True, scales_dtype="bf16"),
+                      progress=None)
+    assert len(data) < len(ours.read_bytes()) * 1.01
+    want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
+    assert LLMRunner(pte, folder).generate(PROMPT, max_new_tokens=16).token_ids == want
+
+
 def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
     """Its layers meet x in floats, as mlx-lm computes (int8 on request).
     (8 bits takes the same path: benchmarks/check_mlx_lm_folders.py runs
@@ -74,7 +106,7 @@ def test_an_mlx_lm_folder_exports_as_it_is(llama, tmp_path, bits=4):
     assert packed and all(v.tobytes() in data for v in packed.values()), "the folder's packed weights, unchanged"
     ours = export_llm(llama, tmp_path / "ours.pte",
                       ExportOptions(max_context=64, quantize=f"int{bits}", quantize_embedding=True,
-                                    activations="float"),
+                                    activations="float", scales_dtype="dtype"),  # (the folder's: float32)
                       progress=None)
     want = LLMRunner(ours, llama).generate(PROMPT, max_new_tokens=16).token_ids
     runner = LLMRunner(pte, folder)

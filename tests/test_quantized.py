@@ -22,7 +22,7 @@ from test_ops import rand
 import executorch_mlx  # noqa: F401  (registers the ops)
 from executorch_mlx.custom_kernel_ops.quantized import QuantFormat, dequantize
 from executorch_mlx.llm.export.options import ExportOptions
-from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_format, quantize_model, quantize_weight
+from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_model, quantize_weight
 
 MX_DTYPES = {torch.float32: mx.float32, torch.bfloat16: mx.bfloat16}
 
@@ -199,6 +199,45 @@ def test_x_with_a_nan_or_an_infinity_meets_tiled_weights_in_floats(bits):
     got = run(lower(model, (x,)).to_executorch().buffer, [x])[0]
     assert torch.isnan(got[0]).all() and not torch.isfinite(got[1]).any()
     torch.testing.assert_close(got[2:], mlx_quantized_linear(x[2:], weight, None, 64, bits), **TOL[torch.float32])
+
+
+class TableLinear(torch.nn.Module):
+    """A quantized table as a linear layer and as an embedding."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, x, ids):
+        return self.table.linear(x), self.table(ids)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bfloat16_scales_under_float32_x_compute_what_float32_scales_of_the_same_values_do(bits):
+    """Scales and biases stored as bfloat16 (export's default
+    --scales-dtype) under float32 x: the linear layer (one row and a
+    prefill's 20) and the embedding give, bit for bit, what the same table
+    gives with its scales and biases widened to float32, from a smaller
+    program."""
+    weight = torch.randn(37, 320)
+    half = QuantizedTable(weight, QuantFormat(bits, 64, bf16_params=True))
+    assert half.scales.dtype == half.biases.dtype == torch.bfloat16 and half.out_dtype == torch.float32
+    wide = QuantizedTable(None, QuantFormat(bits, 64), tables=(half.qweight, half.scales.float(), half.biases.float()),
+                          dtype=torch.float32)
+    ids = torch.tensor([0, 15, 36])
+    programs = {}
+    for name, table in (("half", half), ("wide", wide)):
+        x = rand((20, 320), torch.float32)
+        edge = lower(TableLinear(table).eval(), (x, ids), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=32)},
+                                                                         None))
+        assert undelegated_ops(edge) == []
+        programs[name] = edge.to_executorch().buffer
+    assert len(programs["half"]) < len(programs["wide"])
+    for x in (rand((1, 320), torch.float32), rand((20, 320), torch.float32)):
+        got, want = run(programs["half"], [x, ids]), run(programs["wide"], [x, ids])
+        assert got[0].dtype == got[1].dtype == torch.float32
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[1], dequantized(wide)[ids], atol=1e-6, rtol=1e-6)
 
 
 class TiedTable(torch.nn.Module):
@@ -477,7 +516,8 @@ def test_quantized_model_logits_equal_its_quantized_reference(folder, logits_pro
 
     pte = logits_program(mode, embedding)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    layers = quantize_model(model, QuantFormat(int(mode[3:]), 64), embedding=embedding)
+    # quantized as export quantizes it (bfloat16 scales: ExportOptions.scales_dtype)
+    layers = quantize_model(model, ExportOptions(quantize=mode).quant_format, embedding=embedding)
     assert ("model.embed_tokens" in layers) == embedding
     # tied weights: the head follows the embedding (quantized with it, else full precision)
     assert isinstance(model.lm_head, torch.nn.Linear) != embedding
@@ -494,7 +534,7 @@ def test_other_widths_model_logits_equal_the_reference(folder, logits_program, m
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantize_model(model, quantize_format(mode), embedding=False)
+    quantize_model(model, ExportOptions(quantize=mode).quant_format, embedding=False)
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     program = Runtime.get().load_program(logits_program(mode, False).read_bytes())
     with torch.no_grad():

@@ -6,6 +6,9 @@ exactly what plain, fresh decoding gives."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -154,13 +157,25 @@ def test_int4_hybrid_logits_equal_the_quantized_reference(hybrids, tmp_path, mon
     reference), on a prefill and on the decode step after it."""
     from test_quantized import assert_program_near_quantized_model, integer_linear
 
-    from executorch_mlx.custom_kernel_ops.quantized import QuantFormat
     from executorch_mlx.llm.export.quantize import QuantizedTable, quantize_model
 
-    folder, _ = hybrids["qwen3_5_text"]
-    pte = export_llm(folder, tmp_path / "int4.pte",
-                     ExportOptions(max_context=64, sampling=False, quantize="int4", group_size=64), progress=None)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    quantize_model(model, QuantFormat(4, 64))
+    # Norm weights as a trained model has them: with the initial ones, the
+    # first layer's x is a quantized embedding row scaled, whose values lie
+    # exactly between two of x's integer levels, where the last float bit
+    # decides (tests/test_quantized.py's folder does the same).
+    model = AutoModelForCausalLM.from_pretrained(hybrids["qwen3_5_text"][0]).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.25 * torch.randn_like(p))
+    folder = tmp_path / "qwen3_5_text"
+    model.save_pretrained(folder)
+    for extra in Path(hybrids["qwen3_5_text"][0]).iterdir():  # the tokenizer's files
+        if not (folder / extra.name).exists():
+            shutil.copy(extra, folder / extra.name)
+    options = ExportOptions(max_context=64, sampling=False, quantize="int4", group_size=64)
+    pte = export_llm(folder, tmp_path / "int4.pte", options, progress=None)
+    quantize_model(model, options.quant_format)  # (as export quantizes: bfloat16 scales)
     monkeypatch.setattr(QuantizedTable, "linear", integer_linear)
     assert_program_near_quantized_model(pte, model)

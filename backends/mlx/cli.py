@@ -43,7 +43,8 @@ def cmd_export(args) -> int:
                             logit_bias_size=args.logit_bias_size, logprobs=args.logprobs,
                             top_logprobs=args.top_logprobs, token_mask=not args.no_grammar,
                             allow_longer_context=args.allow_longer_context, max_draft_tokens=args.max_draft_tokens,
-                            activations=args.activations, external_weights=args.external_weights,
+                            activations=args.activations, scales_dtype=args.scales_dtype,
+                            external_weights=args.external_weights,
                             max_batch=args.max_batch)
     display = None if args.quiet else TerminalProgress(sys.stderr)
     with display or contextlib.nullcontext(), shown_by(display):
@@ -274,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=None,
                    help="with --quantize: the input embedding table (and an output layer tied to it) quantized too "
                         "(default: when its type and width allow; --no-quantize-embedding keeps it at --dtype)")
+    p.add_argument("--scales-dtype", choices=["bf16", "dtype"], default=None,
+                   help="with --quantize int2..int8: scales and biases stored as bfloat16 (4.5 bits a weight at "
+                        "group 64, not 5) or in --dtype (exactly MLX's quantize) (default: bf16; dtype for fp16)")
     p.add_argument("--activations", choices=["int8", "float"], default=None,
                    help="how 4- and 8-bit layers meet x on CPUs: int8 (rounded to 8 bits per group, as llama.cpp "
                         "does: faster) or float (times the dequantized weights, as mlx-lm does) (default: float "

@@ -80,14 +80,19 @@ def check_mode(mode: str, group_size: int, bits: int) -> None:
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How a matrix is stored: MLX's mode, bits per value, values per scale."""
+    """How a matrix is stored: MLX's mode, bits per value, values per scale;
+    `bf16_params`: affine scales and biases stored as bfloat16 (else in the
+    quantized weight's dtype)."""
 
     bits: int
     group_size: int
     mode: str = "affine"
+    bf16_params: bool = False
 
     def __post_init__(self):
         check_mode(self.mode, self.group_size, self.bits)
+        if self.bf16_params and self.mode != "affine":
+            raise ValueError(f"{self.mode} has no float scales to store as bfloat16")
 
     def __str__(self) -> str:
         return self.mode if self.mode != "affine" else f"int{self.bits} group {self.group_size}"
@@ -96,7 +101,7 @@ class QuantFormat:
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, group_size: int,
                bits: int, mode: str = "affine", dtype: torch.dtype | None = None) -> torch.Tensor:
     """[..., K] from packed [..., K * bits / 32] words (as mlx.core.dequantize), in
-    `dtype` (affine: the scales' dtype)."""
+    `dtype` (default: affine, the scales' dtype; mxfp4, float32), computed in float32."""
     check_mode(mode, group_size, bits)
     if 32 % bits == 0:
         shifts = torch.arange(32 // bits, dtype=torch.int32) * bits
@@ -110,7 +115,7 @@ def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor 
         scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 127).unsqueeze(-1)  # exact powers of 2
         return (torch.tensor(FP4_VALUES)[q] * scale).flatten(-2).to(dtype or torch.float32)
     w = q.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1) + biases.to(torch.float32).unsqueeze(-1)
-    return w.flatten(-2).to(scales.dtype)
+    return w.flatten(-2).to(dtype or scales.dtype)
 
 
 def _in_features(weight: torch.Tensor, bits: int) -> int:
@@ -136,5 +141,5 @@ def quantized_embedding_reference(ids, weight, scales, biases, group_size, bits,
 
 @torch.library.register_fake("mlx::quantized_embedding")
 def _quantized_embedding_fake(ids, weight, scales, biases, group_size, bits, mode="affine", dtype=None):
-    out = scales.dtype if mode == "affine" else dtype or torch.float32
+    out = dtype or (scales.dtype if mode == "affine" else torch.float32)
     return scales.new_empty((*ids.shape, _in_features(weight, bits)), dtype=out)

@@ -11,14 +11,22 @@ from .builder import GraphBuilder, ir_dtype, meta_val, node_arg
 from .registry import handles
 
 
+# Affine scales and biases the runtime reads as they are, whatever x's dtype.
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def quantized_tables(b: GraphBuilder, node: torch.fx.Node, first: int, dtype: torch.dtype, mode_index: int) -> dict:
     """The node fields of a quantized table: weight, scales, biases (args
-    `first`.. `first + 2`) and the mode; affine's scales and biases in `dtype`."""
+    `first`.. `first + 2`) and the mode; affine's scales and biases as they
+    are when float32 or bfloat16, else in `dtype`."""
     mode = node_arg(node, mode_index, "mode", "affine")
     weight, scales, biases = (node.args[first + i] for i in range(3))
     fields = dict(weight=b.get(weight).tid, mode=ir.QuantMode[mode])
     if mode == "affine":
-        fields.update(scales=b.cast(b.get(scales), dtype).tid, biases=b.cast(b.get(biases), dtype).tid)
+        params = [b.get(scales), b.get(biases)]
+        if not (params[0].dtype == params[1].dtype and params[0].dtype in PARAM_DTYPES):
+            params = [b.cast(p, dtype) for p in params]
+        fields.update(scales=params[0].tid, biases=params[1].tid)
     else:  # the microscaling formats: uint8 exponents as they are, no biases
         fields["scales"] = b.get(scales).tid
     return fields
@@ -38,6 +46,6 @@ def lower_quantized_linear(b: GraphBuilder, node: torch.fx.Node) -> None:
 @handles(torch.ops.mlx.quantized_embedding.default)
 def lower_quantized_embedding(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
-    tables = quantized_tables(b, node, 1, node.args[2].meta["val"].dtype, 6)  # affine: rows in the scales' type
+    tables = quantized_tables(b, node, 1, out.dtype, 6)
     b.bind(node, b.emit(ir.QuantizedEmbeddingNode, out.dtype, out.shape, indices=b.get(node.args[0]).tid,
                         group_size=node.args[4], bits=node.args[5], dtype=ir_dtype(out.dtype), **tables))

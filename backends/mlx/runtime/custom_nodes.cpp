@@ -289,11 +289,14 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
   std::vector<mx::array> tables = {q.w, q.scales};
   if (q.biases) tables.push_back(*q.biases);
   auto rows = take_rows(tables, ids, q.tiled);
-  auto biases = q.biases ? std::optional<mx::array>(rows[2]) : std::nullopt;
-  // affine rows come out in the scales' type; the microscaling formats' in the node's dtype
-  auto dtype = q.mode == "affine" ? std::nullopt : std::optional<mx::Dtype>(to_mlx_dtype(n->dtype()));
-  st.set(n->out(), mx::dequantize(mx::view(rows[0], mx::uint32), rows[1], biases, q.group_size, q.bits, q.mode,
-                                  std::nullopt, dtype));
+  // rows in the node's dtype; affine ones computed in float32 when the
+  // scales' type is not that dtype (as the reference op computes them)
+  const auto dtype = to_mlx_dtype(n->dtype());
+  const bool widen = q.mode == "affine" && q.scales.dtype() != dtype;
+  auto param = [&](const mx::array& a) { return widen ? mx::astype(a, mx::float32) : a; };
+  auto biases = q.biases ? std::optional<mx::array>(param(rows[2])) : std::nullopt;
+  st.set(n->out(), mx::dequantize(mx::view(rows[0], mx::uint32), param(rows[1]), biases, q.group_size, q.bits,
+                                  q.mode, std::nullopt, dtype));
 }
 
 namespace {
@@ -381,10 +384,7 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
   const auto& x = st.get(n->x());
   check_expert_rows(x, indices, K, node);
   auto ids = in_bounds(indices, E, node);
-  // affine computes in the scales' type (the lowering gives x that type too)
-  auto dtype = q.mode == "affine" ? q.scales.dtype() : x.dtype();
-  st.set(n->out(), gather_quantized_linear(mx::astype(x, dtype), ids, q,
-                                           expert_bias(st.get_optional(n->bias()), E, N, dtype, node),
+  st.set(n->out(), gather_quantized_linear(x, ids, q, expert_bias(st.get_optional(n->bias()), E, N, x.dtype(), node),
                                            activations(n)));
 }
 

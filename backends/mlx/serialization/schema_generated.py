@@ -6811,6 +6811,8 @@ def RopeNodeEnd(builder):
 # integers, unless `float_activations`: then x meets the dequantized weights
 # in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
 # `residual` (the output's shape and dtype) is added last, as in LinearNode.
+# Affine scales and biases may be of another floating type than x (bfloat16
+# tables under float32 x: half the bytes a step reads for them).
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6973,7 +6975,7 @@ def QuantizedLinearNodeEnd(builder):
 
 
 # Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized
-# to `dtype` (affine: the scales' type).
+# to `dtype` (affine tables: computed in float32 when their scales are of another type).
 class QuantizedEmbeddingNode(object):
     __slots__ = ['_tab']
 

@@ -296,7 +296,8 @@ def metadata(config: dict, max_context: int, max_chunk: int, sampling: bool, qua
 
 def quantization_label(config: dict, model_dir, fmt, embedded: bool, activations: str) -> str:
     """The program's emlx_quantization metadata: how its weights are stored."""
-    label = "none" if fmt is None else f"{fmt}" + (" +embedding" if embedded else "")
+    label = "none" if fmt is None else f"{fmt}" + (" +embedding" if embedded else "") + (
+        ", bf16 scales" if fmt.bf16_params else "")
     if mlx_quantization(config) is not None:  # an mlx-lm folder: its quantized weights as they are
         label = mlx_types(mlx_quantization(config))
     if is_mxfp4_folder(config):  # gpt-oss: its MXFP4 experts as they are, the rest as asked

@@ -104,6 +104,18 @@ def meta_model(model_dir: Path, dtype: torch.dtype):
     return config, model
 
 
+def _params(read, name: str, dtype: torch.dtype, affine: bool) -> tuple:
+    """A layer's (scales, biases): affine ones bfloat16 as stored under a
+    float32 or bfloat16 program (our CPU kernel reads them so: no rounding,
+    and half the bytes of float32), else in `dtype`; E8M0 exponents as they
+    are, no biases."""
+    if not affine:
+        return read(f"{name}.scales"), None
+    scales, biases = read(f"{name}.scales"), read(f"{name}.biases")
+    keep_bf16 = scales.dtype == biases.dtype == torch.bfloat16 and dtype in (torch.float32, torch.bfloat16)
+    return (scales, biases) if keep_bf16 else (keep(scales.to(dtype)), keep(biases.to(dtype)))
+
+
 def tensor_reader(model_dir: Path, files: dict[str, Path]):
     """read(name, dtype=None): one tensor of the folder, kept in a file while export runs."""
     from safetensors import safe_open
@@ -164,8 +176,7 @@ def load_mlx_quantized(model_dir: str | Path, dtype: torch.dtype):
                              f"width {width} (its packed weight is {packed.dtype} {list(packed.shape)})")
         scale = embedding_scale(name, module) if module is embed else None
         affine = fmt.mode == "affine"  # else E8M0 exponents (uint8) as they are, and no biases
-        held = (packed.view(torch.int32), read(f"{name}.scales", dtype if affine else None),
-                read(f"{name}.biases", dtype) if affine else None)
+        held = (packed.view(torch.int32), *_params(read, name, dtype, affine))
         tables[name] = table = QuantizedTable(None, fmt, scale, tables=held, dtype=dtype)
         bias = f"{name}.bias"
         new = table if module is embed else QuantizedLinear(table, read(bias, dtype) if bias in files else None)

@@ -11,7 +11,7 @@ flags map one to one onto these fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +25,8 @@ MAX_DRAFT_TOKENS = 15
 DEFAULT_DRAFT_TOKENS = 8
 MAX_BATCH = 64  # sequences one batched program runs at once (export --max-batch)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# export --scales-dtype: bfloat16, or the program's dtype
+SCALES_DTYPES = ("bf16", "dtype")
 
 
 def _is_int(value) -> bool:
@@ -45,7 +47,14 @@ class ExportOptions:
     MXFP4 (groups of 32; see llm/export/quantize.py). `quantize_embedding`
     False keeps the input embedding (and a head tied to it) at `dtype`; True
     requires it quantized; None (default) quantizes it when it can.
-    `activations` is how 4- and 8-bit layers meet x in our CPU kernel:
+    `scales_dtype` is how export stores the scales and biases of the layers
+    it quantizes (int2 ... int8): "bf16" (rounded to bfloat16, as MLX's own
+    checkpoints of bfloat16 models hold them: 4.5 bits a weight at group 64
+    instead of 5, for a rounding far below a quantization step) or "dtype"
+    (in `dtype`, exactly as mlx.core.quantize gives them); None (default):
+    "bf16", but "dtype" for fp16 programs (MLX's fp16 kernels would convert
+    bfloat16 scales at every call). An mlx-lm folder's tables stay as they
+    are either way. `activations` is how 4- and 8-bit layers meet x in our CPU kernel:
     "int8" (each group of x rounded to 8 bits, as llama.cpp does: faster) or
     "float" (x times the dequantized weights, as MLX's quantized_matmul and
     so mlx-lm compute); None (default): "float" for an mlx-lm folder, else
@@ -76,6 +85,7 @@ class ExportOptions:
     group_size: int | None = None
     quantize_embedding: bool | None = None
     activations: str | None = None
+    scales_dtype: str | None = None
     sampling: bool = True
     history_size: int = 64
     logit_bias_size: int = 16
@@ -97,6 +107,10 @@ class ExportOptions:
             raise ValueError("quantize_embedding needs quantize (int2 ... int8, mxfp4)")
         if self.activations is not None:
             check_activations(self.activations)
+        if self.scales_dtype not in (None, *SCALES_DTYPES):
+            raise ValueError(f"scales_dtype must be one of {', '.join(SCALES_DTYPES)}, got {self.scales_dtype!r}")
+        if self.scales_dtype is not None and (self.quantize is None or self.quantize == "mxfp4"):
+            raise ValueError("scales_dtype needs quantize int2 ... int8 (mxfp4's scales are exponents)")
         if self.sampling and not (1 <= self.history_size <= 4096 and 1 <= self.logit_bias_size <= 4096):
             raise ValueError(f"history_size and logit_bias_size must be in [1, 4096], got {self.history_size} and "
                              f"{self.logit_bias_size}")
@@ -122,7 +136,11 @@ class ExportOptions:
         """`quantize` and `group_size` as a QuantFormat, or None (no quantize)."""
         from .quantize import quantize_format
 
-        return None if self.quantize is None else quantize_format(self.quantize, self.group_size)
+        if self.quantize is None:
+            return None
+        fmt = quantize_format(self.quantize, self.group_size)
+        scales = self.scales_dtype or ("dtype" if self.dtype == "fp16" else "bf16")
+        return replace(fmt, bf16_params=True) if fmt.mode == "affine" and scales == "bf16" else fmt
 
     @property
     def drafts(self) -> int:

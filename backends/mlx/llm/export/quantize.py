@@ -49,8 +49,9 @@ CHUNK_BYTES = 64 << 20
 def quantize_weight(weight: torch.Tensor, fmt: QuantFormat):
     """(packed int32 [N, K*bits/32], scales [N, K/g], biases [N, K/g]) of a [N, K]
     weight, computed by mlx.core.quantize in the weight's dtype, a chunk of
-    rows at a time (each row is quantized on its own). mxfp4: uint8 scales,
-    biases None."""
+    rows at a time (each row is quantized on its own); fmt.bf16_params:
+    scales and biases then rounded to bfloat16. mxfp4: uint8 scales, biases
+    None."""
     import mlx.core as mx
 
     def to_mx(rows: torch.Tensor) -> mx.array:
@@ -58,8 +59,10 @@ def quantize_weight(weight: torch.Tensor, fmt: QuantFormat):
             return mx.view(mx.array(rows.contiguous().view(torch.int16).numpy()), mx.bfloat16)
         return mx.array(rows.detach().contiguous().numpy())
 
-    def to_torch(a):  # numpy has no bfloat16: widen, then narrow back (exact)
-        return torch.from_numpy(np.array(a.astype(mx.float32))).to(weight.dtype)
+    params = torch.bfloat16 if fmt.bf16_params else weight.dtype
+
+    def to_torch(a):  # numpy has no bfloat16: widen, then narrow (exact, but for bf16_params' rounding)
+        return torch.from_numpy(np.array(a.astype(mx.float32))).to(params)
 
     weight = weight.detach()
     step = max(1, CHUNK_BYTES // max(1, weight.shape[1] * weight.element_size()))

@@ -7799,6 +7799,8 @@ struct RopeNode::Traits {
 /// integers, unless `float_activations`: then x meets the dequantized weights
 /// in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
 /// `residual` (the output's shape and dtype) is added last, as in LinearNode.
+/// Affine scales and biases may be of another floating type than x (bfloat16
+/// tables under float32 x: half the bytes a step reads for them).
 struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7952,7 +7954,7 @@ struct QuantizedLinearNode::Traits {
 };
 
 /// Rows `indices` of a quantized table (layout as QuantizedLinearNode), dequantized
-/// to `dtype` (affine: the scales' type).
+/// to `dtype` (affine tables: computed in float32 when their scales are of another type).
 struct QuantizedEmbeddingNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedEmbeddingNodeBuilder Builder;
   struct Traits;

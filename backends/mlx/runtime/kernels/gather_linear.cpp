@@ -100,7 +100,8 @@ IntRows pick_rows(const IntRows& all, const std::vector<size_t>& rows) {
 // MLX primitive: inputs x [T, K] (shared by a row's experts) or [T, k, K],
 // ids uint32 [T, k] in [0, E) (clamped by the caller), w [E, N, K * bits / 32]
 // words, scales and biases [E, N, K / group], row-contiguous; output
-// [T, k, N] in x's dtype (float32 or bfloat16, the scales' dtype).
+// [T, k, N] in x's dtype (float32 or bfloat16; the scales' and biases'
+// float32 or bfloat16 too, not necessarily x's).
 class GatherQuantizedLinear : public CpuKernel {
  public:
   GatherQuantizedLinear(mx::Stream s, int group, int bits, Activations activations, bool tiled)
@@ -117,7 +118,7 @@ class GatherQuantizedLinear : public CpuKernel {
     return [group = group_, bits = bits_, activations = activations_, tiled = tiled_](
                const std::vector<mx::array>& inputs, mx::array& out) {
       const auto &x = inputs[0], &ids_array = inputs[1], &w = inputs[2];
-      const bool bf16 = x.dtype() == mx::bfloat16;
+      const bool bf16 = inputs[3].dtype() == mx::bfloat16;  // the scales and biases
       const bool shared = x.ndim() == 2;
       const size_t T = ids_array.shape(0), k = ids_array.shape(1), K = x.shape(-1), N = out.shape(-1);
       const size_t E = w.shape(0), row_bytes = K * bits / 8, G = K / group;
@@ -222,18 +223,21 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
                                   const std::optional<mx::array>& bias, Activations activations,
                                   mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = q.w.shape(1);
-  // Our kernel for what the dense one takes (affine 4 and 8 bits, x in the
-  // scales' float type); MLX's gather_qmm for the rest.
-  const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases &&
-                         (x.dtype() == mx::float32 || x.dtype() == mx::bfloat16) && q.scales.dtype() == x.dtype() &&
-                         x.size() > 0 && ids.size() > 0 && N > 0;  // (empty calls: MLX's ops)
+  // Our kernel for what the dense one takes (affine 4 and 8 bits, x and
+  // the scales float32 or bfloat16); MLX's gather_qmm for the rest.
+  auto float_type = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; };
+  const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases && float_type(x.dtype()) &&
+                         float_type(q.scales.dtype()) && x.size() > 0 && ids.size() > 0 &&
+                         N > 0;  // (empty calls: MLX's ops)
   auto fallback = [q, bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1];
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
     auto rows = [&](const mx::array& a) { return q.tiled ? untiled(a, s) : a; };
-    auto biases = q.biases ? std::optional(rows(*q.biases)) : std::nullopt;
-    auto y = mx::gather_qmm(left, mx::view(rows(q.w), mx::uint32, s), rows(q.scales), biases, std::nullopt, ids,
+    // (affine scales and biases in x's dtype: MLX's kernels compute in one type)
+    auto param = [&](const mx::array& a) { return q.mode == "affine" ? mx::astype(rows(a), x.dtype(), s) : rows(a); };
+    auto biases = q.biases ? std::optional(param(*q.biases)) : std::nullopt;
+    auto y = mx::gather_qmm(left, mx::view(rows(q.w), mx::uint32, s), param(q.scales), biases, std::nullopt, ids,
                             /*transpose=*/true, q.group_size, q.bits, q.mode, std::nullopt, false, s);
     return plus_bias(mx::squeeze(y, 2, s), bias, ids, s);
   };

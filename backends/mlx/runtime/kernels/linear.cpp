@@ -44,8 +44,9 @@ struct Operands {
   const void* w;         // F32/BF16: [N, K]; Q4/Q8: [N, K * bits / 32] packed uint32
   const void* scales;    // quantized: [N, K / group]
   const void* biases;    // quantized: [N, K / group]
-  bool params_bf16;      // scales/biases (and bias) are bfloat16, else float32
-  const void* bias;      // [N] or null
+  bool params_bf16;      // scales/biases are bfloat16, else float32
+  bool x_bf16;           // x, out and bias are bfloat16, else float32
+  const void* bias;      // [N] or null, in x's dtype
   float* out;            // [M, N] float32
   size_t M, N, K;
 };
@@ -187,7 +188,7 @@ __attribute__((always_inline)) inline void linear_block(const Operands& o, size_
       }
       for (size_t i = 0; i < pair; ++i, ++m) {
         for (size_t r = 0; r < rows; ++r) {
-          o.out[m * o.N + n + r] = acc[i][r] + (o.bias ? float_at(o.bias, n + r, o.params_bf16) : 0.0f);
+          o.out[m * o.N + n + r] = acc[i][r] + (o.bias ? float_at(o.bias, n + r, o.x_bf16) : 0.0f);
         }
       }
     }
@@ -263,7 +264,7 @@ void gemm(const Operands& o) {
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
     if (o.bias) {
       for (size_t m = 0; m < M; ++m) {
-        for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
+        for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += float_at(o.bias, n, o.x_bf16);
       }
     }
   });
@@ -317,13 +318,14 @@ class Linear : public CpuKernel {
       Operands o{};
       o.format = format, o.group = group;
       o.M = M, o.N = N, o.K = K;
-      o.params_bf16 = x.dtype() == mx::bfloat16;
-      if (o.params_bf16) {
+      o.x_bf16 = x.dtype() == mx::bfloat16;
+      o.params_bf16 = quantized && inputs[2].dtype() == mx::bfloat16;
+      if (o.x_bf16) {
         x32 = bf16_rows_to_f32(static_cast<const uint16_t*>(xdata), M * K);
         out32.resize(M * N);
       }
-      o.x = o.params_bf16 ? x32.data() : static_cast<const float*>(xdata);
-      o.out = o.params_bf16 ? out32.data() : out.data<float>();
+      o.x = o.x_bf16 ? x32.data() : static_cast<const float*>(xdata);
+      o.out = o.x_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
       const size_t operands = quantized ? 3 : 1;
@@ -342,7 +344,7 @@ class Linear : public CpuKernel {
                          N);
           if (!o.bias) return;
           for (size_t m = 0; m < M; ++m) {
-            for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.params_bf16);
+            for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.x_bf16);
           }
         });
       } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
@@ -355,7 +357,7 @@ class Linear : public CpuKernel {
       } else {
         float_rows(o);
       }
-      if (o.params_bf16) {
+      if (o.x_bf16) {
         // float32 -> bfloat16, rounding to nearest even (as MLX does)
         uint16_t* dst = reinterpret_cast<uint16_t*>(out.data<mx::bfloat16_t>());
         for (size_t i = 0; i < out32.size(); ++i) dst[i] = f32_to_bf16(out32[i]);
@@ -482,11 +484,13 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
     return residual ? mx::add(y, *residual, s) : y;
   }
   // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
-  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) && q.scales.dtype() == x.dtype() &&
-                         (!bias || bias->dtype() == x.dtype());
+  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) &&
+                         float_activation(q.scales.dtype()) && (!bias || bias->dtype() == x.dtype());
   auto product = [group_size, bits, tiled = q.tiled](const std::vector<mx::array>& in, mx::Stream s) {
     auto rows = [&](const mx::array& a) { return tiled ? untiled(a, s) : a; };
-    return mx::quantized_matmul(in[0], mx::view(rows(in[1]), mx::uint32, s), rows(in[2]), rows(in[3]),
+    // (scales and biases in x's dtype: MLX's kernels compute in one type)
+    auto param = [&](const mx::array& a) { return mx::astype(rows(a), in[0].dtype(), s); };
+    return mx::quantized_matmul(in[0], mx::view(rows(in[1]), mx::uint32, s), param(in[2]), param(in[3]),
                                 /*transpose=*/true, group_size, bits, "affine", s);
   };
   return build(s, supported, x, {q.w, q.scales, *q.biases}, addends,
