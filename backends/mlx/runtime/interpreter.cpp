@@ -21,6 +21,8 @@
 #include "memory_budget.h"
 #include "weight_arena.h"
 
+#include <mlx/scheduler.h>
+
 namespace emlx {
 
 namespace mx = mlx::core;
@@ -723,6 +725,14 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
   for (uint32_t i = 0; i < ins->size(); ++i) st.set(ins->Get(i)->slot(), inputs[i]);
   auto* nodes = graph_->nodes();
   bool started = false;
+  // An array of each of the last two batches handed to MLX. Its eval lets at
+  // most 10 tasks (of 10 dispatches, a node one or two) wait, and past that
+  // the builder sleeps and wakes at the end of every task: dozens of times a
+  // decode step, each wake-up taking a core from the products. Once a few
+  // tasks wait, the builder instead sleeps once, until the batch before
+  // last is done (the stream thread meanwhile runs the last one).
+  std::optional<mx::array> older, newer;
+  constexpr int kQueued = 4;
   for (uint32_t i = 0; i < nodes->size(); ++i) {
     st.run_node(i, nodes->Get(i));
     if (!evaluating || liveness_.evaluate_after[i].empty()) continue;
@@ -733,7 +743,10 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
     if (written.empty()) continue;
     if (!started) (*evaluating)();
     started = true;
+    if (older && mx::scheduler::n_active_tasks() > kQueued) older->wait();
     mx::async_eval(written);
+    older = std::move(newer);
+    newer = written[0];
   }
 }
 
