@@ -4,6 +4,7 @@
 #include <executorch/runtime/core/named_data_map.h>
 
 #include <flatbuffers/flatbuffers.h>
+#include <mlx/scheduler.h>
 
 #include <algorithm>
 #include <cstring>
@@ -20,8 +21,6 @@
 #include "kernels/quantized_dot.h"
 #include "memory_budget.h"
 #include "weight_arena.h"
-
-#include <mlx/scheduler.h>
 
 namespace emlx {
 
@@ -422,55 +421,49 @@ void Program::load_constants(const NamedDataMap* named_data) {
   // (a file mapping, or a region of the program buffer) is released at once.
   // MLX's CPU allocator cannot wrap foreign memory: mx::array(pointer, ...)
   // would copy as well, while keeping the source mapped (twice the weights).
-  auto shape_of = [](const ir::Constant* c) {
-    mx::Shape shape;
-    if (c->shape()) {
-      for (auto d : *c->shape()) shape.push_back(checked_dim(d));
-    }
-    return shape;
-  };
-  auto byte_size = [](const char* name, mx::Dtype dtype, const mx::Shape& shape) {
-    size_t nbytes = mx::size_of(dtype);
-    for (auto d : shape) {
+  // The byte size of `w`, refused when it overflows.
+  auto checked_bytes = [](const char* name, const WeightSpec& w) {
+    size_t nbytes = mx::size_of(w.dtype);
+    for (auto d : w.shape) {
       if (__builtin_mul_overflow(nbytes, static_cast<size_t>(d), &nbytes)) {
         throw ProgramError(std::string("constant '") + name + "': size overflows");
       }
     }
     return nbytes;
   };
-  // into `a` (nullopt: a fresh array)
-  auto load = [&](const char* name, ir::DType dtype, mx::Shape shape, std::optional<mx::array> a = std::nullopt) {
+  auto fresh = [](const WeightSpec& w, size_t nbytes) {
+    return mx::array(mx::allocator::malloc(nbytes), w.shape, w.dtype);
+  };
+  // `a` with the named data's bytes (which must be as many as it holds)
+  auto read_into = [&](const char* name, mx::array a) {
     auto data = named_data->get_data(name);
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
     FreeableBuffer buf = std::move(data.get());
-    auto mdtype = to_mlx_dtype(dtype);
-    const size_t nbytes = byte_size(name, mdtype, shape);
-    if (buf.size() != nbytes) {
+    if (buf.size() != a.nbytes()) {
       throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf.size()) +
-                         " bytes, expected " + std::to_string(nbytes));
+                         " bytes, expected " + std::to_string(a.nbytes()));
     }
-    if (!a) a.emplace(mx::allocator::malloc(buf.size()), std::move(shape), mdtype);
-    if (buf.size() > 0) std::memcpy(a->data<void>(), buf.data(), buf.size());
+    if (buf.size() > 0) std::memcpy(a.data<void>(), buf.data(), buf.size());
     buf.Free();
-    return *a;
+    return a;
   };
+  std::vector<WeightSpec> specs;
+  std::vector<size_t> sizes;
+  for (auto* c : *consts) {
+    mx::Shape shape;
+    if (c->shape()) {
+      for (auto d : *c->shape()) shape.push_back(checked_dim(d));
+    }
+    specs.push_back({std::move(shape), to_mlx_dtype(c->dtype())});
+    sizes.push_back(checked_bytes(c->name()->c_str(), specs.back()));
+  }
   // On a CPU the weights share a few allocations, aligned and in huge pages
   // (weight_arena.h); elsewhere each is MLX's own allocation.
-  std::vector<mx::array> room;
-  if (mx::default_device() == mx::Device::cpu) {
-    std::vector<WeightSpec> specs;
-    for (auto* c : *consts) {
-      auto mdtype = to_mlx_dtype(c->dtype());
-      auto shape = shape_of(c);
-      byte_size(c->name()->c_str(), mdtype, shape);
-      specs.push_back({std::move(shape), mdtype});
-    }
-    room = weight_arrays(specs);
-  }
+  auto room = mx::default_device() == mx::Device::cpu ? weight_arrays(specs) : std::vector<mx::array>{};
   for (size_t i = 0; i < consts->size(); ++i) {
     auto* c = consts->Get(i);
-    auto a = room.empty() ? std::nullopt : std::optional<mx::array>(room[i]);
-    constants_.emplace_back(c->slot(), load(c->name()->c_str(), c->dtype(), shape_of(c), std::move(a)));
+    auto a = room.empty() ? fresh(specs[i], sizes[i]) : room[i];
+    constants_.emplace_back(c->slot(), read_into(c->name()->c_str(), std::move(a)));
   }
   for (auto* b : *buffers) {
     mx::Shape shape;
@@ -478,7 +471,8 @@ void Program::load_constants(const NamedDataMap* named_data) {
     if (b->zero_initial()) {
       buffer_initial_.push_back(mx::zeros(shape, to_mlx_dtype(b->dtype())));
     } else {
-      buffer_initial_.push_back(load(b->initial()->c_str(), b->dtype(), std::move(shape)));
+      const WeightSpec w{std::move(shape), to_mlx_dtype(b->dtype())};
+      buffer_initial_.push_back(read_into(b->initial()->c_str(), fresh(w, checked_bytes(b->initial()->c_str(), w))));
     }
   }
 }

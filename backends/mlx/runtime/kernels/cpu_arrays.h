@@ -9,6 +9,9 @@
 
 namespace emlx {
 
+// The float types our CPU kernels compute in (others go to MLX's own ops).
+inline bool float32_or_bfloat16(mlx::core::Dtype d) { return d == mlx::core::float32 || d == mlx::core::bfloat16; }
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;

@@ -225,10 +225,9 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
   const int T = ids.shape(0), k = ids.shape(1), N = q.w.shape(1);
   // Our kernel for what the dense one takes (affine 4 and 8 bits, x and
   // the scales float32 or bfloat16); MLX's gather_qmm for the rest.
-  auto float_type = [](mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; };
-  const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases && float_type(x.dtype()) &&
-                         float_type(q.scales.dtype()) && x.size() > 0 && ids.size() > 0 &&
-                         N > 0;  // (empty calls: MLX's ops)
+  const bool supported = q.mode == "affine" && (q.bits == 4 || q.bits == 8) && q.biases &&
+                         float32_or_bfloat16(x.dtype()) && float32_or_bfloat16(q.scales.dtype()) && x.size() > 0 &&
+                         ids.size() > 0 && N > 0;  // (empty calls: MLX's ops)
   auto fallback = [q, bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1];
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
@@ -256,7 +255,7 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
 mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::array& w,
                         const std::optional<mx::array>& bias, mx::StreamOrDevice s) {
   const int T = ids.shape(0), k = ids.shape(1), N = w.shape(1);
-  const bool supported = (w.dtype() == mx::float32 || w.dtype() == mx::bfloat16) && x.dtype() == w.dtype() &&
+  const bool supported = float32_or_bfloat16(w.dtype()) && x.dtype() == w.dtype() &&
                          x.size() > 0 && ids.size() > 0 && w.size() > 0;  // (empty calls: MLX's ops)
   auto fallback = [bias](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &ids = in[1], &w = in[2];

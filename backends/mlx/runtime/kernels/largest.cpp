@@ -63,7 +63,7 @@ class LargestIndices : public CpuKernel {
 
 mx::array largest_indices(const mx::array& a, int k, mx::StreamOrDevice s) {
   const int last = static_cast<int>(a.ndim()) - 1;
-  const bool supported = (a.dtype() == mx::float32 || a.dtype() == mx::bfloat16) && a.ndim() > 0 && k >= 1 &&
+  const bool supported = float32_or_bfloat16(a.dtype()) && a.ndim() > 0 && k >= 1 &&
                          k <= kMaxLargest && k <= a.shape(-1);
   auto fallback = [k, last](const std::vector<mx::array>& in, mx::Stream s) {
     // a stable sort of the negated values: largest first, ties in index order

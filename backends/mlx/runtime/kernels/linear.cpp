@@ -375,8 +375,6 @@ class Linear : public CpuKernel {
   bool has_bias_, has_residual_;
 };
 
-bool float_activation(mx::Dtype d) { return d == mx::float32 || d == mx::bfloat16; }
-
 void check_residual(const mx::array& x, int N, const std::optional<mx::array>& residual) {
   mx::Shape shape = x.shape();
   shape.back() = N;
@@ -440,7 +438,7 @@ void check_quantization(const char* node, const QuantizedMatrix& q, int K) {
     }
     return;
   }
-  if (!q.biases || !float_activation(q.scales.dtype()) || q.scales.dtype() != q.biases->dtype()) {
+  if (!q.biases || !float32_or_bfloat16(q.scales.dtype()) || q.scales.dtype() != q.biases->dtype()) {
     throw std::invalid_argument(name + ": scales and biases must both be float32 or both bfloat16");
   }
 }
@@ -454,7 +452,7 @@ mx::array linear(const mx::array& x, const mx::array& w, const Addends& addends,
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
   const bool supported =
-      float_activation(x.dtype()) && w.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
+      float32_or_bfloat16(x.dtype()) && w.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
   auto product = [](const std::vector<mx::array>& in, mx::Stream s) {
     return mx::matmul(in[0], mx::transpose(in[1], s), s);
   };
@@ -484,8 +482,8 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
     return residual ? mx::add(y, *residual, s) : y;
   }
   // our kernel reads 4- and 8-bit codes; the other widths run on MLX's quantized_matmul
-  const bool supported = (bits == 4 || bits == 8) && float_activation(x.dtype()) &&
-                         float_activation(q.scales.dtype()) && (!bias || bias->dtype() == x.dtype());
+  const bool supported = (bits == 4 || bits == 8) && float32_or_bfloat16(x.dtype()) &&
+                         float32_or_bfloat16(q.scales.dtype()) && (!bias || bias->dtype() == x.dtype());
   auto product = [group_size, bits, tiled = q.tiled](const std::vector<mx::array>& in, mx::Stream s) {
     auto rows = [&](const mx::array& a) { return tiled ? untiled(a, s) : a; };
     // (scales and biases in x's dtype: MLX's kernels compute in one type)
