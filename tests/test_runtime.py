@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -35,6 +36,18 @@ def test_backend_is_registered_in_a_fresh_process():
     from executorch_mlx._runtime_library import load
 
     assert load().emlx_backend_id().decode() == executorch_mlx.BACKEND_ID
+
+
+def test_loading_the_plugin_starts_no_openblas_threads():
+    """OpenBLAS, loaded with the plugin, would start a thread per further
+    core that spins for about 0.1 s: importing the package starts as many
+    threads as with OPENBLAS_NUM_THREADS=1 set, and leaves the environment
+    as it found it."""
+    code = "import os, executorch_mlx; print(len(os.listdir('/proc/self/task')), 'OPENBLAS_NUM_THREADS' in os.environ)"
+    unset = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    threads = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env=env).stdout.split() for env in (unset, unset | {"OPENBLAS_NUM_THREADS": "1"})]
+    assert threads[0] == [threads[1][0], "False"]
 
 
 def test_running_a_program_needs_no_export_stack(tmp_path):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sysconfig
+from contextlib import contextmanager
 from pathlib import Path
 
 LIBRARY_NAME = "libexecutorch_mlx_backend.so"
@@ -51,6 +53,22 @@ def _load_executorch() -> None:
     raise ImportError(f"executorch_mlx: libexecutorch not found in {folder}; reinstall executorch")
 
 
+@contextmanager
+def _openblas_without_threads():
+    """The plugin's OpenBLAS, which our kernels call single-threaded from
+    their own threads, starts a thread as it loads that spins for about
+    0.1 s, a core taken from loading and the first prefill, unless
+    OPENBLAS_NUM_THREADS is set then (a value the user set is kept)."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OPENBLAS_NUM_THREADS", None)
+
+
 @functools.cache
 def load() -> ctypes.CDLL:
     import mlx.core  # noqa: F401  (libmlx.so)
@@ -59,7 +77,8 @@ def load() -> ctypes.CDLL:
 
     for path in _candidates():
         if path.exists():
-            lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            with _openblas_without_threads():
+                lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
             lib.emlx_last_error.restype = ctypes.c_char_p
             lib.emlx_backend_id.restype = ctypes.c_char_p
             lib.emlx_memory_budget.restype = ctypes.c_uint64

@@ -19,6 +19,7 @@
 #include "dtype.h"
 #include "kernels/cpu_kernel.h"
 #include "kernels/quantized_dot.h"
+#include "kernels/thread_pool.h"
 #include "memory_budget.h"
 #include "weight_arena.h"
 
@@ -711,6 +712,29 @@ void drop_state_snapshot(uint64_t id) {
   state_snapshots().erase(id);
 }
 
+namespace {
+
+// On the CPU, a task queued after the graph's tasks so far: once it has run,
+// so have they (the stream's one thread runs its tasks in order). Waiting on
+// it with help_until, the builder runs kernel items meanwhile rather than
+// sleep; nullptr on other devices.
+using Done = std::shared_ptr<std::atomic<bool>>;
+Done queued_so_far() {
+  if (mx::default_device() != mx::Device::cpu) return nullptr;
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  mx::scheduler::enqueue(mx::default_stream(mx::default_device()), [done] {
+    done->store(true, std::memory_order_release);
+    wake_helpers();
+  });
+  return done;
+}
+
+void wait_helping(const Done& done) {
+  help_until([&] { return done->load(std::memory_order_acquire); });
+}
+
+}  // namespace
+
 void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
                     const std::function<void()>* evaluating) const {
   for (auto& [slot, arr] : constants_) st.set(slot, arr);
@@ -723,9 +747,11 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
   // most 10 tasks (of 10 dispatches, a node one or two) wait, and past that
   // the builder sleeps and wakes at the end of every task: dozens of times a
   // decode step, each wake-up taking a core from the products. Once a few
-  // tasks wait, the builder instead sleeps once, until the batch before
-  // last is done (the stream thread meanwhile runs the last one).
+  // tasks wait, the builder instead waits once, until the batch before
+  // last is done (the stream thread meanwhile runs the last one); on the
+  // CPU it runs kernel items meanwhile.
   std::optional<mx::array> older, newer;
+  Done older_done, newer_done;
   constexpr int kQueued = 4;
   for (uint32_t i = 0; i < nodes->size(); ++i) {
     st.run_node(i, nodes->Get(i));
@@ -737,10 +763,12 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
     if (written.empty()) continue;
     if (!started) (*evaluating)();
     started = true;
-    if (older && mx::scheduler::n_active_tasks() > kQueued) older->wait();
+    if (older && mx::scheduler::n_active_tasks() > kQueued) older_done ? wait_helping(older_done) : older->wait();
     mx::async_eval(written);
     older = std::move(newer);
     newer = written[0];
+    older_done = std::move(newer_done);
+    newer_done = queued_so_far();
   }
 }
 
@@ -802,7 +830,9 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   std::vector<mx::array> all = outs;
   all.insert(all.end(), updates.begin(), updates.end());
   try {
-    mx::eval(all);
+    mx::async_eval(all);
+    if (auto done = queued_so_far()) wait_helping(done);
+    mx::eval(all);  // (done by now on the CPU: this reports a failure)
   } catch (const std::exception& e) {
     reset_after_failure(std::string("evaluation failed: ") + e.what());
   }

@@ -24,6 +24,8 @@
 #include <executorch/runtime/executor/program.h>
 #include <executorch/runtime/platform/runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -720,6 +722,15 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if defined(__linux__)
+  // The OpenBLAS our kernels call (single-threaded, from their own threads)
+  // starts a thread as it loads that spins for about 0.1 s, a core taken
+  // from loading and the first prefill, unless OPENBLAS_NUM_THREADS is set
+  // by then: set it and start again (on failure, go on as we are).
+  if (!std::getenv("OPENBLAS_NUM_THREADS") && setenv("OPENBLAS_NUM_THREADS", "1", 1) == 0) {
+    execv("/proc/self/exe", argv);
+  }
+#endif
   try {
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {

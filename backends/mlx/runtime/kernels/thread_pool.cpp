@@ -31,8 +31,6 @@ class Pool {
     for (auto& t : threads_) t.join();
   }
 
-  int size() const { return static_cast<int>(threads_.size()) + 1; }
-
   void run(int n, const std::function<void(int)>& fn) {
     uint64_t gen;
     {
@@ -51,6 +49,47 @@ class Pool {
     drain(gen);
     // Workers may still be finishing their last item.
     while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+  void help_until(const std::function<bool()>& done, bool spin) {
+    // A decode step's products come tens of microseconds apart, too close
+    // for a sleep and a wake-up each (the builder has a core of its own by
+    // then): the helper spins between them, yielding, and sleeps after a
+    // longer lull. A yield that took long shows that another thread wanted
+    // the core (another process, on a machine with no core to spare): then
+    // every helper sleeps for a while rather than spin.
+    using clock = std::chrono::steady_clock;
+    constexpr auto kSpin = std::chrono::microseconds(200), kTaken = std::chrono::microseconds(20);
+    constexpr auto kBackOff = std::chrono::milliseconds(50);
+    auto idle_since = clock::now();
+    while (!done()) {
+      const uint64_t t = ticket_.load();
+      if ((t & kClosed) < static_cast<uint64_t>(n_.load())) {
+        drain(t >> 32);
+        idle_since = clock::now();
+        continue;
+      }
+      if (spin) {
+        const auto before = clock::now();
+        if (before - idle_since < kSpin && before.time_since_epoch().count() > no_spin_until_.load()) {
+          std::this_thread::yield();
+          const auto after = clock::now();
+          if (after - before > kTaken) no_spin_until_.store((after + kBackOff).time_since_epoch().count());
+          continue;
+        }
+      }
+      std::unique_lock<std::mutex> lock(m_);
+      const uint64_t seen = generation_;
+      cv_.wait(lock, [&] { return generation_ != seen || done(); });
+      idle_since = clock::now();
+    }
+  }
+
+  void wake() {
+    // (taking the lock orders this after a helper's check of done(): it is
+    // either not waiting yet, and sees done() true, or waiting, and wakes)
+    { std::lock_guard<std::mutex> lock(m_); }
+    cv_.notify_all();
   }
 
  private:
@@ -90,15 +129,27 @@ class Pool {
   std::atomic<int> n_{0};
   std::atomic<uint64_t> ticket_{0};
   std::atomic<int> pending_{0};
+  std::atomic<int64_t> no_spin_until_{0};  // (steady_clock ticks)
 };
 
-Pool& pool() {
-  // EMLX_NUM_THREADS overrides the number of threads (the caller included).
-  static Pool p([] {
+// The threads that run a kernel's items (EMLX_NUM_THREADS overrides the
+// number of cores): the caller (MLX's stream thread), the graph builder
+// while it waits (help_until), and a worker for each further core.
+int thread_count() {
+  static const int n = [] {
     int n = static_cast<int>(std::thread::hardware_concurrency());
     if (const char* env = std::getenv("EMLX_NUM_THREADS")) n = std::atoi(env);
-    return std::clamp(n, 1, 64) - 1;
-  }());
+    return std::clamp(n, 1, 64);
+  }();
+  return n;
+}
+
+Pool& pool() {
+  // A worker on every core would leave the builder none: it builds the
+  // graph while the products run and is then one thread too many, taking
+  // turns on a core with a worker (on 2 cores, a second thread for the
+  // products gained almost nothing). It lends its core while it waits.
+  static Pool p(std::max(0, thread_count() - 2));
   return p;
 }
 
@@ -109,14 +160,19 @@ void parallel_for(int n, const std::function<void(int)>& fn) {
   // alone rather than wait.
   static std::mutex busy;
   std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
-  if (n <= 1 || pool().size() == 1 || !lock.owns_lock()) {
+  // (with no workers, a run is still published: the builder may help)
+  if (n <= 1 || thread_count() == 1 || !lock.owns_lock()) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
   pool().run(n, fn);
 }
 
-int pool_size() { return pool().size(); }
+int pool_size() { return thread_count(); }
+
+void help_until(const std::function<bool()>& done) { pool().help_until(done, thread_count() > 1); }
+
+void wake_helpers() { pool().wake(); }
 
 #if defined(__x86_64__)
 namespace {

@@ -9,13 +9,19 @@
 
 namespace emlx {
 
-// Runs fn(0) ... fn(n - 1), spread over the pool and the calling thread;
-// returns when all are done. Thread-safe: while the pool is busy, another
-// caller runs its items alone.
+// Runs fn(0) ... fn(n - 1), spread over the pool, a helping thread (see
+// help_until) and the calling thread; returns when all are done.
+// Thread-safe: while the pool is busy, another caller runs its items alone.
 void parallel_for(int n, const std::function<void(int)>& fn);
 
 // Threads that parallel_for uses, the caller included.
 int pool_size();
+
+// Waits until done() holds, meanwhile running items of parallel_for runs:
+// the thread that builds a graph lends its core to the kernels while it
+// waits on their results. Whatever makes done() true calls wake_helpers().
+void help_until(const std::function<bool()>& done);
+void wake_helpers();
 
 // Runs fn(r0, r1) over [0, rows) in chunks of `chunk` rows spread over the
 // pool; as many rows as one chunk (a decode step's) run on the caller, not
