@@ -727,8 +727,11 @@ int main(int argc, char** argv) {
   // starts a thread as it loads that spins for about 0.1 s, a core taken
   // from loading and the first prefill, unless OPENBLAS_NUM_THREADS is set
   // by then: set it and start again (on failure, go on as we are).
-  if (!std::getenv("OPENBLAS_NUM_THREADS") && setenv("OPENBLAS_NUM_THREADS", "1", 1) == 0) {
-    execv("/proc/self/exe", argv);
+  char self[4096];
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (length > 0 && !std::getenv("OPENBLAS_NUM_THREADS") && setenv("OPENBLAS_NUM_THREADS", "1", 1) == 0) {
+    self[length] = '\0';
+    execv(self, argv);  // (by its own path: the process keeps its name)
   }
 #endif
   try {
