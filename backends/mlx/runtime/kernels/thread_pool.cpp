@@ -59,7 +59,7 @@ class Pool {
     // the core (another process, on a machine with no core to spare): then
     // every helper sleeps for a while rather than spin.
     using clock = std::chrono::steady_clock;
-    constexpr auto kSpin = std::chrono::microseconds(200), kTaken = std::chrono::microseconds(20);
+    constexpr auto kSpin = std::chrono::microseconds(200), kTaken = std::chrono::microseconds(100);
     constexpr auto kBackOff = std::chrono::milliseconds(50);
     auto idle_since = clock::now();
     while (!done()) {
