@@ -110,6 +110,32 @@ def test_a_loaded_program_casts_inputs_within_their_kind_only():
         method.execute([np.array([4.5, 5.0], dtype=np.float32)])
 
 
+def test_a_loaded_program_reads_an_array_given_again_afresh():
+    """A decode loop passes the sampler's arrays again, as they are: their
+    contents are read at each call, a converted array's too, and an array
+    whose shape or dtype changed in place is checked again."""
+    import numpy as np
+
+    from executorch_mlx.loaded_program import LoadedProgram
+
+    method = LoadedProgram(lower(Next(), (torch.tensor([1, 2]),)).to_executorch().buffer).load_method("forward")
+    x, y = np.array([1, 2]), np.array([1, 2], dtype=np.int32)
+    assert method.execute([x])[0].tolist() == [2, 3]
+    x[:] = [10, 20]
+    assert method.execute([x])[0].tolist() == [11, 21]
+    assert method.execute([y])[0].tolist() == [2, 3]
+    y[:] = [5, 6]
+    assert method.execute([y])[0].tolist() == [6, 7]
+    x.dtype = np.float64
+    with pytest.raises(TypeError, match="input 0 takes int64, got float64"):
+        method.execute([x])
+    x.dtype = np.int64
+    assert method.execute([x])[0].tolist() == [11, 21]
+    x.shape = (2, 1)
+    with pytest.raises(RuntimeError):
+        method.execute([x])
+
+
 def _pte_with_blob(mutate) -> bytes:
     """Lowers AddMul with `mutate(graph, blob) -> blob` applied at preprocess
     (mutators re-serialize an edited graph)."""
