@@ -179,6 +179,23 @@ class LoadedMethod:
     def _pack(self, i: int, value) -> None:
         spec = self.inputs[i]
         self._given[i] = None
+        if type(value) is np.ndarray and spec is not None and value.dtype == spec.dtype and value.flags.c_contiguous:
+            array, code = value, _CODES[value.dtype]  # (as the method takes it)
+        else:
+            array, code = self._converted(i, value, spec)
+        if array.ndim > _MAX_RANK:
+            raise ValueError(f"input {i} has rank {array.ndim}; at most {_MAX_RANK}")
+        slot = self._packed[i]
+        slot.tag, slot.dtype, slot.rank = 1, code, array.ndim
+        slot.sizes[:array.ndim] = array.shape
+        slot.data = array.__array_interface__["data"][0]
+        self._kept[i] = array
+        if array is value:  # (a converted copy would not see changes to the given array)
+            self._given[i] = (value, value.shape, value.dtype)
+
+    @staticmethod
+    def _converted(i: int, value, spec) -> tuple[np.ndarray, int]:
+        """Input i as the method takes it (within its dtype's kind), with its dtype code."""
         array = as_array(value)  # (torch's bfloat16 too)
         value = value if array is None else array
         if spec is None:
@@ -188,19 +205,9 @@ class LoadedMethod:
         if isinstance(dtype, np.dtype) and not np.can_cast(dtype, want, casting="same_kind"):
             raise TypeError(f"input {i} takes {spec.dtype}, got {dtype}")
         if spec.dtype == BFLOAT16:
-            array, code = _to_bfloat16(np.asarray(value, dtype=np.float32)), _BFLOAT16
-        else:
-            array = np.asarray(value, dtype=spec.dtype, order="C")
-            code = _CODES[array.dtype]
-        if array.ndim > _MAX_RANK:
-            raise ValueError(f"input {i} has rank {array.ndim}; at most {_MAX_RANK}")
-        slot = self._packed[i]
-        slot.tag, slot.dtype, slot.rank = 1, code, array.ndim
-        slot.sizes[:array.ndim] = array.shape
-        slot.data = array.ctypes.data
-        self._kept[i] = array
-        if array is value:  # (a converted copy would not see changes to the given array)
-            self._given[i] = (value, value.shape, value.dtype)
+            return _to_bfloat16(np.asarray(value, dtype=np.float32)), _BFLOAT16
+        array = np.asarray(value, dtype=spec.dtype, order="C")
+        return array, _CODES[array.dtype]
 
     def _output(self, i: int):
         value = _Value()
@@ -211,10 +218,10 @@ class LoadedMethod:
             if value.dtype == _BFLOAT16:
                 bits = np.ctypeslib.as_array((ctypes.c_uint16 * (value.nbytes // 2)).from_address(value.data))
                 return (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-            out = np.empty(shape, dtype=_DTYPES[value.dtype])
-            if value.nbytes:
-                ctypes.memmove(out.ctypes.data, value.data, value.nbytes)
-            return out
+            # (numpy's C paths only: its `.ctypes` runs Python code, slow
+            # after a decode step has swept the caches)
+            raw = ctypes.string_at(value.data, value.nbytes) if value.nbytes else b""
+            return np.frombuffer(raw, dtype=_DTYPES[value.dtype]).reshape(shape).copy()
         if value.tag == 5:
             return ctypes.string_at(value.data, value.nbytes).decode()
         return {0: None, 2: value.integer, 3: value.real, 4: bool(value.integer)}[value.tag]
