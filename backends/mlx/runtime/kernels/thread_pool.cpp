@@ -132,24 +132,12 @@ class Pool {
   std::atomic<int64_t> no_spin_until_{0};  // (steady_clock ticks)
 };
 
-// The threads that run a kernel's items (EMLX_NUM_THREADS overrides the
-// number of cores): the caller (MLX's stream thread), the graph builder
-// while it waits (help_until), and a worker for each further core.
-int thread_count() {
-  static const int n = [] {
-    int n = static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("EMLX_NUM_THREADS")) n = std::atoi(env);
-    return std::clamp(n, 1, 64);
-  }();
-  return n;
-}
-
 Pool& pool() {
   // A worker on every core would leave the builder none: it builds the
   // graph while the products run and is then one thread too many, taking
   // turns on a core with a worker (on 2 cores, a second thread for the
   // products gained almost nothing). It lends its core while it waits.
-  static Pool p(std::max(0, thread_count() - 2));
+  static Pool p(std::max(0, pool_size() - 2));
   return p;
 }
 
@@ -161,16 +149,26 @@ void parallel_for(int n, const std::function<void(int)>& fn) {
   static std::mutex busy;
   std::unique_lock<std::mutex> lock(busy, std::try_to_lock);
   // (with no workers, a run is still published: the builder may help)
-  if (n <= 1 || thread_count() == 1 || !lock.owns_lock()) {
+  if (n <= 1 || pool_size() == 1 || !lock.owns_lock()) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
   pool().run(n, fn);
 }
 
-int pool_size() { return thread_count(); }
+// The caller (MLX's stream thread), the graph builder while it waits
+// (help_until), and a worker for each further core; EMLX_NUM_THREADS
+// overrides the number of cores.
+int pool_size() {
+  static const int n = [] {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("EMLX_NUM_THREADS")) n = std::atoi(env);
+    return std::clamp(n, 1, 64);
+  }();
+  return n;
+}
 
-void help_until(const std::function<bool()>& done) { pool().help_until(done, thread_count() > 1); }
+void help_until(const std::function<bool()>& done) { pool().help_until(done, pool_size() > 1); }
 
 void wake_helpers() { pool().wake(); }
 
