@@ -723,6 +723,7 @@ Done queued_so_far() {
   if (mx::default_device() != mx::Device::cpu) return nullptr;
   auto done = std::make_shared<std::atomic<bool>>(false);
   mx::scheduler::enqueue(mx::default_stream(mx::default_device()), [done] {
+    note_kernel_cpu();
     done->store(true, std::memory_order_release);
     wake_helpers();
   });
@@ -765,6 +766,7 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
     started = true;
     if (older && mx::scheduler::n_active_tasks() > kQueued) older_done ? wait_helping(older_done) : older->wait();
     mx::async_eval(written);
+    step_aside();
     older = std::move(newer);
     newer = written[0];
     older_done = std::move(newer_done);

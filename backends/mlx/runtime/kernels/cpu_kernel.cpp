@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "thread_pool.h"
+
 namespace emlx {
 
 namespace mx = mlx::core;
@@ -22,7 +24,10 @@ void CpuKernel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   for (const auto& in : inputs) enc.set_input_array(in);
   enc.set_output_array(out);
   // The task holds references to its arrays: MLX may drop its own first.
-  enc.dispatch([inputs, out, run = task()]() mutable { run(inputs, out); });
+  enc.dispatch([inputs, out, run = task()]() mutable {
+    note_kernel_cpu();
+    run(inputs, out);
+  });
 }
 
 void CpuKernel::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -11,9 +11,59 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace emlx {
 
 namespace {
+
+// The CPU the calling thread runs on; -1 where unknown.
+int current_cpu() {
+#if defined(__linux__)
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
+// While it lives, the calling thread may not run on `cpu` (when its
+// affinity allows others); then its affinity is as it was. Made and dropped
+// at once, it moves the thread off `cpu`, where the scheduler leaves it until
+// it has a reason to move it.
+class AwayFrom {
+ public:
+  explicit AwayFrom(int cpu) {
+#if defined(__linux__)
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof mask_, &mask_) != 0 || !CPU_ISSET(cpu, &mask_) ||
+        CPU_COUNT(&mask_) < 2) {
+      return;
+    }
+    cpu_set_t others = mask_;
+    CPU_CLR(cpu, &others);
+    moved_ = sched_setaffinity(0, sizeof others, &others) == 0;
+#else
+    (void)cpu;
+#endif
+  }
+  ~AwayFrom() {
+#if defined(__linux__)
+    if (moved_) sched_setaffinity(0, sizeof mask_, &mask_);
+#endif
+  }
+  AwayFrom(const AwayFrom&) = delete;
+  AwayFrom& operator=(const AwayFrom&) = delete;
+
+ private:
+#if defined(__linux__)
+  cpu_set_t mask_;
+#endif
+  bool moved_ = false;
+};
+
+// The CPU where MLX's stream thread last ran a task of ours.
+std::atomic<int> kernel_cpu{-1};
 
 class Pool {
  public:
@@ -32,6 +82,7 @@ class Pool {
   }
 
   void run(int n, const std::function<void(int)>& fn) {
+    note_kernel_cpu();
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(m_);
@@ -65,6 +116,7 @@ class Pool {
     while (!done()) {
       const uint64_t t = ticket_.load();
       if ((t & kClosed) < static_cast<uint64_t>(n_.load())) {
+        if (spin) step_aside();
         drain(t >> 32);
         idle_since = clock::now();
         continue;
@@ -74,10 +126,14 @@ class Pool {
         if (before - idle_since < kSpin && before.time_since_epoch().count() > no_spin_until_.load()) {
           std::this_thread::yield();
           const auto after = clock::now();
-          if (after - before > kTaken) no_spin_until_.store((after + kBackOff).time_since_epoch().count());
+          if (after - before > kTaken && !step_aside()) {
+            no_spin_until_.store((after + kBackOff).time_since_epoch().count());
+          }
           continue;
         }
       }
+      // (woken by the stream thread, it would be placed on the stream's CPU)
+      const AwayFrom away(spin ? kernel_cpu.load(std::memory_order_relaxed) : -1);
       std::unique_lock<std::mutex> lock(m_);
       const uint64_t seen = generation_;
       cv_.wait(lock, [&] { return generation_ != seen || done(); });
@@ -171,6 +227,15 @@ int pool_size() {
 void help_until(const std::function<bool()>& done) { pool().help_until(done, pool_size() > 1); }
 
 void wake_helpers() { pool().wake(); }
+
+void note_kernel_cpu() { kernel_cpu.store(current_cpu(), std::memory_order_relaxed); }
+
+bool step_aside() {
+  const int at = current_cpu();
+  if (at < 0 || at != kernel_cpu.load(std::memory_order_relaxed)) return false;
+  { const AwayFrom away(at); }
+  return true;
+}
 
 #if defined(__x86_64__)
 namespace {

@@ -23,6 +23,16 @@ int pool_size();
 void help_until(const std::function<bool()>& done);
 void wake_helpers();
 
+// The thread that builds a graph and the one that runs it (MLX's stream
+// thread) wake each other, and Linux places a thread it wakes on the
+// waker's CPU when the other looks busy, as an idle virtual CPU can: both
+// then take turns on one core for milliseconds while the other idles (a
+// prefill after a pause ran at one thread's speed). The stream thread notes
+// its CPU as it runs our tasks; step_aside moves the calling thread to
+// another CPU when it is on that one (true if it did).
+void note_kernel_cpu();
+bool step_aside();
+
 // Runs fn(r0, r1) over [0, rows) in chunks of `chunk` rows spread over the
 // pool; as many rows as one chunk (a decode step's) run on the caller, not
 // worth waking the pool for.

@@ -1,0 +1,83 @@
+"""Prefill after a pause: the same 64-token prefill right after the previous
+call and after pauses of 10, 60 and 500 ms, in one process, interleaved.
+
+    .venv/bin/python benchmarks/bench_pauses.py                  # int4, 8 rounds
+    .venv/bin/python benchmarks/bench_pauses.py --variant fp32 --rounds 5
+
+A chat's turns and a server's requests come after pauses. Each call's graph
+is built on the caller's thread while MLX's stream thread runs it; after a
+pause, Linux can wake the one onto the other's CPU (an idle virtual CPU can
+look busy to it), and both then share one core for milliseconds (our
+pool, docs/lowering.md). The ratio of each pause's median
+to the back-to-back median, measured in the same run, should be 1.00.
+
+The "large" Llama config of bench_llm.py (~104M parameters, random
+weights), greedy, max context 256; bench_llm.py's call of the program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_llm import GROUP_SIZE, VARIANTS, load_average, machine, write_folder
+
+PROMPT = [(31 * i + 7) % 32000 for i in range(64)]
+PAUSES_S = (0.0, 0.01, 0.06, 0.5)
+
+
+def prefill_call(pte: Path):
+    import numpy as np
+
+    from executorch_mlx.llm.run.runner import LLMRunner
+
+    runner = LLMRunner(pte)
+    names = runner.input_names[2:]
+    given = {"temperature": np.array(0.0, dtype=np.float32), "seed": np.array(42), "position": np.array(0)}
+    sampler = runner.sampler_values(names, given)
+    ids, positions = np.array([PROMPT]), np.arange(len(PROMPT))
+    return lambda: runner.method.execute([ids, positions] + sampler)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", default="int4", choices=[v for v in VARIANTS if v != "bf16"])
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args()
+    from executorch_mlx.llm.export.hf_export import export_llm
+    from executorch_mlx.llm.export.options import ExportOptions
+
+    print("command: " + " ".join(sys.argv))
+    print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_folder(Path(tmp) / "large", small=False, layers=None, hidden=None)
+        quantized = dict(quantize=args.variant, group_size=GROUP_SIZE, quantize_embedding=True)
+        pte = export_llm(folder, Path(tmp) / f"ours-{args.variant}.pte",
+                         ExportOptions(max_context=256, **(quantized if args.variant != "fp32" else {})), progress=None)
+        call = prefill_call(pte)
+        call()  # warm-up
+        ms = {pause: [] for pause in PAUSES_S}
+        for r in range(args.rounds):
+            for pause in PAUSES_S[r % len(PAUSES_S):] + PAUSES_S[:r % len(PAUSES_S)]:  # rotating order
+                call()  # the call the pause follows
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                call()
+                ms[pause].append((time.perf_counter() - t0) * 1e3)
+    base = statistics.median(ms[0.0])
+    print(f"\n{args.variant}, 64-token prefill, median of {args.rounds} rounds\n")
+    print("| pause before the call | prefill ms | every round | vs back-to-back |")
+    print("|---|---|---|---|")
+    for pause, runs in ms.items():
+        median = statistics.median(runs)
+        print(f"| {pause * 1e3:.0f} ms | {median:.1f} | {' '.join(f'{v:.0f}' for v in runs)} | {median / base:.2f}x |")
+    print(f"load average at end: {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
