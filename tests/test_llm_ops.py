@@ -328,6 +328,34 @@ def test_linear_kernel(m, k, n, bias):
     assert_matches_eager(Linear(k, n, bias).eval(), (rand((m, k)),), expect_nodes={"LinearNode"})
 
 
+def test_float_linear_rows_equal_one_row_calls_bit_for_bit(tmp_path):
+    """Up to 16 rows of x (a decode step, a verify call), the float32 kernel
+    computes each row as a one-row call does, whichever way a pass reads the
+    weights (one or two rows of x: weight rows in order; more: four weight
+    rows side by side), in the plain C++ build and this CPU's."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(3)
+    model = Linear(300, 45, True).eval()  # K: 37 vectors of 8 and a tail; N: not a multiple of 4
+    x = rand((16, 300))
+    pte = tmp_path / "linear.pte"
+    pte.write_bytes(lower(model, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=16)},))
+                    .to_executorch().buffer)
+    torch.save(x, tmp_path / "x.pt")
+    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime\n"
+              "p = Runtime.get().load_program(open(sys.argv[1], 'rb').read()); m = p.load_method('forward')\n"
+              "x = torch.load(sys.argv[2])\n"
+              "ones = [m.execute([x[i:i + 1]])[0] for i in range(len(x))]\n"
+              "print(all(torch.equal(m.execute([x[:n]])[0][i], ones[i][0]) for n in range(1, 17) for i in range(n)))")
+    for build in ("plain", None):
+        env = {**os.environ, "EMLX_X86_KERNELS": build} if build else os.environ
+        out = subprocess.run([sys.executable, "-c", script, pte, tmp_path / "x.pt"], env=env, check=True,
+                             capture_output=True, text=True).stdout.split()
+        assert out == ["True"], build
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_linear_half_dtypes(dtype):
     """bfloat16 runs our kernel, float16 MLX's matmul (test_quantized.py checks both paths agree)."""
