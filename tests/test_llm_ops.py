@@ -318,7 +318,10 @@ class Linear(torch.nn.Module):
         return self.fc(x)
 
 
-LINEAR_CASES = [(1, 64, 32, True), (3, 37, 13, False), (64, 256, 130, True), (5, 7, 1, True)]
+# (M >= 17 is a prefill's product: 19 and 33 rows leave rows of x past the
+# kernel's blocks of 4, K = 37 and 100 values past its steps of 16)
+LINEAR_CASES = [(1, 64, 32, True), (3, 37, 13, False), (64, 256, 130, True), (5, 7, 1, True), (19, 37, 13, True),
+                (33, 100, 50, False)]
 
 
 @pytest.mark.parametrize("m,k,n,bias", LINEAR_CASES)

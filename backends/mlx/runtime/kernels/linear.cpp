@@ -9,6 +9,7 @@
 #include "blas.h"
 #include "cpu_arrays.h"
 #include "cpu_kernel.h"
+#include "float_gemm.h"
 #include "quantized_dot.h"
 #include "thread_pool.h"
 
@@ -292,19 +293,23 @@ size_t block_rows(size_t N, size_t unit) {
   return std::max(unit, (N / (8 * pool_size()) + unit - 1) / unit * unit);
 }
 
-// out = x w^T (+ bias) with OpenBLAS's sgemm, one tile of weight rows per
-// task of our pool (OpenBLAS itself single-threaded: its own threads spin
-// against ours and collapse when another process wants a core). Weights not
-// stored as float32 are decoded a tile at a time, multiplied while in cache.
+// out = x w^T (+ bias), one tile of weight rows per task of our pool: our
+// AVX-512 kernel (float_gemm.h) where the CPU has it, else OpenBLAS's sgemm
+// (itself single-threaded: its own threads spin against ours and collapse
+// when another process wants a core). Weights not stored as float32 are
+// decoded a tile at a time, multiplied while in cache.
 void gemm(const Operands& o) {
   use_single_threaded_blas();
   const size_t M = o.M, N = o.N, K = o.K;
-  // Tiles of 512 weight rows (decoded ones reused while in cache; each sgemm
-  // call packs x again), whatever the thread count: the same calls give the
-  // same bits with any number of threads. OpenBLAS runs tiles of 256 at half
-  // the rate of 384 or more with tens of rows of x (a 64-token prompt: 11.6
-  // against 25.5 GFLOP/s a core, numpy's OpenBLAS, 64 x 1024 x 32000 in tiles).
-  constexpr size_t tile = 512;
+  // Tiles of weight rows (decoded ones reused while in cache), whatever the
+  // thread count: the same calls give the same bits with any number of
+  // threads. OpenBLAS runs tiles of 256 at half the rate of 384 or more with
+  // tens of rows of x (each call packs x again: a 64-token prompt, 11.6
+  // against 25.5 GFLOP/s a core, numpy's OpenBLAS, 64 x 1024 x 32000 in
+  // tiles); our kernel packs nothing, and tiles of 96 rows share a layer's
+  // products evenly between the threads (a 64-token fp32 prefill 761-878
+  // tok/s against 751-758 with tiles of 512).
+  const size_t tile = has_avx512() ? 96 : 512;
   const int tiles = static_cast<int>((N + tile - 1) / tile);
   parallel_for(tiles, [&](int t) {
     const size_t n0 = t * tile, rows = std::min(tile, N - n0);
@@ -315,7 +320,9 @@ void gemm(const Operands& o) {
       (has_avx2() ? decode_rows_avx2 : decode_rows_generic)(o, n0, rows, scratch.data());
       w = scratch.data();
     }
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
+    if (!float_gemm(o.x, M, K, w, rows, o.out + n0, N)) {
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
+    }
     if (o.bias) {
       for (size_t m = 0; m < M; ++m) {
         for (size_t n = n0; n < n0 + rows; ++n) o.out[m * N + n] += float_at(o.bias, n, o.x_bf16);

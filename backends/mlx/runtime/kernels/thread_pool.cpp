@@ -275,12 +275,20 @@ bool has_avx_vnni() {
 #endif
 }
 
-bool has_avx512_vnni() {
+bool has_avx512() {
 #if defined(__x86_64__)
   // (GCC's and Clang's checks include the OS saving the 512-bit registers)
-  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                          x86_cap() >= 3;
+  static const bool yes = has_avx2() && __builtin_cpu_supports("avx512f") && x86_cap() >= 3;
+  return yes;
+#else
+  return false;
+#endif
+}
+
+bool has_avx512_vnni() {
+#if defined(__x86_64__)
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512vnni");
   return yes;
 #else
   return false;

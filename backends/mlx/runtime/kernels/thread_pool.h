@@ -51,9 +51,11 @@ bool has_avx2();
 // AVX2 and AVX-VNNI (vpdpwssd on 256-bit registers): Intel since Alder Lake
 // and Sapphire Rapids, AMD since Zen 5.
 bool has_avx_vnni();
+// AVX2, FMA and AVX-512 F: Intel since Skylake-SP, AMD since Zen 4.
+bool has_avx512();
 // AVX2, FMA and AVX-512 with VNNI (F, BW, VL): Intel since Ice Lake and
 // Sapphire Rapids, AMD since Zen 4.
 bool has_avx512_vnni();
-// (EMLX_X86_KERNELS=avx2 makes the last two false, =avx-vnni the last.)
+// (EMLX_X86_KERNELS=avx2 makes the last three false, =avx-vnni the last two.)
 
 }  // namespace emlx
