@@ -167,14 +167,14 @@ inline void dots_rows(const float* x, size_t K, const float* w, float (*acc)[4])
   }
 }
 
-// The same sums for float32 weights read from memory: each weight row once,
-// in the order rows are stored, meeting up to four rows of x from registers.
-// One stream the prefetcher follows: four rows read side by side are four
-// pages at once (K = 1024: a row is a 4 KB page), and a core then read 16
-// GB/s of weights where it reads 25 in order. Taken for one or two rows of
-// x: on [32000, 1024] weights it measured 4.1-4.7 ms against 5.2-5.3 for
-// one row, 9.1 against 10.9 for two, even for three, and for four 12.1-13.8
-// against 11.1-11.8 (four weight rows a pass reuse x from registers).
+// The same sums for one or two rows of x and float32 weights read from
+// memory: each weight row once, in the order rows are stored, one stream
+// the prefetcher follows (four rows read side by side are four pages at
+// once at K = 1024, where a row is a 4 KB page, and a core then read 16 GB/s
+// of weights where it reads 25 in order). On [32000, 1024] weights it
+// measured 4.1-4.7 ms against 5.2-5.3 for one row of x, 9.1 against 10.9
+// for two, even for three, and 12.1-13.8 against 11.1-11.8 for four (four
+// weight rows a pass reuse x from registers).
 template <int XR>
 __attribute__((always_inline)) inline void row_dots(const float* x, size_t K, const float* w, float* acc) {
   v8 sum[XR] = {};
@@ -182,7 +182,7 @@ __attribute__((always_inline)) inline void row_dots(const float* x, size_t K, co
   for (; k + 8 <= K; k += 8) {
     v8 wv;
     __builtin_memcpy(&wv, w + k, sizeof wv);
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (int m = 0; m < XR; ++m) {
       v8 xv;
       __builtin_memcpy(&xv, x + m * K + k, sizeof xv);
@@ -197,33 +197,23 @@ __attribute__((always_inline)) inline void row_dots(const float* x, size_t K, co
   }
 }
 
+constexpr size_t kInOrderRows = 2;  // rows of x up to which float32 weights are read in order
+
 __attribute__((always_inline)) inline void float_weight_rows(const Operands& o, size_t n0, size_t n1) {
   const size_t K = o.K;
   for (size_t n = n0; n < n1; ++n) {
     const float* w = static_cast<const float*>(o.w) + n * K;
+    float acc[kInOrderRows];
+    o.M == 2 ? row_dots<2>(o.x, K, w, acc) : row_dots<1>(o.x, K, w, acc);
     const float bias = o.bias ? float_at(o.bias, n, o.x_bf16) : 0.0f;
-    for (size_t m = 0; m < o.M;) {
-      float acc[4];
-      const size_t take = std::min<size_t>(4, o.M - m);
-      const float* x = o.x + m * K;
-      if (take == 4) {
-        row_dots<4>(x, K, w, acc);
-      } else if (take == 3) {
-        row_dots<3>(x, K, w, acc);
-      } else if (take == 2) {
-        row_dots<2>(x, K, w, acc);
-      } else {
-        row_dots<1>(x, K, w, acc);
-      }
-      for (size_t i = 0; i < take; ++i, ++m) o.out[m * o.N + n] = acc[i] + bias;
-    }
+    for (size_t m = 0; m < o.M; ++m) o.out[m * o.N + n] = acc[m] + bias;
   }
 }
 
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   constexpr size_t kRows = 4;
   const size_t K = o.K;
-  if (o.format == Format::F32 && o.M <= 2) return float_weight_rows(o, n0, n1);
+  if (o.format == Format::F32 && o.M <= kInOrderRows) return float_weight_rows(o, n0, n1);
   for (size_t n = n0; n < n1; n += kRows) {
     const size_t rows = std::min(kRows, n1 - n);
     const float* w = static_cast<const float*>(o.w) + n * K;
