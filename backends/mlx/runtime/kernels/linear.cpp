@@ -52,6 +52,16 @@ struct Operands {
   size_t M, N, K;
 };
 
+// A dot product's end: the lanes of `sum` added in order, then the products
+// of x and w from k on (past the last whole vector). Every kernel below ends
+// so, which keeps their sums bit for bit alike.
+__attribute__((always_inline)) inline float finish(v8 sum, const float* x, const float* w, size_t k, size_t K) {
+  float s = 0;
+  for (int i = 0; i < 8; ++i) s += sum[i];
+  for (size_t j = k; j < K; ++j) s += x[j] * w[j];
+  return s;
+}
+
 // Dot products of ROWS rows of w with one row of x (all K long).
 template <int ROWS>
 inline void dots(const float* x, const float* w, size_t K, float* out) {
@@ -66,12 +76,7 @@ inline void dots(const float* x, const float* w, size_t K, float* out) {
       acc[r] += xv * wv;
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    float s = 0;
-    for (int i = 0; i < 8; ++i) s += acc[r][i];
-    for (size_t j = k; j < K; ++j) s += x[j] * w[r * K + j];
-    out[r] = s;
-  }
+  for (int r = 0; r < ROWS; ++r) out[r] = finish(acc[r], x, w + r * K, k, K);
 }
 
 // Eight quantized values starting at value k of a row, as floats (MLX's
@@ -158,12 +163,7 @@ inline void dots_rows(const float* x, size_t K, const float* w, float (*acc)[4])
     }
   }
   for (int m = 0; m < XR; ++m) {
-    for (int r = 0; r < kRows; ++r) {
-      float s = 0;
-      for (int i = 0; i < 8; ++i) s += sum[m][r][i];
-      for (size_t j = k; j < K; ++j) s += x[m * K + j] * w[r * K + j];
-      acc[m][r] = s;
-    }
+    for (int r = 0; r < kRows; ++r) acc[m][r] = finish(sum[m][r], x + m * K, w + r * K, k, K);
   }
 }
 
@@ -189,12 +189,7 @@ __attribute__((always_inline)) inline void row_dots(const float* x, size_t K, co
       sum[m] += xv * wv;
     }
   }
-  for (int m = 0; m < XR; ++m) {
-    float s = 0;
-    for (int i = 0; i < 8; ++i) s += sum[m][i];
-    for (size_t j = k; j < K; ++j) s += x[m * K + j] * w[j];
-    acc[m] = s;
-  }
+  for (int m = 0; m < XR; ++m) acc[m] = finish(sum[m], x + m * K, w, k, K);
 }
 
 constexpr size_t kInOrderRows = 2;  // rows of x up to which float32 weights are read in order
