@@ -82,7 +82,6 @@ class Pool {
   }
 
   void run(int n, const std::function<void(int)>& fn) {
-    note_kernel_cpu();
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(m_);
