@@ -10,9 +10,9 @@
 
 namespace emlx {
 
-// out[m * ldo + n] = x[m] . w[n] for x [M, K] and w [N, K] (rows adjacent);
-// false, nothing written, on a CPU without AVX-512 (the caller then takes
-// OpenBLAS).
-bool float_gemm(const float* x, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo);
+// out[m * ldo + n] = x[m] . w[n] for x [M, K] and w [N, K] (rows adjacent),
+// on a CPU with AVX-512 only (has_avx512(), thread_pool.h; the callers take
+// OpenBLAS elsewhere).
+void float_gemm(const float* x, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo);
 
 }  // namespace emlx
