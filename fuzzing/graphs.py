@@ -212,7 +212,9 @@ def attention():
     k = s.op(ir.ReshapeNode, a=s.y, shape=sizes(1, 2, 3, 4))
     kv = s.op(ir.SliceNode, a=k, start=[0, 0, 0, 0], stop=[1, 1, 3, 4], strides=[1, 1, 1, 1])
     mask = s.op(ir.GreaterNode, a=s.full([3, 3], 1.0), b=s.lit(0.0))
-    return s.finish(s.op(ir.ScaledDotProductAttentionNode, q=q, k=kv, v=kv, mask=mask, scale=0.5, causal=False), 4)
+    # the first 2 of the 3 slots, the heads merged: [1, 3, 8]
+    return s.finish(s.op(ir.ScaledDotProductAttentionNode, q=q, k=kv, v=kv, mask=mask, scale=0.5, causal=False,
+                         keys=s.lit(2, I64), merge_heads=True), 3)
 
 
 def rms_norm():
@@ -233,6 +235,24 @@ def silu():
 def rope():
     s = Sketch()
     return s.finish(s.op(ir.RopeNode, x=s.x, cos=s.full([4], 0.5), sin=s.full([1, 4], 0.25)), 3)
+
+
+def heads():
+    """Columns 1-2 of x as one rotated head: [2, 1, 3, 2]."""
+    s = Sketch()
+    return s.finish(s.op(ir.HeadsNode, x=s.x, start=1, heads=1, head_dim=2, cos=s.full([2], 0.5),
+                         sin=s.full([1, 2], 0.25)), 4)
+
+
+def cache_write():
+    """x as [1, 2, 3, 4] written at slots 0, 2 and 4 of a [1, 2, 5, 4] state."""
+    s = Sketch()
+    state = s.state([1, 2, 5, 4])
+    slots = s.op(ir.ArangeNode, start=0.0, stop=6.0, step=2.0, dtype=I64)
+    update = s.op(ir.ReshapeNode, a=s.x, shape=sizes(1, 2, 3, 4))
+    new = s.op(ir.CacheWriteNode, cache=state, slots=slots, update=update)
+    s.update(state, new)
+    return s.finish(new, 4)
 
 
 def linear():
@@ -372,7 +392,7 @@ GRAPHS = {
     "QuantizedLinearNode": quantized_linear, "QuantizedEmbeddingNode": quantized_embedding, "SampleNode": sample,
     "ArgTopKNode": arg_top_k, "TakeAlongAxisNode": take_along_axis, "GatherLinearNode": gather_linear,
     "GatherQuantizedLinearNode": gather_quantized_linear, "GatedDeltaNode": gated_delta, "SsdScanNode": ssd_scan,
-    "SelectiveScanNode": selective_scan,
+    "SelectiveScanNode": selective_scan, "HeadsNode": heads, "CacheWriteNode": cache_write,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,
 }

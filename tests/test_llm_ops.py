@@ -514,11 +514,11 @@ class StaticCacheAttention(torch.nn.Module):
     mask hiding the slots after each query's position. The cache starts full
     of garbage: only the mask keeps the unwritten slots out."""
 
-    def __init__(self, slots: int, kv_heads: int = 2, heads: int = 4, dim: int = 8):
+    def __init__(self, slots: int, kv_heads: int = 2, heads: int = 4, dim: int = 8, merged: bool = False):
         super().__init__()
         self.register_buffer("keys", torch.randn(1, kv_heads, slots, dim) * 50)
         self.register_buffer("values", torch.randn(1, kv_heads, slots, dim) * 50)
-        self.groups, self.slots = heads // kv_heads, slots
+        self.groups, self.slots, self.merged = heads // kv_heads, slots, merged
 
     def forward(self, q, k_new, v_new, cache_position):
         self.keys.index_copy_(2, cache_position, k_new)
@@ -527,20 +527,24 @@ class StaticCacheAttention(torch.nn.Module):
         k = self.keys[:, :, None].expand(b, h, self.groups, s, d).reshape(b, h * self.groups, s, d)
         v = self.values[:, :, None].expand(b, h, self.groups, s, d).reshape(b, h * self.groups, s, d)
         mask = torch.arange(self.slots)[None, :] <= cache_position[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
+        return out.transpose(1, 2).reshape(b, q.shape[2], -1) if self.merged else out
 
 
-def test_written_attention_attends_the_written_prefix_only():
+@pytest.mark.parametrize("merged", [False, True])
+def test_written_attention_attends_the_written_prefix_only(merged):
     """llm/export/attention.py's rewrite: the same outputs as attention over the whole
     cache, at every position (prefill chunks and decode steps, up to the last
-    slot), with the attended keys sliced to the last written slot."""
+    slot), with the attended keys cut to the last written slot: the caches
+    and the mask read whole, the attention node told how many slots
+    (lowering/node_fusion.py), its heads merged when the model merges them."""
     from executorch.exir import to_edge_transform_and_lower
 
     from executorch_mlx.llm.export.attention import attend_written_prefix
 
-    slots = 24
-    eager = StaticCacheAttention(slots)
-    ours = StaticCacheAttention(slots)
+    slots = 40
+    eager = StaticCacheAttention(slots, merged=merged)
+    ours = StaticCacheAttention(slots, merged=merged)
     ours.load_state_dict(eager.state_dict())
     seq = torch.export.Dim("seq", min=1, max=slots - 1)
     example = (rand((1, 4, 2, 8)), rand((1, 2, 2, 8)), rand((1, 2, 2, 8)), torch.arange(2))
@@ -549,11 +553,14 @@ def test_written_attention_attends_the_written_prefix_only():
     assert "mlx.written_attention" in str(ep.graph)
     edge = to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
     assert undelegated_ops(edge) == []
-    assert {"DynSliceNode", "ScaledDotProductAttentionNode"} <= node_types(edge)
+    assert {"CacheWriteNode", "ScaledDotProductAttentionNode"} <= node_types(edge)
+    assert not {"DynSliceNode", "ScatterNode", "TransposeNode"} & node_types(edge)
+    attention = [n.op for n in delegate_graphs(edge)[0].nodes if isinstance(n.op, ir.ScaledDotProductAttentionNode)]
+    assert len(attention) == 1 and attention[0].keys is not None and attention[0].merge_heads == merged
     program = Runtime.get().load_program(edge.to_executorch().buffer)
     method = program.load_method("forward")
     start = 0
-    for length in (5, 1, 1, 7, 1, slots - 15):  # ends on the last slot
+    for length in (20, 1, 1, 7, 1, slots - 30):  # many rows (the block path), then few; ends on the last slot
         args = (rand((1, 4, length, 8)), rand((1, 2, length, 8)), rand((1, 2, length, 8)),
                 torch.arange(start, start + length))
         torch.testing.assert_close(method.execute(list(args))[0], eager(*args), atol=1e-5, rtol=1e-5)
@@ -600,12 +607,113 @@ class Rotary(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype,length", [(torch.float32, 1), (torch.float32, 50), (torch.bfloat16, 5)])
 def test_rotary_embedding_is_one_node(dtype, length):
-    """One RopeNode (float32: our kernel, one row and enough rows for the
-    pool; bfloat16: MLX ops) with torch's products and sums."""
-    h, cos, sin = rand((2, length, 24), dtype), rand((2, length, 8), dtype), rand((2, length, 8), dtype)
-    assert_matches_eager(Rotary(), (h, cos, sin), expect_nodes={"RopeNode"})
-    types = node_types(lower(Rotary(), (h, cos, sin)))
+    """A rotation of a tensor as it is: one RopeNode (float32: our kernel,
+    one row and enough rows for the pool; bfloat16: MLX ops) with torch's
+    products and sums."""
+    fn = lambda q, c, s: q * c + rotate_half(q) * s  # noqa: E731
+    q, cos, sin = rand((2, 3, length, 8), dtype), rand((2, 1, length, 8), dtype), rand((2, 1, length, 8), dtype)
+    assert_matches_eager(Fn(fn), (q, cos, sin), expect_nodes={"RopeNode"})
+    types = node_types(lower(Fn(fn), (q, cos, sin)))
     assert not {"ConcatenateNode", "NegativeNode", "AddNode"} & types, types
+
+
+@pytest.mark.parametrize("dtype,length", [(torch.float32, 1), (torch.float32, 50), (torch.bfloat16, 5)])
+def test_rotated_heads_of_a_projection_are_one_node(dtype, length):
+    """A projection's output viewed as heads, transposed and rotated: one
+    HeadsNode (lowering/node_fusion.py), no view left."""
+    h, cos, sin = rand((2, length, 24), dtype), rand((2, length, 8), dtype), rand((2, length, 8), dtype)
+    assert_matches_eager(Rotary(), (h, cos, sin), expect_nodes={"HeadsNode"})
+    types = node_types(lower(Rotary(), (h, cos, sin)))
+    assert not {"RopeNode", "TransposeNode", "ReshapeNode", "ConcatenateNode", "AddNode"} & types, types
+
+
+class SplitHeads(torch.nn.Module):
+    """q, k and v out of one fused projection's output, as a decoder layer
+    takes them: slices of the last axis, views as heads, transposes; q and k
+    rotated."""
+
+    def forward(self, qkv, cos, sin):
+        b, length, _ = qkv.shape
+        q, k, v = qkv.split([24, 16, 16], dim=-1)
+        q, k, v = (t.view(b, length, -1, 8).transpose(1, 2) for t in (q, k, v))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+@pytest.mark.parametrize("dtype,length", [(torch.float32, 1), (torch.float32, 70), (torch.bfloat16, 3)])
+def test_heads_split_out_of_a_fused_projection_are_one_node_each(dtype, length):
+    args = (rand((2, length, 56), dtype), rand((2, length, 8), dtype), rand((2, length, 8), dtype))
+    assert_matches_eager(SplitHeads(), args, expect_nodes={"HeadsNode"})
+    graph = delegate_graphs(lower(SplitHeads(), args))[0]
+    heads = [n.op for n in graph.nodes if isinstance(n.op, ir.HeadsNode)]
+    assert sorted((h.start, h.heads, h.head_dim, h.cos is not None) for h in heads) == [
+        (0, 3, 8, True), (24, 2, 8, True), (40, 2, 8, False)]
+    assert not {"SliceNode", "DynSliceNode", "TransposeNode", "ReshapeNode", "RopeNode"} & node_types(
+        lower(SplitHeads(), args))
+
+
+def test_a_transposed_view_read_elsewhere_too_is_left_as_it_is():
+    """A chain whose inner value has another reader is not fused (the fused
+    node would compute it a second time)."""
+    fn = lambda h: (h.view(2, 3, 3, 8).transpose(1, 2).sin(), h.view(2, 3, 3, 8).sum(-1))  # noqa: E731
+    assert_matches_eager(Fn(fn), (rand((2, 3, 24)),))
+    assert "HeadsNode" not in node_types(lower(Fn(fn), (rand((2, 3, 24)),)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_write_is_one_node_and_leaves_an_input_cache_as_it_was(dtype):
+    """index_copy along axis 2 of a [B, H, S, D] cache is one CacheWriteNode
+    (any dtype; the update cast to the cache's). The cache here is an input
+    the caller holds and also read afterwards: written into a copy, never
+    in place. Out-of-range slots are clamped."""
+    fn = lambda c, i, u: (c.index_copy(2, i, u), c * 2)  # noqa: E731
+    args = (rand((1, 2, 6, 4), dtype), torch.tensor([4, 1]), rand((1, 2, 2, 4), dtype))
+    assert_matches_eager(Fn(fn), args, expect_nodes={"CacheWriteNode"})
+    assert not {"ScatterNode", "TransposeNode", "ExpandDimsNode"} & node_types(lower(Fn(fn), args))
+    pte = lower(Fn(fn), args).to_executorch().buffer
+    got = run(pte, [args[0], torch.tensor([9, -3]), args[2]])[0]
+    want = args[0].clone()
+    want[:, :, 5], want[:, :, 0] = args[2][:, :, 0], args[2][:, :, 1]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.float32, 300), (torch.bfloat16, 4)])
+def test_silu_of_a_fused_gate_and_up_is_one_node(dtype, rows):
+    """silu(x[..., :N]) * x[..., N:] (a fused gate/up product): one SiluNode
+    reading both halves, no slices; the same values as two inputs give."""
+    fn = lambda x: F.silu(x[..., :40]) * x[..., 40:]  # noqa: E731
+    args = (rand((1, rows, 80), dtype),)
+    assert_matches_eager(Fn(fn), args, expect_nodes={"SiluNode"})
+    graph = delegate_graphs(lower(Fn(fn), args))[0]
+    assert [type(n.op).__name__ for n in graph.nodes] == ["SiluNode"] and graph.nodes[0].op.halves
+    two = lambda g, u: F.silu(g) * u  # noqa: E731
+    x = args[0]
+    whole = run(lower(Fn(fn), args).to_executorch().buffer, [x])[0]
+    halves = run(lower(Fn(two), (x[..., :40], x[..., 40:])).to_executorch().buffer,
+                 [x[..., :40].contiguous(), x[..., 40:].contiguous()])[0]
+    assert torch.equal(whole, halves)
+
+
+@pytest.mark.parametrize("masked", [None, "bool", "additive"])
+@pytest.mark.parametrize("length", [1, 20])
+def test_attention_output_with_its_heads_merged_is_one_node(masked, length):
+    """attention(q, k, v).transpose(1, 2).reshape(B, L, H * D): one
+    ScaledDotProductAttentionNode writing the heads side by side (few query
+    rows and the block path)."""
+    q, k, v = rand((2, 4, length, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8))
+    mask = {None: None, "bool": rand((1, 1, length, 9), torch.bool),
+            "additive": rand((1, 1, length, 9))}[masked]
+
+    def fn(q, k, v, *mask):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, enable_gqa=True)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+    args = (q, k, v) + ((mask,) if mask is not None else ())
+    assert_matches_eager(Fn(fn), args, expect_nodes={"ScaledDotProductAttentionNode"})
+    graph = delegate_graphs(lower(Fn(fn), args))[0]
+    attention = [n.op for n in graph.nodes if isinstance(n.op, ir.ScaledDotProductAttentionNode)]
+    assert len(attention) == 1 and attention[0].merge_heads
+    assert not {"TransposeNode", "ReshapeNode"} & node_types(lower(Fn(fn), args))
 
 
 def test_rotation_of_another_tensor_is_not_rope():

@@ -15,8 +15,9 @@ from torch.export import ExportedProgram
 from ..custom_kernel_ops.quantized import check_activations
 from ..progress import counter
 from ..serialization import ir
-from .common_nodes import merge_common_nodes
+from .common_nodes import drop_dead_nodes, merge_common_nodes
 from . import weight_files
+from .node_fusion import fuse_nodes
 from .registry import Unsupported, handler_for
 
 TORCH_TO_IR = {
@@ -102,12 +103,15 @@ class GraphBuilder:
     float_activations: bool = False
     # The weights go to ExecuTorch's external data file of this name (NAME.ptd), not the .pte.
     weights_file: str | None = None
+    # Each slot's shape at export (ints, or torch.SymInt for dynamic sizes): node_fusion's checks.
+    shapes: dict[int, tuple] = field(default_factory=dict)
 
     # ---------------------------------------------------------- slots --
     def new_value(self, dtype: torch.dtype, shape) -> Value:
         ir_dtype(dtype)  # reject unsupported dtypes early
         v = Value(ir.Tid(self.graph.num_values), dtype, tuple(shape))
         self.graph.num_values += 1
+        self.shapes[v.tid.idx] = v.shape
         return v
 
     def emit(self, op_cls, out_dtype: torch.dtype, out_shape, /, **fields) -> Value:
@@ -319,32 +323,6 @@ def constant_tensor(ep: ExportedProgram, node: torch.fx.Node) -> torch.Tensor | 
     return None
 
 
-def _reads(op) -> list[int]:
-    """The value slots an IR node reads (every Tid, [Tid] and run-time size field)."""
-    slots = []
-    for f in dataclasses.fields(op):
-        v = getattr(op, f.name)
-        items = v if isinstance(v, list) else [v]
-        for item in items:
-            if isinstance(item, ir.Tid) and f.name != "out":
-                slots.append(item.idx)
-            elif isinstance(item, ir.IntOrSlot) and item.slot >= 0:
-                slots.append(item.slot)
-    return slots
-
-
-def drop_dead_nodes(graph: ir.Graph) -> None:
-    """Removes nodes whose results nothing uses (e.g. the pieces of a pattern
-    that was lowered as one fused node)."""
-    live = {io.slot for io in graph.outputs} | {b.update for b in graph.mutable_buffers}
-    kept = []
-    for node in reversed(graph.nodes):
-        if node.op.out.idx in live:
-            kept.append(node)
-            live.update(_reads(node.op))
-    graph.nodes = kept[::-1]
-
-
 def lower_program(ep: ExportedProgram, activations: str = "int8", weights_file: str | None = None) -> GraphBuilder:
     """Lowers every node of `ep` (a partition the partitioner accepted).
 
@@ -387,4 +365,5 @@ def lower_program(ep: ExportedProgram, activations: str = "int8", weights_file: 
             count.advance()
     merge_common_nodes(b.graph)
     drop_dead_nodes(b.graph)
+    fuse_nodes(b.graph, b.shapes)
     return b

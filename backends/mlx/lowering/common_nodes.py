@@ -72,3 +72,29 @@ def merge_common_nodes(graph: ir.Graph) -> int:
     dropped = len(graph.nodes) - len(kept)
     graph.nodes = kept
     return dropped
+
+
+def reads(op) -> list[int]:
+    """The value slots an IR node reads (every Tid, [Tid] and run-time size field)."""
+    slots = []
+    for f in dataclasses.fields(op):
+        v = getattr(op, f.name)
+        items = v if isinstance(v, list) else [v]
+        for item in items:
+            if isinstance(item, ir.Tid) and f.name != "out":
+                slots.append(item.idx)
+            elif isinstance(item, ir.IntOrSlot) and item.slot >= 0:
+                slots.append(item.slot)
+    return slots
+
+
+def drop_dead_nodes(graph: ir.Graph) -> None:
+    """Removes nodes whose results nothing uses (e.g. the pieces of a pattern
+    that was lowered as one fused node)."""
+    live = {io.slot for io in graph.outputs} | {b.update for b in graph.mutable_buffers}
+    kept = []
+    for node in reversed(graph.nodes):
+        if node.op.out.idx in live:
+            kept.append(node)
+            live.update(reads(node.op))
+    graph.nodes = kept[::-1]

@@ -10,7 +10,9 @@
 #include "interpreter.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
+#include "kernels/cache_write.h"
 #include "kernels/gather_linear.h"
+#include "kernels/heads.h"
 #include "kernels/linear.h"
 #include "kernels/matmul.h"
 #include "kernels/norm.h"
@@ -207,9 +209,10 @@ void exec_ScaledDotProductAttentionNode(Interpreter& st, const ir::ScaledDotProd
   if (k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0 || k.shape(1) != v.shape(1)) {
     throw std::invalid_argument("ScaledDotProductAttentionNode: query heads must be a multiple of key/value heads");
   }
-  auto mask = st.get_optional(n->mask());
-  if (mask && n->causal()) throw std::invalid_argument("ScaledDotProductAttentionNode: mask and causal together");
-  st.set(n->out(), attention(q, k, v, n->scale(), n->causal(), mask ? std::optional<mx::array>(*mask) : std::nullopt));
+  AttentionOptions o{n->scale(), n->causal(), st.get_optional(n->mask()), st.get_optional(n->keys()), n->merge_heads()};
+  if (o.mask && o.causal) throw std::invalid_argument("ScaledDotProductAttentionNode: mask and causal together");
+  if (o.keys && o.causal) throw std::invalid_argument("ScaledDotProductAttentionNode: keys and causal together");
+  st.set(n->out(), attention(q, k, v, o));
 }
 
 void exec_RmsNormNode(Interpreter& st, const ir::RmsNormNode* n) {
@@ -238,11 +241,25 @@ void exec_SiluNode(Interpreter& st, const ir::SiluNode* n) {
   const auto& a = st.get(n->a());
   auto b = st.get_optional(n->b());
   if (b && b->shape() != a.shape()) throw std::invalid_argument("SiluNode: b must have a's shape");
+  if (n->halves()) {
+    if (b) throw std::invalid_argument("SiluNode: halves takes no b");
+    st.set(n->out(), silu_halves(a));
+    return;
+  }
   st.set(n->out(), silu(a, b ? std::optional<mx::array>(*b) : std::nullopt));
 }
 
 void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
   st.set(n->out(), rope(st.get(n->x()), st.get(n->cos()), st.get(n->sin())));
+}
+
+void exec_HeadsNode(Interpreter& st, const ir::HeadsNode* n) {
+  st.set(n->out(), heads(st.get(n->x()), {n->start(), n->heads(), n->head_dim()}, st.get_optional(n->cos()),
+                         st.get_optional(n->sin())));
+}
+
+void exec_CacheWriteNode(Interpreter& st, const ir::CacheWriteNode* n) {
+  st.set(n->out(), cache_write(st.get(n->cache()), st.get(n->slots()), st.get(n->update())));
 }
 
 void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {

@@ -13,7 +13,7 @@ import flatbuffers
 from . import schema_generated as fb
 
 FILE_IDENTIFIER = 'EMLX'
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class DType(enum.IntEnum):
@@ -160,6 +160,14 @@ class BroadcastToNode:
     shape: list[IntOrSlot] = field(default_factory=list)
     out: Tid | None = None
     MLX_FN = 'broadcast_to'
+
+
+@dataclass
+class CacheWriteNode:
+    cache: Tid | None = None
+    slots: Tid | None = None
+    update: Tid | None = None
+    out: Tid | None = None
 
 
 @dataclass
@@ -324,7 +332,7 @@ class GatherQuantizedLinearNode:
 
 @dataclass
 class Graph:
-    version: int = 1
+    version: int = 2
     num_values: int = 0
     symbols: list[Symbol] = field(default_factory=list)
     inputs: list[IOValue] = field(default_factory=list)
@@ -349,6 +357,17 @@ class GreaterNode:
     b: Tid | None = None
     out: Tid | None = None
     MLX_FN = 'greater'
+
+
+@dataclass
+class HeadsNode:
+    x: Tid | None = None
+    start: int = 0
+    heads: int = 0
+    head_dim: int = 0
+    cos: Tid | None = None
+    sin: Tid | None = None
+    out: Tid | None = None
 
 
 @dataclass
@@ -675,6 +694,8 @@ class ScaledDotProductAttentionNode:
     scale: float = 0
     causal: bool = False
     out: Tid | None = None
+    keys: Tid | None = None
+    merge_heads: bool = False
 
 
 @dataclass
@@ -711,6 +732,7 @@ class SiluNode:
     a: Tid | None = None
     b: Tid | None = None
     out: Tid | None = None
+    halves: bool = False
 
 
 @dataclass
@@ -853,8 +875,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode, SelectiveScanNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83, SelectiveScanNode: 84}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode, SelectiveScanNode, HeadsNode, CacheWriteNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83, SelectiveScanNode: 84, HeadsNode: 85, CacheWriteNode: 86}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -874,6 +896,7 @@ FIELD_TYPES = {
     'BitwiseOrNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'BitwiseXorNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'BroadcastToNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
+    'CacheWriteNode': {'cache': 'Tid required', 'slots': 'Tid required', 'update': 'Tid required', 'out': 'Tid required'},
     'ConcatenateNode': {'inputs': '[Tid] required', 'axis': 'Int', 'out': 'Tid required'},
     'Constant': {'slot': 'UInt', 'name': 'String required', 'dtype': 'DType', 'shape': '[Long]'},
     'CosNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -896,6 +919,7 @@ FIELD_TYPES = {
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
+    'HeadsNode': {'x': 'Tid required', 'start': 'Int', 'heads': 'Int', 'head_dim': 'Int', 'cos': 'Tid', 'sin': 'Tid', 'out': 'Tid required'},
     'IOValue': {'slot': 'UInt', 'kind': 'IOKind', 'dtype': 'DType', 'shape': '[Dim]'},
     'IntOrSlot': {'value': 'Long', 'slot': 'Int'},
     'IsNanNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -933,11 +957,11 @@ FIELD_TYPES = {
     'RopeNode': {'x': 'Tid required', 'cos': 'Tid required', 'sin': 'Tid required', 'out': 'Tid required'},
     'RsqrtNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SampleNode': {'logits': 'Tid required', 'temperature': 'Tid required', 'random': 'Tid required', 'seed': 'Tid', 'position': 'Tid', 'top_k': 'Tid', 'top_p': 'Tid', 'min_p': 'Tid', 'repetition_penalty': 'Tid', 'frequency_penalty': 'Tid', 'presence_penalty': 'Tid', 'history': 'Tid', 'logit_bias_ids': 'Tid', 'logit_bias_values': 'Tid', 'out': 'Tid required', 'token_bitmask': 'Tid'},
-    'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required'},
+    'ScaledDotProductAttentionNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'mask': 'Tid', 'scale': 'Float', 'causal': 'Bool', 'out': 'Tid required', 'keys': 'Tid', 'merge_heads': 'Bool'},
     'ScatterNode': {'a': 'Tid required', 'indices': '[Tid] required', 'updates': 'Tid required', 'axes': '[Int] required', 'out': 'Tid required'},
     'SelectiveScanNode': {'x': 'Tid required', 'dt': 'Tid required', 'a': 'Tid required', 'b': 'Tid required', 'c': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
     'SigmoidNode': {'a': 'Tid required', 'out': 'Tid required'},
-    'SiluNode': {'a': 'Tid required', 'b': 'Tid', 'out': 'Tid required'},
+    'SiluNode': {'a': 'Tid required', 'b': 'Tid', 'out': 'Tid required', 'halves': 'Bool'},
     'SinNode': {'a': 'Tid required', 'out': 'Tid required'},
     'SliceNode': {'a': 'Tid required', 'start': '[Int] required', 'stop': '[Int] required', 'strides': '[Int] required', 'out': 'Tid required'},
     'SliceUpdateNode': {'a': 'Tid required', 'update': 'Tid required', 'start': '[Int] required', 'stop': '[Int] required', 'strides': '[Int] required', 'out': 'Tid required'},
@@ -1168,6 +1192,23 @@ def _pack_BroadcastToNode(b, v):
 
 def _unpack_BroadcastToNode(r):
     return BroadcastToNode(a=_opt(_unpack_Tid, r.A()), shape=[_unpack_IntOrSlot(r.Shape(i)) for i in range(r.ShapeLength())], out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_CacheWriteNode(b, v):
+    fb.CacheWriteNodeStart(b)
+    if v.cache is not None:
+        fb.CacheWriteNodeAddCache(b, _pack_Tid(b, v.cache))
+    if v.slots is not None:
+        fb.CacheWriteNodeAddSlots(b, _pack_Tid(b, v.slots))
+    if v.update is not None:
+        fb.CacheWriteNodeAddUpdate(b, _pack_Tid(b, v.update))
+    if v.out is not None:
+        fb.CacheWriteNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.CacheWriteNodeEnd(b)
+
+
+def _unpack_CacheWriteNode(r):
+    return CacheWriteNode(cache=_opt(_unpack_Tid, r.Cache()), slots=_opt(_unpack_Tid, r.Slots()), update=_opt(_unpack_Tid, r.Update()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_ConcatenateNode(b, v):
@@ -1619,6 +1660,26 @@ def _pack_GreaterNode(b, v):
 
 def _unpack_GreaterNode(r):
     return GreaterNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_HeadsNode(b, v):
+    fb.HeadsNodeStart(b)
+    if v.x is not None:
+        fb.HeadsNodeAddX(b, _pack_Tid(b, v.x))
+    fb.HeadsNodeAddStart(b, v.start)
+    fb.HeadsNodeAddHeads(b, v.heads)
+    fb.HeadsNodeAddHeadDim(b, v.head_dim)
+    if v.cos is not None:
+        fb.HeadsNodeAddCos(b, _pack_Tid(b, v.cos))
+    if v.sin is not None:
+        fb.HeadsNodeAddSin(b, _pack_Tid(b, v.sin))
+    if v.out is not None:
+        fb.HeadsNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.HeadsNodeEnd(b)
+
+
+def _unpack_HeadsNode(r):
+    return HeadsNode(x=_opt(_unpack_Tid, r.X()), start=r.Start(), heads=r.Heads(), head_dim=r.HeadDim(), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_IOValue(b, v):
@@ -2278,11 +2339,14 @@ def _pack_ScaledDotProductAttentionNode(b, v):
     fb.ScaledDotProductAttentionNodeAddCausal(b, v.causal)
     if v.out is not None:
         fb.ScaledDotProductAttentionNodeAddOut(b, _pack_Tid(b, v.out))
+    if v.keys is not None:
+        fb.ScaledDotProductAttentionNodeAddKeys(b, _pack_Tid(b, v.keys))
+    fb.ScaledDotProductAttentionNodeAddMergeHeads(b, v.merge_heads)
     return fb.ScaledDotProductAttentionNodeEnd(b)
 
 
 def _unpack_ScaledDotProductAttentionNode(r):
-    return ScaledDotProductAttentionNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), mask=_opt(_unpack_Tid, r.Mask()), scale=r.Scale(), causal=r.Causal(), out=_opt(_unpack_Tid, r.Out()))
+    return ScaledDotProductAttentionNode(q=_opt(_unpack_Tid, r.Q()), k=_opt(_unpack_Tid, r.K()), v=_opt(_unpack_Tid, r.V()), mask=_opt(_unpack_Tid, r.Mask()), scale=r.Scale(), causal=r.Causal(), out=_opt(_unpack_Tid, r.Out()), keys=_opt(_unpack_Tid, r.Keys()), merge_heads=r.MergeHeads())
 
 
 def _pack_ScatterNode(b, v):
@@ -2362,11 +2426,12 @@ def _pack_SiluNode(b, v):
         fb.SiluNodeAddB(b, _pack_Tid(b, v.b))
     if v.out is not None:
         fb.SiluNodeAddOut(b, _pack_Tid(b, v.out))
+    fb.SiluNodeAddHalves(b, v.halves)
     return fb.SiluNodeEnd(b)
 
 
 def _unpack_SiluNode(r):
-    return SiluNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()))
+    return SiluNode(a=_opt(_unpack_Tid, r.A()), b=_opt(_unpack_Tid, r.B()), out=_opt(_unpack_Tid, r.Out()), halves=r.Halves())
 
 
 def _pack_SinNode(b, v):

@@ -138,6 +138,8 @@ class Op(object):
     FloorDivideNode = 82
     FloorNode = 83
     SelectiveScanNode = 84
+    HeadsNode = 85
+    CacheWriteNode = 86
 
 
 # Reference to a value slot of the graph.
@@ -5594,6 +5596,10 @@ def ScatterNodeEnd(builder):
 # [B, Hkv, S, D] keys/values (H a multiple of Hkv: grouped-query attention
 # without repeating K/V). `mask` is boolean (true = attend) or additive,
 # broadcastable to [B, H, L, S]; `causal` uses MLX's own causal mask.
+# `keys` (a 0-d integer, clamped into [0, S]): only the first `keys` slots of
+# k and v (and of the mask's last axis) are attended, a KV cache's written
+# prefix, read where it is. `merge_heads`: the output is [B, L, H * Dv], the
+# heads side by side (a model's transpose and reshape after attention).
 class ScaledDotProductAttentionNode(object):
     __slots__ = ['_tab']
 
@@ -5680,8 +5686,25 @@ class ScaledDotProductAttentionNode(object):
             return obj
         return None
 
+    # ScaledDotProductAttentionNode
+    def Keys(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # ScaledDotProductAttentionNode
+    def MergeHeads(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def ScaledDotProductAttentionNodeStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(9)
 
 def ScaledDotProductAttentionNodeAddQ(builder, q):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(q), 0)
@@ -5703,6 +5726,12 @@ def ScaledDotProductAttentionNodeAddCausal(builder, causal):
 
 def ScaledDotProductAttentionNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def ScaledDotProductAttentionNodeAddKeys(builder, keys):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(keys), 0)
+
+def ScaledDotProductAttentionNodeAddMergeHeads(builder, mergeHeads):
+    builder.PrependBoolSlot(8, mergeHeads, 0)
 
 def ScaledDotProductAttentionNodeEnd(builder):
     return builder.EndObject()
@@ -6152,7 +6181,9 @@ def LayerNormNodeEnd(builder):
 
 
 # silu(a) = a * sigmoid(a), times `b` (a's shape) when given: a gated MLP's
-# activation (SwiGLU: silu(gate) * up) in one node.
+# activation (SwiGLU: silu(gate) * up) in one node. `halves` (without `b`):
+# a is [..., 2N], gate and up side by side (a fused projection's output),
+# and out = silu(a[..., :N]) * a[..., N:].
 class SiluNode(object):
     __slots__ = ['_tab']
 
@@ -6205,8 +6236,15 @@ class SiluNode(object):
             return obj
         return None
 
+    # SiluNode
+    def Halves(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return False
+
 def SiluNodeStart(builder):
-    builder.StartObject(3)
+    builder.StartObject(4)
 
 def SiluNodeAddA(builder, a):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(a), 0)
@@ -6216,6 +6254,9 @@ def SiluNodeAddB(builder, b):
 
 def SiluNodeAddOut(builder, out):
     builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def SiluNodeAddHalves(builder, halves):
+    builder.PrependBoolSlot(3, halves, 0)
 
 def SiluNodeEnd(builder):
     return builder.EndObject()
@@ -7920,6 +7961,209 @@ def FloorNodeEnd(builder):
 
 
 
+# Attention heads out of a projection's output: x [B, L, C] ->
+# x[:, :, start:start + heads * head_dim] as [B, heads, L, head_dim] (a
+# reshape, then the middle axes swapped), rotated as RopeNode rotates when
+# cos and sin are given (both or neither; broadcast to the output). One node
+# where a model has a slice, a reshape, a transpose and a rotation.
+class HeadsNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = HeadsNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsHeadsNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def HeadsNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # HeadsNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # HeadsNode
+    def X(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # HeadsNode
+    def Start(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # HeadsNode
+    def Heads(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # HeadsNode
+    def HeadDim(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # HeadsNode
+    def Cos(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # HeadsNode
+    def Sin(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # HeadsNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def HeadsNodeStart(builder):
+    builder.StartObject(7)
+
+def HeadsNodeAddX(builder, x):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
+
+def HeadsNodeAddStart(builder, start):
+    builder.PrependInt32Slot(1, start, 0)
+
+def HeadsNodeAddHeads(builder, heads):
+    builder.PrependInt32Slot(2, heads, 0)
+
+def HeadsNodeAddHeadDim(builder, headDim):
+    builder.PrependInt32Slot(3, headDim, 0)
+
+def HeadsNodeAddCos(builder, cos):
+    builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(cos), 0)
+
+def HeadsNodeAddSin(builder, sin):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(sin), 0)
+
+def HeadsNodeAddOut(builder, out):
+    builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def HeadsNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# A KV cache with new tokens written (torch's index_copy along axis 2):
+# cache [B, H, S, D], update [B, H, L, D] (cast to the cache's type), slots
+# [L] (clamped into [0, S)); out[:, :, slots[i]] = update[:, :, i], the rest
+# the cache's. Written in place when nothing else reads the cache.
+class CacheWriteNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = CacheWriteNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsCacheWriteNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def CacheWriteNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # CacheWriteNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # CacheWriteNode
+    def Cache(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # CacheWriteNode
+    def Slots(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # CacheWriteNode
+    def Update(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # CacheWriteNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CacheWriteNodeStart(builder):
+    builder.StartObject(4)
+
+def CacheWriteNodeAddCache(builder, cache):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(cache), 0)
+
+def CacheWriteNodeAddSlots(builder, slots):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(slots), 0)
+
+def CacheWriteNodeAddUpdate(builder, update):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(update), 0)
+
+def CacheWriteNodeAddOut(builder, out):
+    builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def CacheWriteNodeEnd(builder):
+    return builder.EndObject()
+
+
+
 class Node(object):
     __slots__ = ['_tab']
 
@@ -8000,7 +8244,7 @@ class Graph(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
-        return 1
+        return 2
 
     # Graph
     def NumValues(self):
@@ -8181,7 +8425,7 @@ def GraphStart(builder):
     builder.StartObject(9)
 
 def GraphAddVersion(builder, version):
-    builder.PrependUint32Slot(0, version, 1)
+    builder.PrependUint32Slot(0, version, 2)
 
 def GraphAddNumValues(builder, numValues):
     builder.PrependUint32Slot(1, numValues, 0)

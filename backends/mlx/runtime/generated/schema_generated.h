@@ -290,6 +290,12 @@ struct FloorDivideNodeBuilder;
 struct FloorNode;
 struct FloorNodeBuilder;
 
+struct HeadsNode;
+struct HeadsNodeBuilder;
+
+struct CacheWriteNode;
+struct CacheWriteNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -561,11 +567,13 @@ enum class Op : uint8_t {
   FloorDivideNode = 82,
   FloorNode = 83,
   SelectiveScanNode = 84,
+  HeadsNode = 85,
+  CacheWriteNode = 86,
   MIN = NONE,
-  MAX = SelectiveScanNode
+  MAX = CacheWriteNode
 };
 
-inline const Op (&EnumValuesOp())[85] {
+inline const Op (&EnumValuesOp())[87] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -651,13 +659,15 @@ inline const Op (&EnumValuesOp())[85] {
     Op::SsdScanNode,
     Op::FloorDivideNode,
     Op::FloorNode,
-    Op::SelectiveScanNode
+    Op::SelectiveScanNode,
+    Op::HeadsNode,
+    Op::CacheWriteNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[86] = {
+  static const char * const names[88] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -743,13 +753,15 @@ inline const char * const *EnumNamesOp() {
     "FloorDivideNode",
     "FloorNode",
     "SelectiveScanNode",
+    "HeadsNode",
+    "CacheWriteNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::SelectiveScanNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::CacheWriteNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -1092,6 +1104,14 @@ template<> struct OpTraits<emlx::ir::FloorNode> {
 
 template<> struct OpTraits<emlx::ir::SelectiveScanNode> {
   static const Op enum_value = Op::SelectiveScanNode;
+};
+
+template<> struct OpTraits<emlx::ir::HeadsNode> {
+  static const Op enum_value = Op::HeadsNode;
+};
+
+template<> struct OpTraits<emlx::ir::CacheWriteNode> {
+  static const Op enum_value = Op::CacheWriteNode;
 };
 
 template <bool B = false>
@@ -6632,6 +6652,10 @@ inline ::flatbuffers::Offset<ScatterNode> CreateScatterNodeDirect(
 /// [B, Hkv, S, D] keys/values (H a multiple of Hkv: grouped-query attention
 /// without repeating K/V). `mask` is boolean (true = attend) or additive,
 /// broadcastable to [B, H, L, S]; `causal` uses MLX's own causal mask.
+/// `keys` (a 0-d integer, clamped into [0, S]): only the first `keys` slots of
+/// k and v (and of the mask's last axis) are attended, a KV cache's written
+/// prefix, read where it is. `merge_heads`: the output is [B, L, H * Dv], the
+/// heads side by side (a model's transpose and reshape after attention).
 struct ScaledDotProductAttentionNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef ScaledDotProductAttentionNodeBuilder Builder;
   struct Traits;
@@ -6642,7 +6666,9 @@ struct ScaledDotProductAttentionNode FLATBUFFERS_FINAL_CLASS : private ::flatbuf
     VT_MASK = 10,
     VT_SCALE = 12,
     VT_CAUSAL = 14,
-    VT_OUT = 16
+    VT_OUT = 16,
+    VT_KEYS = 18,
+    VT_MERGE_HEADS = 20
   };
   const emlx::ir::Tid *q() const {
     return GetStruct<const emlx::ir::Tid *>(VT_Q);
@@ -6665,6 +6691,12 @@ struct ScaledDotProductAttentionNode FLATBUFFERS_FINAL_CLASS : private ::flatbuf
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  const emlx::ir::Tid *keys() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_KEYS);
+  }
+  bool merge_heads() const {
+    return GetField<uint8_t>(VT_MERGE_HEADS, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -6675,6 +6707,8 @@ struct ScaledDotProductAttentionNode FLATBUFFERS_FINAL_CLASS : private ::flatbuf
            VerifyField<float>(verifier, VT_SCALE, 4) &&
            VerifyField<uint8_t>(verifier, VT_CAUSAL, 1) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_KEYS, 4) &&
+           VerifyField<uint8_t>(verifier, VT_MERGE_HEADS, 1) &&
            verifier.EndTable();
   }
 };
@@ -6704,6 +6738,12 @@ struct ScaledDotProductAttentionNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(ScaledDotProductAttentionNode::VT_OUT, out);
   }
+  void add_keys(const emlx::ir::Tid *keys) {
+    fbb_.AddStruct(ScaledDotProductAttentionNode::VT_KEYS, keys);
+  }
+  void add_merge_heads(bool merge_heads) {
+    fbb_.AddElement<uint8_t>(ScaledDotProductAttentionNode::VT_MERGE_HEADS, static_cast<uint8_t>(merge_heads), 0);
+  }
   explicit ScaledDotProductAttentionNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -6727,14 +6767,18 @@ inline ::flatbuffers::Offset<ScaledDotProductAttentionNode> CreateScaledDotProdu
     const emlx::ir::Tid *mask = nullptr,
     float scale = 0.0f,
     bool causal = false,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    const emlx::ir::Tid *keys = nullptr,
+    bool merge_heads = false) {
   ScaledDotProductAttentionNodeBuilder builder_(_fbb);
+  builder_.add_keys(keys);
   builder_.add_out(out);
   builder_.add_scale(scale);
   builder_.add_mask(mask);
   builder_.add_v(v);
   builder_.add_k(k);
   builder_.add_q(q);
+  builder_.add_merge_heads(merge_heads);
   builder_.add_causal(causal);
   return builder_.Finish();
 }
@@ -7142,14 +7186,17 @@ struct LayerNormNode::Traits {
 };
 
 /// silu(a) = a * sigmoid(a), times `b` (a's shape) when given: a gated MLP's
-/// activation (SwiGLU: silu(gate) * up) in one node.
+/// activation (SwiGLU: silu(gate) * up) in one node. `halves` (without `b`):
+/// a is [..., 2N], gate and up side by side (a fused projection's output),
+/// and out = silu(a[..., :N]) * a[..., N:].
 struct SiluNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef SiluNodeBuilder Builder;
   struct Traits;
   enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
     VT_A = 4,
     VT_B = 6,
-    VT_OUT = 8
+    VT_OUT = 8,
+    VT_HALVES = 10
   };
   const emlx::ir::Tid *a() const {
     return GetStruct<const emlx::ir::Tid *>(VT_A);
@@ -7160,12 +7207,16 @@ struct SiluNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  bool halves() const {
+    return GetField<uint8_t>(VT_HALVES, 0) != 0;
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_A, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_B, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<uint8_t>(verifier, VT_HALVES, 1) &&
            verifier.EndTable();
   }
 };
@@ -7182,6 +7233,9 @@ struct SiluNodeBuilder {
   }
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(SiluNode::VT_OUT, out);
+  }
+  void add_halves(bool halves) {
+    fbb_.AddElement<uint8_t>(SiluNode::VT_HALVES, static_cast<uint8_t>(halves), 0);
   }
   explicit SiluNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
@@ -7200,11 +7254,13 @@ inline ::flatbuffers::Offset<SiluNode> CreateSiluNode(
     ::flatbuffers::FlatBufferBuilder &_fbb,
     const emlx::ir::Tid *a = nullptr,
     const emlx::ir::Tid *b = nullptr,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    bool halves = false) {
   SiluNodeBuilder builder_(_fbb);
   builder_.add_out(out);
   builder_.add_b(b);
   builder_.add_a(a);
+  builder_.add_halves(halves);
   return builder_.Finish();
 }
 
@@ -8848,6 +8904,207 @@ struct FloorNode::Traits {
   static auto constexpr Create = CreateFloorNode;
 };
 
+/// Attention heads out of a projection's output: x [B, L, C] ->
+/// x[:, :, start:start + heads * head_dim] as [B, heads, L, head_dim] (a
+/// reshape, then the middle axes swapped), rotated as RopeNode rotates when
+/// cos and sin are given (both or neither; broadcast to the output). One node
+/// where a model has a slice, a reshape, a transpose and a rotation.
+struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef HeadsNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_X = 4,
+    VT_START = 6,
+    VT_HEADS = 8,
+    VT_HEAD_DIM = 10,
+    VT_COS = 12,
+    VT_SIN = 14,
+    VT_OUT = 16
+  };
+  const emlx::ir::Tid *x() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_X);
+  }
+  int32_t start() const {
+    return GetField<int32_t>(VT_START, 0);
+  }
+  int32_t heads() const {
+    return GetField<int32_t>(VT_HEADS, 0);
+  }
+  int32_t head_dim() const {
+    return GetField<int32_t>(VT_HEAD_DIM, 0);
+  }
+  const emlx::ir::Tid *cos() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_COS);
+  }
+  const emlx::ir::Tid *sin() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SIN);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_X, 4) &&
+           VerifyField<int32_t>(verifier, VT_START, 4) &&
+           VerifyField<int32_t>(verifier, VT_HEADS, 4) &&
+           VerifyField<int32_t>(verifier, VT_HEAD_DIM, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_COS, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_SIN, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct HeadsNodeBuilder {
+  typedef HeadsNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_x(const emlx::ir::Tid *x) {
+    fbb_.AddStruct(HeadsNode::VT_X, x);
+  }
+  void add_start(int32_t start) {
+    fbb_.AddElement<int32_t>(HeadsNode::VT_START, start, 0);
+  }
+  void add_heads(int32_t heads) {
+    fbb_.AddElement<int32_t>(HeadsNode::VT_HEADS, heads, 0);
+  }
+  void add_head_dim(int32_t head_dim) {
+    fbb_.AddElement<int32_t>(HeadsNode::VT_HEAD_DIM, head_dim, 0);
+  }
+  void add_cos(const emlx::ir::Tid *cos) {
+    fbb_.AddStruct(HeadsNode::VT_COS, cos);
+  }
+  void add_sin(const emlx::ir::Tid *sin) {
+    fbb_.AddStruct(HeadsNode::VT_SIN, sin);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(HeadsNode::VT_OUT, out);
+  }
+  explicit HeadsNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<HeadsNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<HeadsNode>(end);
+    fbb_.Required(o, HeadsNode::VT_X);
+    fbb_.Required(o, HeadsNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<HeadsNode> CreateHeadsNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *x = nullptr,
+    int32_t start = 0,
+    int32_t heads = 0,
+    int32_t head_dim = 0,
+    const emlx::ir::Tid *cos = nullptr,
+    const emlx::ir::Tid *sin = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  HeadsNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_sin(sin);
+  builder_.add_cos(cos);
+  builder_.add_head_dim(head_dim);
+  builder_.add_heads(heads);
+  builder_.add_start(start);
+  builder_.add_x(x);
+  return builder_.Finish();
+}
+
+struct HeadsNode::Traits {
+  using type = HeadsNode;
+  static auto constexpr Create = CreateHeadsNode;
+};
+
+/// A KV cache with new tokens written (torch's index_copy along axis 2):
+/// cache [B, H, S, D], update [B, H, L, D] (cast to the cache's type), slots
+/// [L] (clamped into [0, S)); out[:, :, slots[i]] = update[:, :, i], the rest
+/// the cache's. Written in place when nothing else reads the cache.
+struct CacheWriteNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef CacheWriteNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_CACHE = 4,
+    VT_SLOTS = 6,
+    VT_UPDATE = 8,
+    VT_OUT = 10
+  };
+  const emlx::ir::Tid *cache() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_CACHE);
+  }
+  const emlx::ir::Tid *slots() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SLOTS);
+  }
+  const emlx::ir::Tid *update() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_UPDATE);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_CACHE, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SLOTS, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_UPDATE, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct CacheWriteNodeBuilder {
+  typedef CacheWriteNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_cache(const emlx::ir::Tid *cache) {
+    fbb_.AddStruct(CacheWriteNode::VT_CACHE, cache);
+  }
+  void add_slots(const emlx::ir::Tid *slots) {
+    fbb_.AddStruct(CacheWriteNode::VT_SLOTS, slots);
+  }
+  void add_update(const emlx::ir::Tid *update) {
+    fbb_.AddStruct(CacheWriteNode::VT_UPDATE, update);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(CacheWriteNode::VT_OUT, out);
+  }
+  explicit CacheWriteNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<CacheWriteNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<CacheWriteNode>(end);
+    fbb_.Required(o, CacheWriteNode::VT_CACHE);
+    fbb_.Required(o, CacheWriteNode::VT_SLOTS);
+    fbb_.Required(o, CacheWriteNode::VT_UPDATE);
+    fbb_.Required(o, CacheWriteNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<CacheWriteNode> CreateCacheWriteNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *cache = nullptr,
+    const emlx::ir::Tid *slots = nullptr,
+    const emlx::ir::Tid *update = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  CacheWriteNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_update(update);
+  builder_.add_slots(slots);
+  builder_.add_cache(cache);
+  return builder_.Finish();
+}
+
+struct CacheWriteNode::Traits {
+  using type = CacheWriteNode;
+  static auto constexpr Create = CreateCacheWriteNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -9113,6 +9370,12 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::SelectiveScanNode *op_as_SelectiveScanNode() const {
     return op_type() == emlx::ir::Op::SelectiveScanNode ? static_cast<const emlx::ir::SelectiveScanNode *>(op()) : nullptr;
+  }
+  const emlx::ir::HeadsNode *op_as_HeadsNode() const {
+    return op_type() == emlx::ir::Op::HeadsNode ? static_cast<const emlx::ir::HeadsNode *>(op()) : nullptr;
+  }
+  const emlx::ir::CacheWriteNode *op_as_CacheWriteNode() const {
+    return op_type() == emlx::ir::Op::CacheWriteNode ? static_cast<const emlx::ir::CacheWriteNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -9460,6 +9723,14 @@ template<> inline const emlx::ir::SelectiveScanNode *Node::op_as<emlx::ir::Selec
   return op_as_SelectiveScanNode();
 }
 
+template<> inline const emlx::ir::HeadsNode *Node::op_as<emlx::ir::HeadsNode>() const {
+  return op_as_HeadsNode();
+}
+
+template<> inline const emlx::ir::CacheWriteNode *Node::op_as<emlx::ir::CacheWriteNode>() const {
+  return op_as_CacheWriteNode();
+}
+
 struct NodeBuilder {
   typedef Node Table;
   ::flatbuffers::FlatBufferBuilder &fbb_;
@@ -9512,7 +9783,7 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_NODES = 20
   };
   uint32_t version() const {
-    return GetField<uint32_t>(VT_VERSION, 1);
+    return GetField<uint32_t>(VT_VERSION, 2);
   }
   uint32_t num_values() const {
     return GetField<uint32_t>(VT_NUM_VALUES, 0);
@@ -9573,7 +9844,7 @@ struct GraphBuilder {
   ::flatbuffers::FlatBufferBuilder &fbb_;
   ::flatbuffers::uoffset_t start_;
   void add_version(uint32_t version) {
-    fbb_.AddElement<uint32_t>(Graph::VT_VERSION, version, 1);
+    fbb_.AddElement<uint32_t>(Graph::VT_VERSION, version, 2);
   }
   void add_num_values(uint32_t num_values) {
     fbb_.AddElement<uint32_t>(Graph::VT_NUM_VALUES, num_values, 0);
@@ -9612,7 +9883,7 @@ struct GraphBuilder {
 
 inline ::flatbuffers::Offset<Graph> CreateGraph(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    uint32_t version = 1,
+    uint32_t version = 2,
     uint32_t num_values = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<emlx::ir::Symbol>>> symbols = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<emlx::ir::IOValue>>> inputs = 0,
@@ -9641,7 +9912,7 @@ struct Graph::Traits {
 
 inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    uint32_t version = 1,
+    uint32_t version = 2,
     uint32_t num_values = 0,
     const std::vector<::flatbuffers::Offset<emlx::ir::Symbol>> *symbols = nullptr,
     const std::vector<::flatbuffers::Offset<emlx::ir::IOValue>> *inputs = nullptr,
@@ -10010,6 +10281,14 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::SelectiveScanNode: {
       auto ptr = reinterpret_cast<const emlx::ir::SelectiveScanNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::HeadsNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::HeadsNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::CacheWriteNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::CacheWriteNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;

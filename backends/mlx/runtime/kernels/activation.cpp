@@ -1,6 +1,8 @@
 #include "activation.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu_arrays.h"
@@ -49,29 +51,40 @@ constexpr auto silu_range_avx2 = silu_range_generic;
 // Elements per task: enough to be worth a thread's wake-up.
 constexpr int64_t kChunk = 16384;
 
+// How a Silu kernel finds its gate: none, a second input, or the second
+// half of each row of its one input.
+enum class Gate : int { None, Input, Halves };
+
 class Silu : public CpuKernel {
  public:
-  Silu(mx::Stream s, bool gated) : CpuKernel(s), gated_(gated) {}
+  Silu(mx::Stream s, Gate gate) : CpuKernel(s), gate_(gate) {}
 
   const char* name() const override { return "EmlxSilu"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return gated_ == static_cast<const Silu&>(other).gated_;
+    return gate_ == static_cast<const Silu&>(other).gate_;
   }
 
  private:
   CpuTask task() const override {
-    return [gated = gated_](const std::vector<mx::array>& inputs, mx::array& out) {
+    return [gate = gate_](const std::vector<mx::array>& inputs, mx::array& out) {
       std::vector<uint8_t> packed[2];
       const float* in[2] = {nullptr, nullptr};
-      for (int k = 0; k < (gated ? 2 : 1); ++k) in[k] = row_major_data<float>(inputs[k], packed[k]);
+      for (int k = 0; k < (gate == Gate::Input ? 2 : 1); ++k) in[k] = row_major_data<float>(inputs[k], packed[k]);
       const auto range = has_avx2() ? silu_range_avx2 : silu_range_generic;
       float* od = out.data<float>();
+      if (gate == Gate::Halves) {  // row r: silu(a[r, :N]) * a[r, N:], element by element as with two inputs
+        const int64_t N = out.shape(-1), rows = out.size() / N;
+        parallel_rows(rows, std::max<int64_t>(1, kChunk / N), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) range(in[0] + 2 * N * r, in[0] + 2 * N * r + N, od + N * r, 0, N);
+        });
+        return;
+      }
       parallel_rows(static_cast<int64_t>(out.size()), kChunk,
                     [&](int64_t i0, int64_t i1) { range(in[0], in[1], od, i0, i1); });
     };
   }
 
-  bool gated_;
+  Gate gate_;
 };
 
 }  // namespace
@@ -84,8 +97,21 @@ mx::array silu(const mx::array& a, const std::optional<mx::array>& b, mx::Stream
     const auto act = mx::multiply(in[0], mx::sigmoid(in[0], s), s);
     return in.size() > 1 ? mx::multiply(act, in[1], s) : act;
   };
-  return CpuKernel::build(s, supported, std::move(in), a.shape(), a.dtype(), fallback,
-                          [&](mx::Stream s) { return std::make_shared<Silu>(s, b.has_value()); });
+  return CpuKernel::build(s, supported, std::move(in), a.shape(), a.dtype(), fallback, [&](mx::Stream s) {
+    return std::make_shared<Silu>(s, b.has_value() ? Gate::Input : Gate::None);
+  });
+}
+
+mx::array silu_halves(const mx::array& a, mx::StreamOrDevice s) {
+  if (a.ndim() == 0 || a.shape(-1) % 2 != 0) throw std::invalid_argument("SiluNode: halves needs an even last axis");
+  mx::Shape shape = a.shape();
+  shape.back() /= 2;
+  auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
+    const auto halves = mx::split(in[0], 2, -1, s);
+    return mx::multiply(mx::multiply(halves[0], mx::sigmoid(halves[0], s), s), halves[1], s);
+  };
+  return CpuKernel::build(s, a.dtype() == mx::float32 && a.size() > 0, {a}, std::move(shape), a.dtype(), fallback,
+                          [](mx::Stream s) { return std::make_shared<Silu>(s, Gate::Halves); });
 }
 
 }  // namespace emlx

@@ -14,4 +14,9 @@ namespace emlx {
 mlx::core::array silu(const mlx::core::array& a, const std::optional<mlx::core::array>& b,
                       mlx::core::StreamOrDevice s = {});
 
+// silu(a[..., :N]) * a[..., N:] for a [..., 2N] (gate and up side by side,
+// a fused projection's output): the same values, bit for bit, as silu() of
+// the two halves.
+mlx::core::array silu_halves(const mlx::core::array& a, mlx::core::StreamOrDevice s = {});
+
 }  // namespace emlx

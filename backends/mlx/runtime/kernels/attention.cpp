@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "blas.h"
+#include "cpu_arrays.h"
 #include "cpu_kernel.h"
 #include "thread_pool.h"
 #include "vec8.h"
@@ -66,8 +67,17 @@ struct Task {
   const mx::array *q, *k, *v, *mask;
   MaskKind kind;
   float scale;
-  float* out;  // [B, H, L, Dv], contiguous
+  int64_t S;                  // the key slots attended: k's first S
+  int64_t mask_strides[4];    // the mask's element strides read as [B, H, L, k's slots] (broadcast axes 0)
+  float* out;                 // [B, H, L, Dv] or, merged, [B, L, H, Dv]; contiguous
+  int64_t out_head, out_row;  // strides of a head and of a query row in out
 };
+
+// Output row i of head h of batch b.
+inline float* out_row(const Task& t, int64_t b, int64_t h, int64_t i) {
+  const int64_t H = t.q->shape(1), L = t.q->shape(2);
+  return t.out + b * H * L * t.v->shape(3) + h * t.out_head + i * t.out_row;
+}
 
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
@@ -80,7 +90,7 @@ struct Plane {
 Plane plane_of(const Task& t, int64_t b, int64_t h) {
   Plane p;
   if (t.kind == MaskKind::None) return p;
-  const auto& st = t.mask->strides();
+  const int64_t* st = t.mask_strides;
   const int64_t offset = b * st[0] + h * st[1];
   if (t.kind == MaskKind::Bool) p.bools = t.mask->data<uint8_t>() + offset;
   else p.adds = t.mask->data<float>() + offset;
@@ -89,7 +99,7 @@ Plane plane_of(const Task& t, int64_t b, int64_t h) {
 
 // Whether query row i may attend key column j (a mask given).
 inline bool attends(const Task& t, const Plane& p, int64_t i, int64_t j) {
-  const auto& st = t.mask->strides();
+  const int64_t* st = t.mask_strides;
   if (t.kind == MaskKind::Bool) return p.bools[i * st[2] + j * st[3]] != 0;
   return p.adds[i * st[2] + j * st[3]] != kMasked;
 }
@@ -116,7 +126,7 @@ inline void mask_scores(const Task& t, const Plane& p, int64_t i, float* s, int6
     } else if (t.kind == MaskKind::Bool) {
       if (!attends(t, p, i, j)) s[c] = kMasked;
     } else if (t.kind == MaskKind::Additive) {
-      const auto& st = t.mask->strides();
+      const int64_t* st = t.mask_strides;
       s[c] += p.adds[i * st[2] + j * st[3]];
     }
   }
@@ -144,21 +154,22 @@ EMLX_INLINE bool softmax_in_place(float* s, int64_t width) {
 EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, int64_t i1) {
   const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
   const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int64_t Hkv = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+  const int64_t Hkv = k.shape(1), S = t.S, Dv = v.shape(3);
   const int64_t g = h / (H / Hkv), rows = i1 - i0;
   thread_local std::vector<float> qs, ks, vs, scores;
   int64_t ldq, ldk, ldv;
   const float* qp = rows_of(q, b, h, qs, ldq) + i0 * ldq;
   const float* kp = rows_of(k, b, g, ks, ldk);
   const float* vp = rows_of(v, b, g, vs, ldv);
-  float* out = t.out + ((b * H + h) * L + i0) * Dv;
+  float* out = out_row(t, b, h, i0);
+  const int64_t ldo = t.out_row;
   const Plane plane = plane_of(t, b, h);
   // The key columns any query of the block attends: [j0, j1). A causal
   // mask leaves the later columns of early blocks out entirely.
   int64_t j0 = 0, j1 = S;
   if (t.kind != MaskKind::None) j0 = S, j1 = 0, widen_to_attended(t, plane, i0, i1, S, j0, j1);
   if (j1 <= j0) {  // a query that attends nothing gets zeros, as in torch
-    std::fill(out, out + rows * Dv, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) std::fill(out + r * ldo, out + r * ldo + Dv, 0.0f);
     return;
   }
   // A decoding step has one query row: sgemm would first pack (copy) the
@@ -184,17 +195,18 @@ EMLX_INLINE void attend_block(const Task& t, int64_t b, int64_t h, int64_t i0, i
     if (!softmax_in_place(s, ld)) std::fill(s, s + ld, 0.0f);
   }
   if (few) {
-    std::fill(out, out + rows * Dv, 0.0f);
     for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + r * ldo;
+      std::fill(o, o + Dv, 0.0f);
       for (int64_t c = 0; c < cols; ++c) {
         const float p = scores[r * ld + c];
         const float* vr = vp + (c0 + c) * ldv;
-        for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] += p * vr[d];
+        for (int64_t d = 0; d < Dv; ++d) o[d] += p * vr[d];
       }
     }
   } else {
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, Dv, cols, 1.0f, scores.data(), ld,
-                      vp + c0 * ldv, ldv, 0.0f, out, Dv);
+                      vp + c0 * ldv, ldv, 0.0f, out, ldo);
   }
 }
 
@@ -227,7 +239,7 @@ EMLX_INLINE void weighted_rows(const float* p, const float* vp, int64_t ldv, int
 EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int64_t h1) {
   const mx::array &q = *t.q, &k = *t.k, &v = *t.v;
   const int64_t H = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int64_t S = k.shape(2), Dv = v.shape(3), heads = h1 - h0, nq = heads * L;
+  const int64_t S = t.S, Dv = v.shape(3), heads = h1 - h0, nq = heads * L;
   thread_local std::vector<float> qbuf, ks, vs, scores;
   qbuf.resize(nq * D);
   for (int64_t h = h0; h < h1; ++h) {  // query rows, contiguous
@@ -247,9 +259,10 @@ EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int
     j0 = S, j1 = 0;
     for (int64_t h = h0; h < h1; ++h) widen_to_attended(t, plane_of(t, b, h), 0, L, S, j0, j1);
   }
-  float* out0 = t.out + ((b * H + h0) * L) * Dv;  // the heads' rows are adjacent
+  // query n: head h0 + n / L, row n % L
+  auto out_of = [&](int64_t n) { return out_row(t, b, h0 + n / L, n % L); };
   if (j1 <= j0) {
-    std::fill(out0, out0 + nq * Dv, 0.0f);
+    for (int64_t n = 0; n < nq; ++n) std::fill(out_of(n), out_of(n) + Dv, 0.0f);
     return;
   }
   const int64_t c0 = j0 & ~int64_t{7}, cols = (j1 - c0 + 7) & ~int64_t{7};
@@ -270,7 +283,7 @@ EMLX_INLINE void attend_few(const Task& t, int64_t b, int64_t g, int64_t h0, int
   for (int64_t n = 0; n < nq; ++n) {
     float* s = scores.data() + n * cols;
     mask_scores(t, plane_of(t, b, h0 + n / L), n % L, s, c0, cols, j0, j1);
-    float* out = out0 + n * Dv;
+    float* out = out_of(n);
     if (!softmax_in_place(s, cols)) {  // a query that attends nothing gets zeros, as in torch
       std::fill(out, out + Dv, 0.0f);
       continue;
@@ -309,23 +322,33 @@ constexpr auto attend_block_avx2 = attend_block_generic;
 
 class Attention : public CpuKernel {
  public:
-  Attention(mx::Stream s, float scale, MaskKind kind) : CpuKernel(s), scale_(scale), kind_(kind) {}
+  Attention(mx::Stream s, float scale, MaskKind kind, bool keys, bool merge_heads)
+      : CpuKernel(s), scale_(scale), kind_(kind), keys_(keys), merge_heads_(merge_heads) {}
 
   const char* name() const override { return "EmlxAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && kind_ == o.kind_;
+    return scale_ == o.scale_ && kind_ == o.kind_ && keys_ == o.keys_ && merge_heads_ == o.merge_heads_;
   }
 
  private:
   CpuTask task() const override {
-    return [scale = scale_, kind = kind_](const std::vector<mx::array>& inputs, mx::array& out) {
+    return [scale = scale_, kind = kind_, keys = keys_, merge = merge_heads_](const std::vector<mx::array>& inputs,
+                                                                             mx::array& out) {
       use_single_threaded_blas();
-      const Task t{&inputs[0], &inputs[1], &inputs[2], kind == MaskKind::None ? nullptr : &inputs[3], kind, scale,
-                   out.data<float>()};
-      const int64_t B = inputs[0].shape(0), H = inputs[0].shape(1), L = inputs[0].shape(2);
-      const int64_t Hkv = inputs[1].shape(1), G = H / Hkv;
-      if (L < kGemmRows && inputs[0].shape(3) % 8 == 0 && inputs[2].shape(3) % 8 == 0) {
+      const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+      const int64_t B = q.shape(0), H = q.shape(1), L = q.shape(2), Dv = v.shape(3);
+      const int64_t Hkv = k.shape(1), G = H / Hkv, slots = k.shape(2);
+      const mx::array* mask = kind == MaskKind::None ? nullptr : &inputs[3];
+      // (read here, where it is computed: no wait for it while the graph is built)
+      const int64_t S = keys ? std::clamp<int64_t>(integer_at(inputs.back(), 0), 0, slots) : slots;
+      Task t{&q, &k, &v, mask, kind, scale, S, {}, out.data<float>(), merge ? Dv : L * Dv, merge ? H * Dv : Dv};
+      if (mask) {
+        const auto st = broadcast_strides(*mask, {static_cast<int>(B), static_cast<int>(H), static_cast<int>(L),
+                                                  static_cast<int>(slots)});
+        std::copy(st.begin(), st.end(), t.mask_strides);
+      }
+      if (L < kGemmRows && q.shape(3) % 8 == 0 && Dv % 8 == 0) {
         // A kv head's query heads together (its keys read once), split when
         // there are fewer kv heads than threads.
         const int64_t chunks = std::min(G, std::max<int64_t>(1, (pool_size() + B * Hkv - 1) / (B * Hkv)));
@@ -349,29 +372,68 @@ class Attention : public CpuKernel {
 
   float scale_;
   MaskKind kind_;
+  bool keys_, merge_heads_;
 };
+
+// Whether `a` broadcasts to `shape` (right-aligned).
+bool broadcasts_to(const mx::array& a, const mx::Shape& shape) {
+  if (a.ndim() > shape.size()) return false;
+  for (int i = 1; i <= static_cast<int>(a.ndim()); ++i) {
+    if (a.shape(-i) != 1 && a.shape(-i) != shape[shape.size() - i]) return false;
+  }
+  return true;
+}
+
+// MLX's attention over the first `keys` slots (read on the host: a wait for
+// it), heads merged when asked.
+mx::array attention_ops(const std::vector<mx::array>& in, const AttentionOptions& o, mx::Stream s) {
+  auto k = in[1], v = in[2];
+  std::optional<mx::array> mask = o.mask ? std::optional(in[3]) : std::nullopt;
+  const int B = in[0].shape(0), H = in[0].shape(1), L = in[0].shape(2), Dv = v.shape(3);
+  if (o.keys) {
+    const int slots = k.shape(2);
+    const int n = static_cast<int>(std::clamp<int64_t>(mx::astype(in.back(), mx::int64).item<int64_t>(), 0, slots));
+    if (n == 0) {  // nothing attended: zeros, as the kernel gives
+      return o.merge_heads ? mx::zeros({B, L, H * Dv}, v.dtype(), s) : mx::zeros({B, H, L, Dv}, v.dtype(), s);
+    }
+    k = mx::slice(k, {0, 0, 0, 0}, {k.shape(0), k.shape(1), n, k.shape(3)}, s);
+    v = mx::slice(v, {0, 0, 0, 0}, {v.shape(0), v.shape(1), n, Dv}, s);
+    if (mask && mask->ndim() > 0 && mask->shape(-1) == slots) {
+      mx::Shape stop = mask->shape();
+      stop.back() = n;
+      mask = mx::slice(*mask, mx::Shape(mask->ndim(), 0), stop, s);
+    }
+  }
+  auto out = mx::fast::scaled_dot_product_attention(in[0], k, v, o.scale, o.causal ? "causal" : "", mask, {}, false, s);
+  return o.merge_heads ? mx::reshape(mx::transpose(out, {0, 2, 1, 3}, s), {B, L, H * Dv}, s) : out;
+}
 
 }  // namespace
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
-                    const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, const AttentionOptions& o,
+                    mx::StreamOrDevice s) {
   const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
-  const bool mask_ok = !mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32;
-  const bool supported = !causal && f32 && mask_ok && q.size() > 0 && k.shape(2) > 0;
-  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), S = k.shape(2);
+  const bool mask_ok = !o.mask || o.mask->dtype() == mx::bool_ || o.mask->dtype() == mx::float32;
+  const bool supported = !o.causal && f32 && mask_ok && q.size() > 0 && k.shape(2) > 0;
+  const int B = q.shape(0), H = q.shape(1), L = q.shape(2), S = k.shape(2), Dv = v.shape(3);
+  if (o.mask && !broadcasts_to(*o.mask, {B, H, L, S})) {
+    throw std::invalid_argument("ScaledDotProductAttentionNode: the mask must broadcast to [B, H, L, S]");
+  }
+  if (o.keys && (o.keys->ndim() != 0 || !(mx::issubdtype(o.keys->dtype(), mx::integer)))) {
+    throw std::invalid_argument("ScaledDotProductAttentionNode: keys must be a 0-d integer");
+  }
   std::vector<mx::array> in = {q, k, v};
   MaskKind kind = MaskKind::None;
-  if (mask) {
-    // the kernel's operand is a view: broadcast axes have stride 0
-    in.push_back(supported ? mx::broadcast_to(*mask, {B, H, L, S}, mx::to_stream(s)) : *mask);
-    kind = mask->dtype() == mx::bool_ ? MaskKind::Bool : MaskKind::Additive;
+  if (o.mask) {
+    in.push_back(*o.mask);  // (the kernel reads it broadcast: stride 0 on broadcast axes)
+    kind = o.mask->dtype() == mx::bool_ ? MaskKind::Bool : MaskKind::Additive;
   }
-  auto fallback = [scale, causal](const std::vector<mx::array>& in, mx::Stream s) {
-    const auto mask = in.size() > 3 ? std::optional(in[3]) : std::nullopt;
-    return mx::fast::scaled_dot_product_attention(in[0], in[1], in[2], scale, causal ? "causal" : "", mask, {}, false, s);
-  };
-  return CpuKernel::build(s, supported, std::move(in), {B, H, L, static_cast<int>(v.shape(3))}, mx::float32, fallback,
-                          [&](mx::Stream s) { return std::make_shared<Attention>(s, scale, kind); });
+  if (o.keys) in.push_back(*o.keys);
+  const mx::Shape shape = o.merge_heads ? mx::Shape{B, L, H * Dv} : mx::Shape{B, H, L, Dv};
+  return CpuKernel::build(
+      s, supported, std::move(in), shape, mx::float32,
+      [o](const std::vector<mx::array>& in, mx::Stream s) { return attention_ops(in, o, s); },
+      [&](mx::Stream s) { return std::make_shared<Attention>(s, o.scale, kind, o.keys.has_value(), o.merge_heads); });
 }
 
 }  // namespace emlx

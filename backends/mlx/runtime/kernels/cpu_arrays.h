@@ -3,8 +3,10 @@
 
 #include <mlx/mlx.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 namespace emlx {
@@ -37,6 +39,35 @@ inline std::vector<float> bf16_rows_to_f32(const uint16_t* h, size_t n) {
 // Element i of a float32 or (bf16) bfloat16 array.
 inline float float_at(const void* p, size_t i, bool bf16) {
   return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+// Element i (in memory order, from its data pointer) of an integer or bool
+// array, as int64 (uint64 beyond int64's range reads as its largest value).
+inline int64_t integer_at(const mlx::core::array& a, int64_t i) {
+  namespace mx = mlx::core;
+  switch (a.dtype()) {
+    case mx::int64: return a.data<int64_t>()[i];
+    case mx::int32: return a.data<int32_t>()[i];
+    case mx::int16: return a.data<int16_t>()[i];
+    case mx::int8: return a.data<int8_t>()[i];
+    case mx::uint64: return static_cast<int64_t>(std::min<uint64_t>(a.data<uint64_t>()[i], INT64_MAX));
+    case mx::uint32: return a.data<uint32_t>()[i];
+    case mx::uint16: return a.data<uint16_t>()[i];
+    case mx::uint8:
+    case mx::bool_: return a.data<uint8_t>()[i];
+    default: throw std::invalid_argument("expected an integer array");
+  }
+}
+
+// Element strides of `a` read as an array of `shape` (a right-aligned
+// broadcast: a missing or size-1 axis has stride 0).
+inline std::vector<int64_t> broadcast_strides(const mlx::core::array& a, const mlx::core::Shape& shape) {
+  std::vector<int64_t> st(shape.size(), 0);
+  const int lead = static_cast<int>(shape.size()) - static_cast<int>(a.ndim());
+  for (int i = 0; i < static_cast<int>(a.ndim()); ++i) {
+    if (a.shape(i) != 1) st[lead + i] = a.strides()[i];
+  }
+  return st;
 }
 
 // `a`'s elements in row-major order, for an input that arrives strided (a

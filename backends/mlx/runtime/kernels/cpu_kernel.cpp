@@ -19,7 +19,11 @@ bool CpuKernel::serves(const mx::Stream& s) {
 }
 
 void CpuKernel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const bool donated = updates_first_input() && !inputs.empty() && inputs[0].is_donatable() &&
+                       inputs[0].flags().row_contiguous && inputs[0].dtype() == out.dtype() &&
+                       inputs[0].shape() == out.shape();
+  if (donated) out.copy_shared_buffer(inputs[0]);
+  else out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) enc.set_input_array(in);
   enc.set_output_array(out);

@@ -60,6 +60,12 @@ class CpuKernel : public mlx::core::UnaryPrimitive {
 
  protected:
   virtual CpuTask task() const = 0;
+
+  // Whether the output may take its first input's buffer (same shape and
+  // type) when nothing else holds that input, as MLX's own scatter does: a
+  // KV cache then gets its new tokens written in place. The task finds out
+  // which happened by comparing the two arrays' data pointers.
+  virtual bool updates_first_input() const { return false; }
 };
 
 }  // namespace emlx

@@ -2,8 +2,10 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "cpu_arrays.h"
 #include "cpu_kernel.h"
 #include "thread_pool.h"
 
@@ -12,17 +14,6 @@ namespace emlx {
 namespace mx = mlx::core;
 
 namespace {
-
-// Element strides of `a` read as an array of `shape` (a right-aligned
-// broadcast: a missing or size-1 axis has stride 0).
-std::vector<int64_t> broadcast_strides(const mx::array& a, const mx::Shape& shape) {
-  std::vector<int64_t> st(shape.size(), 0);
-  const int lead = static_cast<int>(shape.size()) - static_cast<int>(a.ndim());
-  for (int i = 0; i < static_cast<int>(a.ndim()); ++i) {
-    if (a.shape(i) != 1) st[lead + i] = a.strides()[i];
-  }
-  return st;
-}
 
 // Inputs x, cos, sin (any strides, cos/sin broadcast to x); output x's shape,
 // row-contiguous.
@@ -38,7 +29,7 @@ class Rope : public CpuKernel {
     return [](const std::vector<mx::array>& inputs, mx::array& out) {
       const mx::Shape& shape = out.shape();
       const int nd = static_cast<int>(shape.size());
-      const int64_t D = shape.back(), half = D / 2, rows = out.size() / D;
+      const int64_t D = shape.back(), rows = out.size() / D;
       std::vector<int64_t> strides[3];
       const float* data[3];
       for (int i = 0; i < 3; ++i) {
@@ -54,15 +45,8 @@ class Rope : public CpuKernel {
             for (int d = nd - 2; d >= 0; --d) at += (rest % shape[d]) * strides[i][d], rest /= shape[d];
             p[i] = data[i] + at;
           }
-          const int64_t sx = strides[0][nd - 1], sc = strides[1][nd - 1], ss = strides[2][nd - 1];
-          float* row = y + r * D;
-          // As torch computes it: x * cos, then (+/-) the rotated x * sin, then the sum.
-          for (int64_t d = 0; d < D; ++d) {
-            const float a = p[0][d * sx] * p[1][d * sc];
-            const float rot = d < half ? -p[0][(d + half) * sx] : p[0][(d - half) * sx];
-            const float b = rot * p[2][d * ss];
-            row[d] = a + b;
-          }
+          rotate_row({p[0], strides[0][nd - 1]}, {p[1], strides[1][nd - 1]}, {p[2], strides[2][nd - 1]}, D,
+                     y + r * D);
         }
       });
     };
@@ -83,18 +67,33 @@ mx::array rope_ops(const std::vector<mx::array>& in, mx::Stream s) {
 
 }  // namespace
 
-mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s) {
-  if (x.ndim() == 0 || x.shape(-1) % 2 != 0) throw std::invalid_argument("RopeNode: x must be [..., D] with D even");
+void rotate_row(Strided x, Strided cos, Strided sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  // As torch computes it: x * cos, then (+/-) the rotated x * sin, then the sum.
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = x.p[d * x.stride] * cos.p[d * cos.stride];
+    const float rot = d < half ? -x.p[(d + half) * x.stride] : x.p[(d - half) * x.stride];
+    const float b = rot * sin.p[d * sin.stride];
+    out[d] = a + b;
+  }
+}
+
+void check_rotation(const mx::Shape& x, const mx::array& cos, const mx::array& sin, const std::string& node) {
+  if (x.empty() || x.back() % 2 != 0) throw std::invalid_argument(node + ": the rotated axis must be even");
   for (const auto* t : {&cos, &sin}) {
-    if (t->ndim() == 0 || t->ndim() > x.ndim() || t->shape(-1) != x.shape(-1)) {
-      throw std::invalid_argument("RopeNode: cos and sin must broadcast to x with last axis D");
+    if (t->ndim() == 0 || t->ndim() > x.size() || t->shape(-1) != x.back()) {
+      throw std::invalid_argument(node + ": cos and sin must broadcast to x with last axis D");
     }
     for (int i = 1; i <= static_cast<int>(t->ndim()); ++i) {
-      if (t->shape(-i) != 1 && t->shape(-i) != x.shape(-i)) {
-        throw std::invalid_argument("RopeNode: cos and sin must broadcast to x");
+      if (t->shape(-i) != 1 && t->shape(-i) != x[x.size() - i]) {
+        throw std::invalid_argument(node + ": cos and sin must broadcast to x");
       }
     }
   }
+}
+
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s) {
+  check_rotation(x.shape(), cos, sin, "RopeNode");
   const bool supported =
       x.dtype() == mx::float32 && cos.dtype() == mx::float32 && sin.dtype() == mx::float32 && x.size() > 0;
   return CpuKernel::build(s, supported, {x, cos, sin}, x.shape(), x.dtype(), rope_ops,

@@ -6,7 +6,26 @@
 
 #include <mlx/mlx.h>
 
+#include <cstdint>
+#include <string>
+
 namespace emlx {
+
+// A run of floats `stride` elements apart.
+struct Strided {
+  const float* p;
+  int64_t stride;
+};
+
+// One row of D values rotated: out = x * cos + rotate_half(x) * sin (the
+// RopeNode kernel's arithmetic, shared by HeadsNode's so that both give the
+// same bits).
+void rotate_row(Strided x, Strided cos, Strided sin, int64_t D, float* out);
+
+// Refuses cos and sin that do not broadcast to `x` (its last axis even,
+// theirs the same), naming `node`.
+void check_rotation(const mlx::core::Shape& x, const mlx::core::array& cos, const mlx::core::array& sin,
+                    const std::string& node);
 
 // x * cos + rotate_half(x) * sin; x [..., D] with D even, cos and sin
 // broadcastable to x with last axis D. float32 on a CPU stream runs our

@@ -1,0 +1,24 @@
+// Attention heads split out of a projection's output (HeadsNode): a model's
+// slice, reshape, transpose and rotary embedding, four arrays and tasks per
+// call for q and for k, as one kernel of ours.
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <optional>
+
+namespace emlx {
+
+// Which columns of a projection's output hold the heads.
+struct HeadColumns {
+  int start = 0, heads = 0, head_dim = 0;
+};
+
+// x [B, L, C] -> x[:, :, start:start + heads * head_dim] as [B, heads, L,
+// head_dim], rotated as rope() rotates when cos and sin are given (the same
+// bits). float32 on a CPU stream runs our kernel (a contiguous result);
+// anything else MLX's views and rope().
+mlx::core::array heads(const mlx::core::array& x, HeadColumns columns, const std::optional<mlx::core::array>& cos,
+                       const std::optional<mlx::core::array>& sin, mlx::core::StreamOrDevice s = {});
+
+}  // namespace emlx
