@@ -238,10 +238,10 @@ def rope():
 
 
 def heads():
-    """Columns 1-2 of x as one rotated head: [2, 1, 3, 2]."""
+    """Columns 1-2 of x as one normalized, rotated head: [2, 1, 3, 2]."""
     s = Sketch()
     return s.finish(s.op(ir.HeadsNode, x=s.x, start=1, heads=1, head_dim=2, cos=s.full([2], 0.5),
-                         sin=s.full([1, 2], 0.25)), 4)
+                         sin=s.full([1, 2], 0.25), norm=s.full([2], 1.5), eps=1e-5), 4)
 
 
 def cache_write():

@@ -4,6 +4,10 @@ cache) that the delegate keeps between calls."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -650,6 +654,65 @@ def test_heads_split_out_of_a_fused_projection_are_one_node_each(dtype, length):
         (0, 3, 8, True), (24, 2, 8, True), (40, 2, 8, False)]
     assert not {"SliceNode", "DynSliceNode", "TransposeNode", "ReshapeNode", "RopeNode"} & node_types(
         lower(SplitHeads(), args))
+
+
+class NormedHeads(torch.nn.Module):
+    """Qwen3's q and k: views as heads normalized over the head dim (an RMS
+    norm with a weight) before the transpose and the rotation."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm, self.k_norm = RMSNorm(8), RMSNorm(8)
+        with torch.no_grad():
+            self.q_norm.weight.uniform_(0.5, 1.5), self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, qkv, cos, sin):
+        b, length, _ = qkv.shape
+        q, k = qkv[..., :24].view(b, length, 3, 8), qkv[..., 24:40].view(b, length, 2, 8)
+        q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("length", [1, 70])
+def test_normed_heads_are_one_node_each(length):
+    """A float32 q/k norm between the view and the transpose joins the
+    HeadsNode (a bfloat16 norm computes in float32 between casts: not this
+    chain)."""
+    model = NormedHeads()
+    args = (rand((2, length, 40)), rand((2, length, 8)), rand((2, length, 8)))
+    assert_matches_eager(model, args, expect_nodes={"HeadsNode"})
+    heads = [n.op for n in delegate_graphs(lower(model, args))[0].nodes if isinstance(n.op, ir.HeadsNode)]
+    assert len(heads) == 2 and all(h.norm is not None and h.cos is not None for h in heads)
+    assert not {"RmsNormNode", "RopeNode", "TransposeNode", "ReshapeNode"} & node_types(lower(model, args))
+
+
+def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
+    """The fused nodes as GPUs run them (MLX's ops: EMLX_DISABLE_CPU_KERNELS=1,
+    in a process of its own) against eager."""
+    merged = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, enable_gqa=True).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    cases = [(NormedHeads(), (rand((2, 3, 40)), rand((2, 3, 8)), rand((2, 3, 8)))),
+             (SplitHeads(), (rand((2, 3, 56)), rand((2, 3, 8)), rand((2, 3, 8)))),
+             (Fn(lambda c, i, u: c.index_copy(2, i, u)), (rand((1, 2, 6, 4)), torch.tensor([4, 1]), rand((1, 2, 2, 4)))),
+             (Fn(lambda x: F.silu(x[..., :40]) * x[..., 40:]), (rand((1, 3, 80)),)),
+             (Fn(merged), (rand((2, 4, 3, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8))))]
+    files = []
+    for i, (model, args) in enumerate(cases):
+        pte = tmp_path / f"case{i}.pte"
+        pte.write_bytes(lower(model, args).to_executorch().buffer)
+        files.append((str(pte), list(args)))
+    torch.save(files, tmp_path / "cases.pt")
+    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
+              "for pte, args in torch.load(sys.argv[1]):\n"
+              "    p = Runtime.get().load_program(open(pte, 'rb').read()); out.append(p.load_method('forward').execute(args))\n"
+              "torch.save(out, sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", tmp_path / "out.pt"], check=True,
+                   env={**os.environ, "EMLX_DISABLE_CPU_KERNELS": "1"})
+    for (model, args), got in zip(cases, torch.load(tmp_path / "out.pt")):
+        want = model(*args)
+        for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_a_transposed_view_read_elsewhere_too_is_left_as_it_is():

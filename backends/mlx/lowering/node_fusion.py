@@ -10,7 +10,7 @@ the ~104M Llama of benchmarks/bench_llm.py, 315 nodes a decode step, each a
 few microseconds of the graph builder's and of the stream thread's time.
 This pass rewrites, on the lowered graph:
 
-    [slice of the last axis] -> reshape [B, L, H, D] -> transpose (1, 2) [-> rope]
+    [slice of the last axis] -> reshape [B, L, H, D] [-> rms norm] -> transpose (1, 2) [-> rope]
         => HeadsNode
     transpose (2, 0, 1, 3) -> expand_dims 3 -> scatter on axis 2 (one index)
         => CacheWriteNode
@@ -99,11 +99,15 @@ def _last_axis_slice(g: _Graph, op) -> tuple[ir.Tid, int, int] | None:
 
 
 def _heads(g: _Graph, op) -> ir.HeadsNode | None:
-    """A rotation of, or a transpose (1, 2) of, heads viewed out of x [B, L, C]."""
+    """A rotation of, or a transpose (1, 2) of, heads viewed out of x [B, L, C]
+    (each head normalized before the transpose: a q/k norm)."""
     rotation, t = (None, op) if isinstance(op, ir.TransposeNode) else ((op.cos, op.sin), g.made_by(op.x, ir.TransposeNode))
     if t is None or list(t.axes) != [0, 2, 1, 3]:
         return None
-    r = g.made_by(t.a, ir.ReshapeNode)
+    norm = g.made_by(t.a, ir.RmsNormNode)
+    if norm is not None and norm.weight is None:
+        return None
+    r = g.made_by(norm.a if norm else t.a, ir.ReshapeNode)
     if r is None or len(r.shape) != 4 or None in (_static(r.shape[2]), _static(r.shape[3])):
         return None
     heads, head_dim = _static(r.shape[2]), _static(r.shape[3])
@@ -118,7 +122,10 @@ def _heads(g: _Graph, op) -> ir.HeadsNode | None:
     if width != heads * head_dim:
         return None
     cos, sin = rotation or (None, None)
-    return ir.HeadsNode(x=x, start=start, heads=heads, head_dim=head_dim, cos=cos, sin=sin, out=op.out)
+    fused = ir.HeadsNode(x=x, start=start, heads=heads, head_dim=head_dim, cos=cos, sin=sin, out=op.out)
+    if norm is not None:
+        fused.norm, fused.eps = norm.weight, norm.eps
+    return fused
 
 
 def _cache_write(g: _Graph, op: ir.ScatterNode) -> ir.CacheWriteNode | None:

@@ -254,8 +254,8 @@ void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
 }
 
 void exec_HeadsNode(Interpreter& st, const ir::HeadsNode* n) {
-  st.set(n->out(), heads(st.get(n->x()), {n->start(), n->heads(), n->head_dim()}, st.get_optional(n->cos()),
-                         st.get_optional(n->sin())));
+  const HeadsOptions o{st.get_optional(n->norm()), n->eps(), st.get_optional(n->cos()), st.get_optional(n->sin())};
+  st.set(n->out(), heads(st.get(n->x()), {n->start(), n->heads(), n->head_dim()}, o));
 }
 
 void exec_CacheWriteNode(Interpreter& st, const ir::CacheWriteNode* n) {

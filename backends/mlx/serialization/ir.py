@@ -368,6 +368,8 @@ class HeadsNode:
     cos: Tid | None = None
     sin: Tid | None = None
     out: Tid | None = None
+    norm: Tid | None = None
+    eps: float = 0
 
 
 @dataclass
@@ -919,7 +921,7 @@ FIELD_TYPES = {
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
-    'HeadsNode': {'x': 'Tid required', 'start': 'Int', 'heads': 'Int', 'head_dim': 'Int', 'cos': 'Tid', 'sin': 'Tid', 'out': 'Tid required'},
+    'HeadsNode': {'x': 'Tid required', 'start': 'Int', 'heads': 'Int', 'head_dim': 'Int', 'cos': 'Tid', 'sin': 'Tid', 'out': 'Tid required', 'norm': 'Tid', 'eps': 'Float'},
     'IOValue': {'slot': 'UInt', 'kind': 'IOKind', 'dtype': 'DType', 'shape': '[Dim]'},
     'IntOrSlot': {'value': 'Long', 'slot': 'Int'},
     'IsNanNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -1675,11 +1677,14 @@ def _pack_HeadsNode(b, v):
         fb.HeadsNodeAddSin(b, _pack_Tid(b, v.sin))
     if v.out is not None:
         fb.HeadsNodeAddOut(b, _pack_Tid(b, v.out))
+    if v.norm is not None:
+        fb.HeadsNodeAddNorm(b, _pack_Tid(b, v.norm))
+    fb.HeadsNodeAddEps(b, v.eps)
     return fb.HeadsNodeEnd(b)
 
 
 def _unpack_HeadsNode(r):
-    return HeadsNode(x=_opt(_unpack_Tid, r.X()), start=r.Start(), heads=r.Heads(), head_dim=r.HeadDim(), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()))
+    return HeadsNode(x=_opt(_unpack_Tid, r.X()), start=r.Start(), heads=r.Heads(), head_dim=r.HeadDim(), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()), norm=_opt(_unpack_Tid, r.Norm()), eps=r.Eps())
 
 
 def _pack_IOValue(b, v):

@@ -7963,9 +7963,11 @@ def FloorNodeEnd(builder):
 
 # Attention heads out of a projection's output: x [B, L, C] ->
 # x[:, :, start:start + heads * head_dim] as [B, heads, L, head_dim] (a
-# reshape, then the middle axes swapped), rotated as RopeNode rotates when
+# reshape, then the middle axes swapped); each head normalized as
+# RmsNormNode normalizes (over head_dim, weight `norm` [head_dim], `eps`)
+# when `norm` is given (a q/k norm); then rotated as RopeNode rotates when
 # cos and sin are given (both or neither; broadcast to the output). One node
-# where a model has a slice, a reshape, a transpose and a rotation.
+# where a model has a slice, a reshape, a norm, a transpose and a rotation.
 class HeadsNode(object):
     __slots__ = ['_tab']
 
@@ -8049,8 +8051,25 @@ class HeadsNode(object):
             return obj
         return None
 
+    # HeadsNode
+    def Norm(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # HeadsNode
+    def Eps(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
 def HeadsNodeStart(builder):
-    builder.StartObject(7)
+    builder.StartObject(9)
 
 def HeadsNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -8072,6 +8091,12 @@ def HeadsNodeAddSin(builder, sin):
 
 def HeadsNodeAddOut(builder, out):
     builder.PrependStructSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def HeadsNodeAddNorm(builder, norm):
+    builder.PrependStructSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(norm), 0)
+
+def HeadsNodeAddEps(builder, eps):
+    builder.PrependFloat32Slot(8, eps, 0.0)
 
 def HeadsNodeEnd(builder):
     return builder.EndObject()

@@ -8906,9 +8906,11 @@ struct FloorNode::Traits {
 
 /// Attention heads out of a projection's output: x [B, L, C] ->
 /// x[:, :, start:start + heads * head_dim] as [B, heads, L, head_dim] (a
-/// reshape, then the middle axes swapped), rotated as RopeNode rotates when
+/// reshape, then the middle axes swapped); each head normalized as
+/// RmsNormNode normalizes (over head_dim, weight `norm` [head_dim], `eps`)
+/// when `norm` is given (a q/k norm); then rotated as RopeNode rotates when
 /// cos and sin are given (both or neither; broadcast to the output). One node
-/// where a model has a slice, a reshape, a transpose and a rotation.
+/// where a model has a slice, a reshape, a norm, a transpose and a rotation.
 struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef HeadsNodeBuilder Builder;
   struct Traits;
@@ -8919,7 +8921,9 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_HEAD_DIM = 10,
     VT_COS = 12,
     VT_SIN = 14,
-    VT_OUT = 16
+    VT_OUT = 16,
+    VT_NORM = 18,
+    VT_EPS = 20
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -8942,6 +8946,12 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  const emlx::ir::Tid *norm() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_NORM);
+  }
+  float eps() const {
+    return GetField<float>(VT_EPS, 0.0f);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -8952,6 +8962,8 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<emlx::ir::Tid>(verifier, VT_COS, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_SIN, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_NORM, 4) &&
+           VerifyField<float>(verifier, VT_EPS, 4) &&
            verifier.EndTable();
   }
 };
@@ -8981,6 +8993,12 @@ struct HeadsNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(HeadsNode::VT_OUT, out);
   }
+  void add_norm(const emlx::ir::Tid *norm) {
+    fbb_.AddStruct(HeadsNode::VT_NORM, norm);
+  }
+  void add_eps(float eps) {
+    fbb_.AddElement<float>(HeadsNode::VT_EPS, eps, 0.0f);
+  }
   explicit HeadsNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -9002,8 +9020,12 @@ inline ::flatbuffers::Offset<HeadsNode> CreateHeadsNode(
     int32_t head_dim = 0,
     const emlx::ir::Tid *cos = nullptr,
     const emlx::ir::Tid *sin = nullptr,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    const emlx::ir::Tid *norm = nullptr,
+    float eps = 0.0f) {
   HeadsNodeBuilder builder_(_fbb);
+  builder_.add_eps(eps);
+  builder_.add_norm(norm);
   builder_.add_out(out);
   builder_.add_sin(sin);
   builder_.add_cos(cos);

@@ -14,11 +14,19 @@ struct HeadColumns {
   int start = 0, heads = 0, head_dim = 0;
 };
 
+// What is done to each head: an RMS norm (weight [head_dim]), then a rotation.
+struct HeadsOptions {
+  std::optional<mlx::core::array> norm;
+  float eps = 0.0f;
+  std::optional<mlx::core::array> cos, sin;
+};
+
 // x [B, L, C] -> x[:, :, start:start + heads * head_dim] as [B, heads, L,
-// head_dim], rotated as rope() rotates when cos and sin are given (the same
-// bits). float32 on a CPU stream runs our kernel (a contiguous result);
-// anything else MLX's views and rope().
-mlx::core::array heads(const mlx::core::array& x, HeadColumns columns, const std::optional<mlx::core::array>& cos,
-                       const std::optional<mlx::core::array>& sin, mlx::core::StreamOrDevice s = {});
+// head_dim], each head normalized as rms_norm() normalizes when a norm is
+// given, then rotated as rope() rotates when cos and sin are (the same bits
+// as those nodes). float32 on a CPU stream runs our kernel (a contiguous
+// result); anything else MLX's views, rms_norm() and rope().
+mlx::core::array heads(const mlx::core::array& x, HeadColumns columns, const HeadsOptions& options,
+                       mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx

@@ -12,8 +12,6 @@ namespace emlx {
 
 namespace mx = mlx::core;
 
-namespace {
-
 // One row: float32 sums of squares (eight partial sums), as MLX: x * r, then
 // the weight.
 void normalize_row(const float* x, const float* weight, float eps, int64_t D, float* out) {
@@ -27,6 +25,8 @@ void normalize_row(const float* x, const float* weight, float eps, int64_t D, fl
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
   for (d = 0; d < D; ++d) out[d] = weight ? (x[d] * r) * weight[d] : x[d] * r;
 }
+
+namespace {
 
 // Inputs x [..., D] (any strides), weight [D] row-contiguous if given.
 class RmsNorm : public CpuKernel {
