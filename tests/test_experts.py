@@ -102,6 +102,27 @@ def test_experts_kernel_is_the_dense_kernel_per_pair(kind, activations, per_expe
         assert torch.equal(run(one_row, [x[t:t + 1], i[t:t + 1]])[0][0], got[t])
 
 
+@pytest.mark.parametrize("kind", ["fp32", 4, 8])
+@pytest.mark.parametrize("rows", [1, T])
+def test_experts_combined_by_their_weights_are_one_node(kind, rows):
+    """An MoE layer's output, its experts' rows times their weights summed
+    over the experts, is the experts node with `weights`
+    (lowering/node_fusion.py): bit for bit the multiply and the sum, which a
+    program that also returns the rows keeps."""
+    fn, _, node = _experts_and_dense(kind)
+    combined = lambda x, i, w: (fn(x, i) * w[..., None]).sum(1)  # noqa: E731
+    both = lambda x, i, w: ((fn(x, i) * w[..., None]).sum(1), fn(x, i))  # noqa: E731
+    x, i, w = rand((rows, K)), _indices(rows), torch.rand(rows, TOP)
+    edge = lower(Fn(combined), (x, i, w))
+    assert not {"MultiplyNode", "SumNode", "ExpandDimsNode"} & node_types(edge), node_types(edge)
+    got = run(edge.to_executorch().buffer, [x, i, w])[0]
+    unfused = lower(Fn(both), (x, i, w))
+    assert {"MultiplyNode", "SumNode"} <= node_types(unfused)
+    assert torch.equal(got, run(unfused.to_executorch().buffer, [x, i, w])[0])
+    reference_x = x if kind == "fp32" else integer_rows(x, 32)  # (x rounded as the integer kernel rounds it)
+    torch.testing.assert_close(got, combined(reference_x, i, w), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_nan_in_x_reaches_only_its_rows(bits):
     """x with a NaN or an infinity leaves the integer path for float

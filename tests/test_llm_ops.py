@@ -690,13 +690,18 @@ def test_normed_heads_are_one_node_each(length):
 def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
     """The fused nodes as GPUs run them (MLX's ops: EMLX_DISABLE_CPU_KERNELS=1,
     in a process of its own) against eager."""
+    from executorch_mlx.custom_kernel_ops import experts  # noqa: F401  (defines mlx::gather_linear)
+
+    experts_w = rand((3, 5, 8))
     merged = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
         q, k, v, enable_gqa=True).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
     cases = [(NormedHeads(), (rand((2, 3, 40)), rand((2, 3, 8)), rand((2, 3, 8)))),
              (SplitHeads(), (rand((2, 3, 56)), rand((2, 3, 8)), rand((2, 3, 8)))),
              (Fn(lambda c, i, u: c.index_copy(2, i, u)), (rand((1, 2, 6, 4)), torch.tensor([4, 1]), rand((1, 2, 2, 4)))),
              (Fn(lambda x: F.silu(x[..., :40]) * x[..., 40:]), (rand((1, 3, 80)),)),
-             (Fn(merged), (rand((2, 4, 3, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8))))]
+             (Fn(merged), (rand((2, 4, 3, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8)))),
+             (Fn(lambda x, i, w: (torch.ops.mlx.gather_linear(x, experts_w, i, None) * w[..., None]).sum(1)),
+              (rand((3, 8)), torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.rand(3, 2)))]
     files = []
     for i, (model, args) in enumerate(cases):
         pte = tmp_path / f"case{i}.pte"

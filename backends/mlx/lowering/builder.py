@@ -103,15 +103,16 @@ class GraphBuilder:
     float_activations: bool = False
     # The weights go to ExecuTorch's external data file of this name (NAME.ptd), not the .pte.
     weights_file: str | None = None
-    # Each slot's shape at export (ints, or torch.SymInt for dynamic sizes): node_fusion's checks.
+    # Each slot's shape and dtype at export (sizes ints, or torch.SymInt where dynamic): node_fusion's checks.
     shapes: dict[int, tuple] = field(default_factory=dict)
+    dtypes: dict[int, torch.dtype] = field(default_factory=dict)
 
     # ---------------------------------------------------------- slots --
     def new_value(self, dtype: torch.dtype, shape) -> Value:
         ir_dtype(dtype)  # reject unsupported dtypes early
         v = Value(ir.Tid(self.graph.num_values), dtype, tuple(shape))
         self.graph.num_values += 1
-        self.shapes[v.tid.idx] = v.shape
+        self.shapes[v.tid.idx], self.dtypes[v.tid.idx] = v.shape, dtype
         return v
 
     def emit(self, op_cls, out_dtype: torch.dtype, out_shape, /, **fields) -> Value:
@@ -365,5 +366,5 @@ def lower_program(ep: ExportedProgram, activations: str = "int8", weights_file: 
             count.advance()
     merge_common_nodes(b.graph)
     drop_dead_nodes(b.graph)
-    fuse_nodes(b.graph, b.shapes)
+    fuse_nodes(b.graph, b.shapes, b.dtypes)
     return b

@@ -20,6 +20,8 @@ This pass rewrites, on the lowered graph:
         => ScaledDotProductAttentionNode with merge_heads
     two halves of one last axis -> silu(a, b)
         => SiluNode with halves
+    experts' rows [T, k, N] * weights [T, k, 1] -> sum over k
+        => GatherLinearNode / GatherQuantizedLinearNode with weights
 
 A fused node takes over the slot of its chain's last node, so what reads that
 value is unchanged; a chain's inner values must have no other reader (else
@@ -33,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import torch
+
 from ..serialization import ir
 from .common_nodes import drop_dead_nodes, reads
 
@@ -45,8 +49,8 @@ def _same(a, b) -> bool:
 class _Graph:
     """The graph's producers, readers per slot, and the builder's shapes."""
 
-    def __init__(self, graph: ir.Graph, shapes: dict[int, tuple]):
-        self.graph, self.shapes = graph, shapes
+    def __init__(self, graph: ir.Graph, shapes: dict[int, tuple], dtypes: dict[int, torch.dtype]):
+        self.graph, self.shapes, self.dtypes = graph, shapes, dtypes
         self.producer = {n.op.out.idx: n.op for n in graph.nodes}
         self.readers = Counter(slot for n in graph.nodes for slot in reads(n.op))
         self.readers.update(io.slot for io in graph.outputs)
@@ -204,6 +208,27 @@ def _silu_halves(g: _Graph, op: ir.SiluNode) -> ir.SiluNode | None:
     return ir.SiluNode(a=gate[0], out=op.out, halves=True)
 
 
+def _combined_experts(g: _Graph, op: ir.SumNode):
+    """An experts layer's rows times their weights, summed over the experts:
+    the layer's node with `weights`."""
+    y_shape = g.shape(op.a)
+    if op.keepdims or y_shape is None or len(y_shape) != 3 or [a % 3 for a in op.axes] != [1]:
+        return None
+    m = g.made_by(op.a, ir.MultiplyNode)
+    for y, e in ((m.a, m.b), (m.b, m.a)) if m else ():
+        expand = g.made_by(e, ir.ExpandDimsNode)
+        experts = g.made_by(y, (ir.GatherLinearNode, ir.GatherQuantizedLinearNode))
+        if expand is None or experts is None or experts.weights is not None or [a % 3 for a in expand.axes] != [2]:
+            continue
+        w = g.shape(expand.a)
+        if w is None or len(w) != 2 or not all(_same(a, b) for a, b in zip(w, y_shape[:2])):
+            continue
+        if not all(g.dtypes.get(t.idx) == torch.float32 for t in (expand.a, y, op.out)):
+            continue
+        return dataclasses.replace(experts, weights=expand.a, out=op.out)
+    return None
+
+
 # In this order: a rotation takes its transpose before that transpose could
 # be fused alone, and a cache write's update is a HeadsNode by then.
 _PASSES = (
@@ -213,14 +238,15 @@ _PASSES = (
     (ir.ScaledDotProductAttentionNode, _attended_prefix),
     (ir.ReshapeNode, _merged_heads),
     (ir.SiluNode, _silu_halves),
+    (ir.SumNode, _combined_experts),
 )
 
 
-def fuse_nodes(graph: ir.Graph, shapes: dict[int, tuple]) -> None:
-    """Rewrites `graph` in place; `shapes`: each slot's shape at export
-    (ints, or torch.SymInt for dynamic sizes)."""
+def fuse_nodes(graph: ir.Graph, shapes: dict[int, tuple], dtypes: dict[int, torch.dtype]) -> None:
+    """Rewrites `graph` in place; `shapes` and `dtypes`: each slot's at
+    export (sizes ints, or torch.SymInt where dynamic)."""
     for kind, fuse in _PASSES:
-        g = _Graph(graph, shapes)
+        g = _Graph(graph, shapes, dtypes)
         for i, node in enumerate(graph.nodes):
             if isinstance(node.op, kind) and (fused := fuse(g, node.op)) is not None:
                 graph.nodes[i] = ir.Node(op=fused)

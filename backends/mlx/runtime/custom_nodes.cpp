@@ -331,6 +331,15 @@ void check_expert_rows(const mx::array& x, const mx::array& indices, int K, cons
   }
 }
 
+// An experts layer's combining weights: none, or [T, k] as its indices.
+std::optional<mx::array> combining_weights(const std::optional<mx::array>& weights, const mx::array& indices,
+                                           const char* node) {
+  if (weights && weights->shape() != indices.shape()) {
+    throw std::invalid_argument(std::string(node) + ": weights must be [T, k], as the indices");
+  }
+  return weights;
+}
+
 // The bias of an experts layer: none, or [E, N] in the weights' dtype.
 std::optional<mx::array> expert_bias(const std::optional<mx::array>& bias, int E, int N, mx::Dtype dtype,
                                      const char* node) {
@@ -376,9 +385,10 @@ void exec_GatherLinearNode(Interpreter& st, const ir::GatherLinearNode* n) {
   const auto& indices = st.get(n->indices());
   const auto& x = st.get(n->x());
   check_expert_rows(x, indices, w.shape(2), "GatherLinearNode");
-  auto ids = in_bounds(indices, w.shape(0), "GatherLinearNode");
-  auto bias = expert_bias(st.get_optional(n->bias()), w.shape(0), w.shape(1), w.dtype(), "GatherLinearNode");
-  st.set(n->out(), gather_linear(mx::astype(x, w.dtype()), ids, w, bias));
+  if (w.shape(0) == 0) throw std::invalid_argument("GatherLinearNode: no experts");
+  const ExpertsOptions o{expert_bias(st.get_optional(n->bias()), w.shape(0), w.shape(1), w.dtype(), "GatherLinearNode"),
+                         combining_weights(st.get_optional(n->weights()), indices, "GatherLinearNode")};
+  st.set(n->out(), gather_linear(mx::astype(x, w.dtype()), indices, w, o));
 }
 
 void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLinearNode* n) {
@@ -400,9 +410,10 @@ void exec_GatherQuantizedLinearNode(Interpreter& st, const ir::GatherQuantizedLi
   const auto& indices = st.get(n->indices());
   const auto& x = st.get(n->x());
   check_expert_rows(x, indices, K, node);
-  auto ids = in_bounds(indices, E, node);
-  st.set(n->out(), gather_quantized_linear(x, ids, q, expert_bias(st.get_optional(n->bias()), E, N, x.dtype(), node),
-                                           activations(n)));
+  if (E == 0) throw std::invalid_argument(std::string(node) + ": no experts");
+  const ExpertsOptions o{expert_bias(st.get_optional(n->bias()), E, N, x.dtype(), node),
+                         combining_weights(st.get_optional(n->weights()), indices, node)};
+  st.set(n->out(), gather_quantized_linear(x, indices, q, activations(n), o));
 }
 
 void exec_SampleNode(Interpreter& st, const ir::SampleNode* n) { st.set(n->out(), sample(read_sample_inputs(st, n))); }

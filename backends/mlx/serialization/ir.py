@@ -313,6 +313,7 @@ class GatherLinearNode:
     indices: Tid | None = None
     bias: Tid | None = None
     out: Tid | None = None
+    weights: Tid | None = None
 
 
 @dataclass
@@ -328,6 +329,7 @@ class GatherQuantizedLinearNode:
     out: Tid | None = None
     mode: QuantMode = QuantMode.affine
     float_activations: bool = False
+    weights: Tid | None = None
 
 
 @dataclass
@@ -916,8 +918,8 @@ FIELD_TYPES = {
     'FloorNode': {'a': 'Tid required', 'out': 'Tid required'},
     'FullNode': {'shape': '[IntOrSlot] required', 'value': 'Tid required', 'dtype': 'DType', 'out': 'Tid required'},
     'GatedDeltaNode': {'q': 'Tid required', 'k': 'Tid required', 'v': 'Tid required', 'g': 'Tid required', 'beta': 'Tid required', 'state': 'Tid required', 'snapshots': 'Int', 'out': 'Tid required', 'call_states_only': 'Bool'},
-    'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required'},
-    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool'},
+    'GatherLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'indices': 'Tid required', 'bias': 'Tid', 'out': 'Tid required', 'weights': 'Tid'},
+    'GatherQuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'indices': 'Tid required', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool', 'weights': 'Tid'},
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
@@ -1526,11 +1528,13 @@ def _pack_GatherLinearNode(b, v):
         fb.GatherLinearNodeAddBias(b, _pack_Tid(b, v.bias))
     if v.out is not None:
         fb.GatherLinearNodeAddOut(b, _pack_Tid(b, v.out))
+    if v.weights is not None:
+        fb.GatherLinearNodeAddWeights(b, _pack_Tid(b, v.weights))
     return fb.GatherLinearNodeEnd(b)
 
 
 def _unpack_GatherLinearNode(r):
-    return GatherLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()))
+    return GatherLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()), weights=_opt(_unpack_Tid, r.Weights()))
 
 
 def _pack_GatherQuantizedLinearNode(b, v):
@@ -1553,11 +1557,13 @@ def _pack_GatherQuantizedLinearNode(b, v):
         fb.GatherQuantizedLinearNodeAddOut(b, _pack_Tid(b, v.out))
     fb.GatherQuantizedLinearNodeAddMode(b, int(v.mode))
     fb.GatherQuantizedLinearNodeAddFloatActivations(b, v.float_activations)
+    if v.weights is not None:
+        fb.GatherQuantizedLinearNodeAddWeights(b, _pack_Tid(b, v.weights))
     return fb.GatherQuantizedLinearNodeEnd(b)
 
 
 def _unpack_GatherQuantizedLinearNode(r):
-    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations())
+    return GatherQuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), indices=_opt(_unpack_Tid, r.Indices()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations(), weights=_opt(_unpack_Tid, r.Weights()))
 
 
 def _pack_Graph(b, v):

@@ -6498,7 +6498,10 @@ def RemainderNodeEnd(builder):
 # out[t, j] = x[t] (or x[t, j]) @ weight[indices[t, j]]^T (+ bias[indices[t, j]]),
 # x [T, K] or [T, k, K], indices [T, k] (clamped into [0, E)), weight
 # [E, N, K], bias [E, N] -> [T, k, N]. Runs mlx::core::gather_mm, which
-# reads only the experts the rows use.
+# reads only the experts the rows use. `weights` [T, k] (float32): the
+# experts' rows combined instead, out [T, N] = the sum over j, in order from
+# 0, of weights[t, j] * out[t, j] (an MoE layer's output: what a multiply by
+# the weights and a sum over the experts' axis give).
 class GatherLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6571,8 +6574,18 @@ class GatherLinearNode(object):
             return obj
         return None
 
+    # GatherLinearNode
+    def Weights(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def GatherLinearNodeStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(6)
 
 def GatherLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6589,6 +6602,9 @@ def GatherLinearNodeAddBias(builder, bias):
 def GatherLinearNodeAddOut(builder, out):
     builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
+def GatherLinearNodeAddWeights(builder, weights):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(weights), 0)
+
 def GatherLinearNodeEnd(builder):
     return builder.EndObject()
 
@@ -6597,7 +6613,7 @@ def GatherLinearNodeEnd(builder):
 # GatherLinearNode on weights in QuantizedLinearNode's layout, one per
 # expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
 # Runs mlx::core::gather_qmm (our CPU kernel as QuantizedLinearNode's,
-# float_activations included).
+# float_activations included); `weights` as GatherLinearNode's.
 class GatherQuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -6718,8 +6734,18 @@ class GatherQuantizedLinearNode(object):
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
+    # GatherQuantizedLinearNode
+    def Weights(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def GatherQuantizedLinearNodeStart(builder):
-    builder.StartObject(11)
+    builder.StartObject(12)
 
 def GatherQuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6753,6 +6779,9 @@ def GatherQuantizedLinearNodeAddMode(builder, mode):
 
 def GatherQuantizedLinearNodeAddFloatActivations(builder, floatActivations):
     builder.PrependBoolSlot(10, floatActivations, 0)
+
+def GatherQuantizedLinearNodeAddWeights(builder, weights):
+    builder.PrependStructSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(weights), 0)
 
 def GatherQuantizedLinearNodeEnd(builder):
     return builder.EndObject()

@@ -7512,7 +7512,10 @@ struct RemainderNode::Traits {
 /// out[t, j] = x[t] (or x[t, j]) @ weight[indices[t, j]]^T (+ bias[indices[t, j]]),
 /// x [T, K] or [T, k, K], indices [T, k] (clamped into [0, E)), weight
 /// [E, N, K], bias [E, N] -> [T, k, N]. Runs mlx::core::gather_mm, which
-/// reads only the experts the rows use.
+/// reads only the experts the rows use. `weights` [T, k] (float32): the
+/// experts' rows combined instead, out [T, N] = the sum over j, in order from
+/// 0, of weights[t, j] * out[t, j] (an MoE layer's output: what a multiply by
+/// the weights and a sum over the experts' axis give).
 struct GatherLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatherLinearNodeBuilder Builder;
   struct Traits;
@@ -7521,7 +7524,8 @@ struct GatherLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_WEIGHT = 6,
     VT_INDICES = 8,
     VT_BIAS = 10,
-    VT_OUT = 12
+    VT_OUT = 12,
+    VT_WEIGHTS = 14
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7538,6 +7542,9 @@ struct GatherLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *out() const {
     return GetStruct<const emlx::ir::Tid *>(VT_OUT);
   }
+  const emlx::ir::Tid *weights() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHTS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7546,6 +7553,7 @@ struct GatherLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_INDICES, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_WEIGHTS, 4) &&
            verifier.EndTable();
   }
 };
@@ -7569,6 +7577,9 @@ struct GatherLinearNodeBuilder {
   void add_out(const emlx::ir::Tid *out) {
     fbb_.AddStruct(GatherLinearNode::VT_OUT, out);
   }
+  void add_weights(const emlx::ir::Tid *weights) {
+    fbb_.AddStruct(GatherLinearNode::VT_WEIGHTS, weights);
+  }
   explicit GatherLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7590,8 +7601,10 @@ inline ::flatbuffers::Offset<GatherLinearNode> CreateGatherLinearNode(
     const emlx::ir::Tid *weight = nullptr,
     const emlx::ir::Tid *indices = nullptr,
     const emlx::ir::Tid *bias = nullptr,
-    const emlx::ir::Tid *out = nullptr) {
+    const emlx::ir::Tid *out = nullptr,
+    const emlx::ir::Tid *weights = nullptr) {
   GatherLinearNodeBuilder builder_(_fbb);
+  builder_.add_weights(weights);
   builder_.add_out(out);
   builder_.add_bias(bias);
   builder_.add_indices(indices);
@@ -7608,7 +7621,7 @@ struct GatherLinearNode::Traits {
 /// GatherLinearNode on weights in QuantizedLinearNode's layout, one per
 /// expert: weight [E, N, K * bits / 32], scales (and biases) [E, N, K / group_size].
 /// Runs mlx::core::gather_qmm (our CPU kernel as QuantizedLinearNode's,
-/// float_activations included).
+/// float_activations included); `weights` as GatherLinearNode's.
 struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef GatherQuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7623,7 +7636,8 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
     VT_BITS = 18,
     VT_OUT = 20,
     VT_MODE = 22,
-    VT_FLOAT_ACTIVATIONS = 24
+    VT_FLOAT_ACTIVATIONS = 24,
+    VT_WEIGHTS = 26
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7658,6 +7672,9 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
   bool float_activations() const {
     return GetField<uint8_t>(VT_FLOAT_ACTIVATIONS, 0) != 0;
   }
+  const emlx::ir::Tid *weights() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_WEIGHTS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7672,6 +7689,7 @@ struct GatherQuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<int8_t>(verifier, VT_MODE, 1) &&
            VerifyField<uint8_t>(verifier, VT_FLOAT_ACTIVATIONS, 1) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_WEIGHTS, 4) &&
            verifier.EndTable();
   }
 };
@@ -7713,6 +7731,9 @@ struct GatherQuantizedLinearNodeBuilder {
   void add_float_activations(bool float_activations) {
     fbb_.AddElement<uint8_t>(GatherQuantizedLinearNode::VT_FLOAT_ACTIVATIONS, static_cast<uint8_t>(float_activations), 0);
   }
+  void add_weights(const emlx::ir::Tid *weights) {
+    fbb_.AddStruct(GatherQuantizedLinearNode::VT_WEIGHTS, weights);
+  }
   explicit GatherQuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7741,8 +7762,10 @@ inline ::flatbuffers::Offset<GatherQuantizedLinearNode> CreateGatherQuantizedLin
     int32_t bits = 0,
     const emlx::ir::Tid *out = nullptr,
     emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
-    bool float_activations = false) {
+    bool float_activations = false,
+    const emlx::ir::Tid *weights = nullptr) {
   GatherQuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_weights(weights);
   builder_.add_out(out);
   builder_.add_bits(bits);
   builder_.add_group_size(group_size);

@@ -15,19 +15,29 @@
 
 namespace emlx {
 
-// x [T, K] (one row for all of a row's experts) or [T, k, K], ids uint32
-// [T, k] in [0, E), w [E, N, K], bias [E, N] in w's dtype or none ->
-// [T, k, N]. Our kernel on a CPU stream for float32 and bfloat16 (x in w's
+// What an experts layer adds to its products: a bias row per expert, and
+// how its rows are combined.
+struct ExpertsOptions {
+  std::optional<mlx::core::array> bias;  // [E, N] in the output's dtype
+  // [T, k] float32: out [T, N] = sum over j (in order, from 0) of
+  // weights[t, j] * y[t, j] (an MoE layer's combination of its experts),
+  // instead of y [T, k, N] itself. Float32 outputs only.
+  std::optional<mlx::core::array> weights;
+};
+
+// x [T, K] (one row for all of a row's experts) or [T, k, K], ids [T, k]
+// integers (clamped into [0, E)), w [E, N, K] -> [T, k, N] (or, weighted,
+// [T, N]). Our kernel on a CPU stream for float32 and bfloat16 (x in w's
 // dtype); mlx::core::gather_mm otherwise.
 mlx::core::array gather_linear(const mlx::core::array& x, const mlx::core::array& ids, const mlx::core::array& w,
-                               const std::optional<mlx::core::array>& bias, mlx::core::StreamOrDevice s = {});
+                               const ExpertsOptions& options, mlx::core::StreamOrDevice s = {});
 
 // The same with q [E, N, ...] per-expert tables of QuantizedLinearNode's
 // layout, x and bias in the scales' dtype. Our kernel on a CPU stream for
 // affine 4 and 8 bits with float32 or bfloat16 scales (x met as
 // `activations` says); mlx::core::gather_qmm otherwise.
 mlx::core::array gather_quantized_linear(const mlx::core::array& x, const mlx::core::array& ids,
-                                         const QuantizedMatrix& q, const std::optional<mlx::core::array>& bias,
-                                         Activations activations, mlx::core::StreamOrDevice s = {});
+                                         const QuantizedMatrix& q, Activations activations,
+                                         const ExpertsOptions& options, mlx::core::StreamOrDevice s = {});
 
 }  // namespace emlx
