@@ -25,9 +25,10 @@ This pass rewrites, on the lowered graph:
 
 A fused node takes over the slot of its chain's last node, so what reads that
 value is unchanged; a chain's inner values must have no other reader (else
-the chain is left alone, computed once). The nodes left unread are then
-dropped (builder.drop_dead_nodes). Every fused node computes the same values
-as its chain: the same arithmetic on the same elements.
+the chain is left alone, computed once), except the slices of the caches
+attention reads, which stay for their other readers. The nodes left unread
+are then dropped (common_nodes.drop_dead_nodes). Every fused node computes
+the same values as its chain: the same arithmetic on the same elements.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def _cache_write(g: _Graph, op: ir.ScatterNode) -> ir.CacheWriteNode | None:
     slots, update = g.shape(op.indices[0]), g.shape(t.a)
     if slots is None or len(slots) != 1 or update is None or len(update) != 4:
         return None
+    if not all(_same(update[d], cache[d]) for d in (0, 1, 3)):
+        return None  # (a scatter may write a smaller block; a cache write writes whole rows)
     return ir.CacheWriteNode(cache=op.a, slots=op.indices[0], update=t.a, out=op.out)
 
 
