@@ -51,7 +51,7 @@ class _Graph:
     """The graph's producers, readers per slot, and the builder's shapes."""
 
     def __init__(self, graph: ir.Graph, shapes: dict[int, tuple], dtypes: dict[int, torch.dtype]):
-        self.graph, self.shapes, self.dtypes = graph, shapes, dtypes
+        self.shapes, self.dtypes = shapes, dtypes
         self.producer = {n.op.out.idx: n.op for n in graph.nodes}
         self.readers = Counter(slot for n in graph.nodes for slot in reads(n.op))
         self.readers.update(io.slot for io in graph.outputs)

@@ -11,6 +11,7 @@
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/cache_write.h"
+#include "kernels/cpu_arrays.h"
 #include "kernels/gather_linear.h"
 #include "kernels/heads.h"
 #include "kernels/linear.h"
@@ -74,11 +75,15 @@ namespace {
 // Integer indices into an axis of `size`, clamped into [-size, size - 1]:
 // MLX's take and scatter wrap negative indices but read and write out of
 // range ones unchecked.
-mx::array in_range(const mx::array& indices, int size, const char* node) {
+void check_indices(const mx::array& indices, int size, const char* node) {
   if (size == 0) throw std::invalid_argument(std::string(node) + ": indexing an empty axis");
   if (!mx::issubdtype(indices.dtype(), mx::integer)) {
     throw std::invalid_argument(std::string(node) + ": indices must be integers");
   }
+}
+
+mx::array in_range(const mx::array& indices, int size, const char* node) {
+  check_indices(indices, size, node);
   return mx::clip(indices, mx::array(-size, indices.dtype()), mx::array(size - 1, indices.dtype()));
 }
 
@@ -319,7 +324,8 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
 namespace {
 // Indices clamped into [0, size - 1], as uint32 (what MLX's gather kernels take).
 mx::array in_bounds(const mx::array& indices, int size, const char* node) {
-  return mx::astype(mx::maximum(in_range(indices, size, node), mx::array(0, indices.dtype())), mx::uint32);
+  check_indices(indices, size, node);
+  return clamped_indices(indices, size);
 }
 
 // x [T, K] (a row shared by its experts) or [T, k, K] against indices [T, k].

@@ -375,15 +375,6 @@ class Attention : public CpuKernel {
   bool keys_, merge_heads_;
 };
 
-// Whether `a` broadcasts to `shape` (right-aligned).
-bool broadcasts_to(const mx::array& a, const mx::Shape& shape) {
-  if (a.ndim() > shape.size()) return false;
-  for (int i = 1; i <= static_cast<int>(a.ndim()); ++i) {
-    if (a.shape(-i) != 1 && a.shape(-i) != shape[shape.size() - i]) return false;
-  }
-  return true;
-}
-
 // MLX's attention over the first `keys` slots (read on the host: a wait for
 // it), heads merged when asked.
 mx::array attention_ops(const std::vector<mx::array>& in, const AttentionOptions& o, mx::Stream s) {

@@ -83,9 +83,8 @@ mx::array cache_write(const mx::array& cache, const mx::array& slots, const mx::
   if (update.size() == 0 || cache.shape(2) == 0) return cache;  // nothing to write
   auto fallback = [](const std::vector<mx::array>& in, mx::Stream s) {
     const auto& cache = in[0];
-    const auto slots = mx::clip(in[1], mx::array(0), mx::array(cache.shape(2) - 1), s);
     const auto rows = mx::expand_dims(mx::transpose(in[2], {2, 0, 1, 3}, s), 3, s);
-    return mx::scatter(cache, {mx::astype(slots, mx::int64, s)}, rows, {2}, s);
+    return mx::scatter(cache, {clamped_indices(in[1], cache.shape(2), s)}, rows, {2}, s);
   };
   return CpuKernel::build(s, true, {cache, slots, values}, cache.shape(), cache.dtype(), fallback,
                           [](mx::Stream s) { return std::make_shared<CacheWrite>(s); });

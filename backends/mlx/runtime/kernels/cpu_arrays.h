@@ -59,6 +59,24 @@ inline int64_t integer_at(const mlx::core::array& a, int64_t i) {
   }
 }
 
+// Whether `a` broadcasts to `shape` (right-aligned: each of its axes 1 or
+// the shape's).
+inline bool broadcasts_to(const mlx::core::array& a, const mlx::core::Shape& shape) {
+  if (a.ndim() > shape.size()) return false;
+  for (int i = 1; i <= static_cast<int>(a.ndim()); ++i) {
+    if (a.shape(-i) != 1 && a.shape(-i) != shape[shape.size() - i]) return false;
+  }
+  return true;
+}
+
+// Indices clamped into [0, n), as uint32: MLX's gather and scatter kernels
+// read and write out-of-range indices unchecked.
+inline mlx::core::array clamped_indices(const mlx::core::array& ids, int n, mlx::core::StreamOrDevice s = {}) {
+  namespace mx = mlx::core;
+  const auto lo = mx::array(0, ids.dtype()), hi = mx::array(n - 1, ids.dtype());
+  return mx::astype(mx::minimum(mx::maximum(ids, lo, s), hi, s), mx::uint32, s);
+}
+
 // Element strides of `a` read as an array of `shape` (a right-aligned
 // broadcast: a missing or size-1 axis has stride 0).
 inline std::vector<int64_t> broadcast_strides(const mlx::core::array& a, const mlx::core::Shape& shape) {

@@ -120,12 +120,6 @@ void float_experts(const float* xf, size_t K, const std::vector<size_t>& ids, si
   out.finish();
 }
 
-// ids [T, k] clamped into [0, E), as uint32 (what MLX's gather_mm takes).
-mx::array clamped_ids(const mx::array& ids, int E, mx::Stream s) {
-  const auto lo = mx::array(0, ids.dtype()), hi = mx::array(E - 1, ids.dtype());
-  return mx::astype(mx::minimum(mx::maximum(ids, lo, s), hi, s), mx::uint32, s);
-}
-
 // The fallbacks' end: each pair's expert's bias row added to y [T, k, N],
 // then, weighted, the experts' rows combined.
 mx::array finish_ops(const mx::array& y, const std::optional<mx::array>& bias,
@@ -199,7 +193,7 @@ class GatherQuantizedLinear : public CpuKernel {
       const auto* scales = inputs[3].data<uint8_t>();
       const auto* biases = inputs[4].data<uint8_t>();
       const auto [bias, weights] = extras_of(inputs, has_bias, weighted);
-      PairRows rows(out, weights, pairs, N);
+      PairRows sink(out, weights, pairs, N);
       const size_t param_bytes = bf16 ? 2 : 4;
       auto x_row = [&](size_t p) { return shared ? p / k : p; };
 
@@ -207,7 +201,7 @@ class GatherQuantizedLinear : public CpuKernel {
       if (activations == Activations::Float || !quantize_rows(xf, shared ? T : pairs, K, group, bits, xq)) {
         // x in floats (as asked, or because it holds a NaN or an infinity,
         // which float products propagate as gather_qmm does)
-        float_experts(xf, K, ids, k, shared, E, bias, rows, N, [&](size_t e, const float* rows, size_t m, float* y) {
+        float_experts(xf, K, ids, k, shared, E, bias, sink, N, [&](size_t e, const float* rows, size_t m, float* y) {
           const size_t at = e * N;
           PackedRows expert{wq + at * row_bytes, scales + at * G * param_bytes, biases + at * G * param_bytes,
                             bf16, group, bits};
@@ -244,9 +238,9 @@ class GatherQuantizedLinear : public CpuKernel {
                        tiled, n0, n1, ew.out.data(), N);
       });
       for (const auto& ew : work) {
-        for (size_t i = 0; i < ew.pairs.size(); ++i) rows.write(ew.pairs[i], &ew.out[i * N], bias_row(bias, ew.expert, N));
+        for (size_t i = 0; i < ew.pairs.size(); ++i) sink.write(ew.pairs[i], &ew.out[i * N], bias_row(bias, ew.expert, N));
       }
-      rows.finish();
+      sink.finish();
     };
   }
 
@@ -281,9 +275,9 @@ class GatherLinear : public CpuKernel {
       const float* xf = float_rows_of(x, packed, converted);
       const auto* wb = w.data<uint8_t>();
       const auto [bias, weights] = extras_of(inputs, has_bias, weighted);
-      PairRows rows(out, weights, ids_array.size(), N);
+      PairRows sink(out, weights, ids_array.size(), N);
       const size_t expert_bytes = N * K * (bf16 ? 2 : 4);
-      float_experts(xf, K, experts_of_pairs(ids_array, E), ids_array.shape(1), shared, E, bias, rows, N,
+      float_experts(xf, K, experts_of_pairs(ids_array, E), ids_array.shape(1), shared, E, bias, sink, N,
                     [&](size_t e, const float* rows, size_t m, float* y) {
                       float_linear_rows(rows, m, K, wb + e * expert_bytes, bf16, N, y);
                     });
@@ -306,7 +300,7 @@ mx::array gather_quantized_linear(const mx::array& x, const mx::array& ids, cons
                          (!o.weights || (x.dtype() == mx::float32 && o.weights->dtype() == mx::float32));
   auto fallback = [q, o, E](const std::vector<mx::array>& in, mx::Stream s) {
     const auto& x = in[0];
-    const auto ids = clamped_ids(in[1], E, s);
+    const auto ids = clamped_indices(in[1], E, s);
     // x as gather_qmm's left operand [T, 1 or k, 1, K] (its batch index is the position: row t, or row t's expert j)
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
     auto rows = [&](const mx::array& a) { return q.tiled ? untiled(a, s) : a; };
@@ -340,7 +334,7 @@ mx::array gather_linear(const mx::array& x, const mx::array& ids, const mx::arra
                          (!o.weights || (x.dtype() == mx::float32 && o.weights->dtype() == mx::float32));
   auto fallback = [o, E](const std::vector<mx::array>& in, mx::Stream s) {
     const auto &x = in[0], &w = in[2];
-    const auto ids = clamped_ids(in[1], E, s);
+    const auto ids = clamped_indices(in[1], E, s);
     auto left = x.ndim() == 2 ? mx::expand_dims(x, {1, 2}, s) : mx::expand_dims(x, 2, s);
     auto y = mx::gather_mm(left, mx::swapaxes(w, 1, 2, s), std::nullopt, ids, false, s);
     return finish_ops(mx::squeeze(y, 2, s), o.bias, o.weights, ids, s);

@@ -84,11 +84,7 @@ void check_rotation(const mx::Shape& x, const mx::array& cos, const mx::array& s
     if (t->ndim() == 0 || t->ndim() > x.size() || t->shape(-1) != x.back()) {
       throw std::invalid_argument(node + ": cos and sin must broadcast to x with last axis D");
     }
-    for (int i = 1; i <= static_cast<int>(t->ndim()); ++i) {
-      if (t->shape(-i) != 1 && t->shape(-i) != x[x.size() - i]) {
-        throw std::invalid_argument(node + ": cos and sin must broadcast to x");
-      }
-    }
+    if (!broadcasts_to(*t, x)) throw std::invalid_argument(node + ": cos and sin must broadcast to x");
   }
 }
 
