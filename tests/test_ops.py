@@ -935,6 +935,31 @@ def test_repeated_computations_are_lowered_once():
         torch.testing.assert_close(g, w)
 
 
+def test_computations_that_change_nothing_are_not_lowered():
+    """x * 1.0 (a rotary table's attention scaling), integer x + 0, a
+    comparison's cast to bool, an expand to the shape a tensor has, and
+    unsqueezes of unsqueezes (a causal mask's) cost no node of their own;
+    float x + 0.0 stays (-0.0 + 0.0 is +0.0), and so does x * 1 that widens."""
+
+    class Neutral(torch.nn.Module):
+        def forward(self, x, i, z):
+            scaled = torch.cos(x) * 1.0
+            shifted = torch.arange(6) + 0 + i
+            mask = (shifted[None, None, :, None] <= torch.arange(5)[None, None, None, :]).to(torch.bool)
+            mask = mask.expand(1, 1, 6, 5)
+            return scaled, mask, z + 0.0, i * 1.5
+
+    x, i, z = rand((6,)), torch.tensor(2), torch.tensor([-0.0, 1.0])
+    edge = lower(Neutral(), (x, i, z))
+    ops = [type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes]
+    assert "BroadcastToNode" not in ops and ops.count("AsTypeNode") == 1  # (i * 1.5 widens i to float)
+    assert ops.count("MultiplyNode") == 1 and ops.count("ExpandDimsNode") == 2 and ops.count("AddNode") == 2
+    got = run(edge.to_executorch().buffer, [x, i, z])
+    for g, w in zip(got, Neutral()(x, i, z)):
+        torch.testing.assert_close(g, w)
+    assert torch.signbit(got[2]).tolist() == [False, False]  # -0.0 + 0.0
+
+
 def test_random_draws_are_never_merged():
     from executorch_mlx.lowering.common_nodes import merge_common_nodes
     from executorch_mlx.serialization import ir

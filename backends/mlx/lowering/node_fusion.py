@@ -22,6 +22,8 @@ This pass rewrites, on the lowered graph:
         => SiluNode with halves
     experts' rows [T, k, N] * weights [T, k, 1] -> sum over k
         => GatherLinearNode / GatherQuantizedLinearNode with weights
+    expand_dims -> expand_dims
+        => one ExpandDimsNode
 
 A fused node takes over the slot of its chain's last node, so what reads that
 value is unchanged; a chain's inner values must have no other reader (else
@@ -39,12 +41,8 @@ from collections import Counter
 import torch
 
 from ..serialization import ir
+from .sizes import same_size
 from .common_nodes import drop_dead_nodes, reads
-
-
-def _same(a, b) -> bool:
-    """Two sizes known to be equal: equal ints, or the same symbol."""
-    return str(a) == str(b)
 
 
 class _Graph:
@@ -98,7 +96,7 @@ def _last_axis_slice(g: _Graph, op) -> tuple[ir.Tid, int, int] | None:
         return None
     if not 0 <= c0 <= c1 <= src[-1] or any(s != 0 for s in start[:-1]):
         return None
-    if not all(_same(a, b) for a, b in zip(src[:-1], out[:-1])):
+    if not all(same_size(a, b) for a, b in zip(src[:-1], out[:-1])):
         return None
     return op.a, c0, c1
 
@@ -121,7 +119,7 @@ def _heads(g: _Graph, op) -> ir.HeadsNode | None:
     x_shape, viewed = g.shape(x), g.shape(r.out)
     if x_shape is None or viewed is None or len(x_shape) != 3 or not isinstance(x_shape[2], int):
         return None
-    if not (_same(x_shape[0], viewed[0]) and _same(x_shape[1], viewed[1])):
+    if not (same_size(x_shape[0], viewed[0]) and same_size(x_shape[1], viewed[1])):
         return None
     width = (split[2] - split[1]) if split else x_shape[2]
     if width != heads * head_dim:
@@ -145,7 +143,7 @@ def _cache_write(g: _Graph, op: ir.ScatterNode) -> ir.CacheWriteNode | None:
     slots, update = g.shape(op.indices[0]), g.shape(t.a)
     if slots is None or len(slots) != 1 or update is None or len(update) != 4:
         return None
-    if not all(_same(update[d], cache[d]) for d in (0, 1, 3)):
+    if not all(same_size(update[d], cache[d]) for d in (0, 1, 3)):
         return None  # (a scatter may write a smaller block; a cache write writes whole rows)
     return ir.CacheWriteNode(cache=op.a, slots=op.indices[0], update=t.a, out=op.out)
 
@@ -161,7 +159,7 @@ def _prefix(g: _Graph, tid: ir.Tid | None, axis: int) -> tuple[ir.Tid, int] | No
     n = op.stop[axis]
     if n.slot < 0 or any(s != 1 for s in op.strides) or any(d.slot >= 0 or d.value != 0 for d in op.start):
         return None
-    if not all(_same(a, b) for i, (a, b) in enumerate(zip(src, out)) if i != axis):
+    if not all(same_size(a, b) for i, (a, b) in enumerate(zip(src, out)) if i != axis):
         return None
     return op.a, n.slot
 
@@ -175,7 +173,7 @@ def _attended_prefix(g: _Graph, op: ir.ScaledDotProductAttentionNode) -> ir.Scal
     mask = op.mask
     if mask is not None:
         m, shape = _prefix(g, mask, -1), g.shape(mask)
-        if m and m[1] == k[1] and _same(g.shape(m[0])[-1], g.shape(k[0])[2]):
+        if m and m[1] == k[1] and same_size(g.shape(m[0])[-1], g.shape(k[0])[2]):
             mask = m[0]
         elif shape is None or not shape or shape[-1] != 1:
             return None  # a mask cut to n columns some other way
@@ -191,8 +189,8 @@ def _merged_heads(g: _Graph, op: ir.ReshapeNode) -> ir.ScaledDotProductAttention
     out, merged = g.shape(a.out), g.shape(op.out)
     if out is None or merged is None or len(out) != 4 or len(merged) != 3:
         return None
-    if not (isinstance(out[1], int) and isinstance(out[3], int) and _same(merged[2], out[1] * out[3])
-            and _same(merged[0], out[0]) and _same(merged[1], out[2])):
+    if not (isinstance(out[1], int) and isinstance(out[3], int) and same_size(merged[2], out[1] * out[3])
+            and same_size(merged[0], out[0]) and same_size(merged[1], out[2])):
         return None
     return dataclasses.replace(a, merge_heads=True, out=op.out)
 
@@ -224,12 +222,24 @@ def _combined_experts(g: _Graph, op: ir.SumNode):
         if expand is None or experts is None or experts.weights is not None or [a % 3 for a in expand.axes] != [2]:
             continue
         w = g.shape(expand.a)
-        if w is None or len(w) != 2 or not all(_same(a, b) for a, b in zip(w, y_shape[:2])):
+        if w is None or len(w) != 2 or not all(same_size(a, b) for a, b in zip(w, y_shape[:2])):
             continue
         if not all(g.dtypes.get(t.idx) == torch.float32 for t in (expand.a, y, op.out)):
             continue
         return dataclasses.replace(experts, weights=expand.a, out=op.out)
     return None
+
+
+def _merged_expand(g: _Graph, op: ir.ExpandDimsNode) -> ir.ExpandDimsNode | None:
+    """expand_dims of an expand_dims as one (a causal mask's [L] -> [1, 1, L, 1])."""
+    inner = g.made_by(op.a, ir.ExpandDimsNode)
+    out, mid = g.shape(op.out), g.shape(op.a)
+    if inner is None or out is None or mid is None:
+        return None
+    added = {a % len(out) for a in op.axes}
+    kept = [p for p in range(len(out)) if p not in added]  # the output's axes that were `mid`'s, in order
+    added.update(kept[a % len(mid)] for a in inner.axes)
+    return ir.ExpandDimsNode(a=inner.a, axes=sorted(added), out=op.out)
 
 
 # In this order: a rotation takes its transpose before that transpose could
@@ -242,6 +252,7 @@ _PASSES = (
     (ir.ReshapeNode, _merged_heads),
     (ir.SiluNode, _silu_halves),
     (ir.SumNode, _combined_experts),
+    (ir.ExpandDimsNode, _merged_expand),
 )
 
 
@@ -253,4 +264,5 @@ def fuse_nodes(graph: ir.Graph, shapes: dict[int, tuple], dtypes: dict[int, torc
         for i, node in enumerate(graph.nodes):
             if isinstance(node.op, kind) and (fused := fuse(g, node.op)) is not None:
                 graph.nodes[i] = ir.Node(op=fused)
+                g.producer[fused.out.idx] = fused  # (a chain of three is fused from its first link)
         drop_dead_nodes(graph)

@@ -11,6 +11,7 @@ import torch
 from ..serialization import ir
 from .builder import GraphBuilder, Value, meta_val, node_arg
 from .registry import Unsupported, aten_op, handles
+from .sizes import same_shape
 
 aten = torch.ops.aten
 
@@ -22,13 +23,33 @@ def _example(arg):
     return meta_val(arg) if isinstance(arg, torch.fx.Node) else arg
 
 
+_COMPARISONS = (ir.EqualNode, ir.NotEqualNode, ir.LessNode, ir.LessEqualNode, ir.GreaterNode, ir.GreaterEqualNode)
+
+
+def _unchanged(b: GraphBuilder, op_cls, x: Value, y: Value, out_shape) -> Value | None:
+    """The operand that x <op> y equals, when the other is a literal that
+    changes nothing: x * 1 (a rotary table's attention scaling of 1.0), and
+    x + 0 or x - 0 in integers (in floats, -0.0 + 0 is +0.0)."""
+    pairs = {ir.MultiplyNode: ((x, y), (y, x)), ir.AddNode: ((x, y), (y, x)), ir.SubtractNode: ((x, y),)}
+    neutral = 1 if op_cls is ir.MultiplyNode else 0
+    for kept, other in pairs.get(op_cls, ()):
+        if neutral == 0 and (kept.dtype.is_floating_point or kept.dtype.is_complex or kept.dtype == torch.bool):
+            continue
+        if b.literal_value(other) == neutral and same_shape(kept.shape, out_shape):
+            return kept
+    return None
+
+
 def binary(b: GraphBuilder, op_cls, x, y, out_dtype: torch.dtype, out_shape) -> Value:
     """x <op> y computed in torch's promoted type, then cast to `out_dtype`."""
     compute = torch.result_type(_example(x), _example(y))
     if op_cls is ir.DivideNode and not compute.is_floating_point:
         compute = out_dtype  # true division of integers yields floats
     xv, yv = b.operand(x, compute), b.operand(y, compute)
-    return b.cast(b.emit(op_cls, compute, out_shape, a=xv.tid, b=yv.tid), out_dtype)
+    if (same := _unchanged(b, op_cls, xv, yv, out_shape)) is not None:
+        return b.cast(same, out_dtype)
+    made = torch.bool if op_cls in _COMPARISONS else compute  # (no cast of a comparison to bool)
+    return b.cast(b.emit(op_cls, made, out_shape, a=xv.tid, b=yv.tid), out_dtype)
 
 
 def bind_binary(b: GraphBuilder, node: torch.fx.Node, op_cls, x, y) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from ..serialization import ir
 from .builder import GraphBuilder, ir_dtype, meta_val, node_arg
+from .sizes import same_shape, same_size
 from .registry import Unsupported, handles
 
 aten = torch.ops.aten
@@ -95,6 +96,9 @@ def squeeze(b: GraphBuilder, node: torch.fx.Node) -> None:
 def expand(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = meta_val(node)
     x = b.get(node.args[0])
+    if same_shape(x.shape, out.shape):  # (a causal mask's expand to the shape it has)
+        b.bind(node, x)
+        return
     b.bind(node, b.emit(ir.BroadcastToNode, x.dtype, out.shape, a=x.tid, shape=b.dims(out.shape)))
 
 
@@ -347,14 +351,10 @@ def _broadcast_shape(shapes: list[tuple]) -> tuple:
     for d in range(rank):
         sizes = [s[d - rank + len(s)] for s in shapes if d - rank + len(s) >= 0]
         wide = [n for n in sizes if not (_is_static(n) and int(n) == 1)]
-        if any(not _same_size(n, wide[0]) for n in wide):
+        if any(not same_size(n, wide[0]) for n in wide):
             raise Unsupported(f"index tensors of shapes {shapes} do not broadcast")
         out.append(wide[0] if wide else 1)
     return tuple(out)
-
-
-def _same_size(a, b) -> bool:
-    return str(a) == str(b)  # equal ints, or one symbolic size
 
 
 @handles(aten.gather.default)
@@ -366,7 +366,7 @@ def gather(b: GraphBuilder, node: torch.fx.Node) -> None:
     if rank == 0 or len(idx.shape) != rank:
         raise Unsupported("gather of a 0-d tensor or with an index of another rank")
     dim = node.args[1] % rank
-    cut = [d for d in range(rank) if d != dim and not _same_size(x.shape[d], idx.shape[d])]
+    cut = [d for d in range(rank) if d != dim and not same_size(x.shape[d], idx.shape[d])]
     if cut:
         if not all(_is_static(v) for v in (*x.shape, *idx.shape)):
             raise Unsupported("gather with a smaller index along a dynamic axis")
@@ -385,7 +385,7 @@ def scatter_value(b: GraphBuilder, node: torch.fx.Node) -> None:
     rank = len(x.shape)
     if rank == 0 or len(idx.shape) != rank or node.args[1] % rank != rank - 1:
         raise Unsupported("scatter of a value other than along the last axis")
-    if not all(_same_size(x.shape[d], idx.shape[d]) for d in range(rank - 1)) or not _is_static(x.shape[-1]):
+    if not all(same_size(x.shape[d], idx.shape[d]) for d in range(rank - 1)) or not _is_static(x.shape[-1]):
         raise Unsupported("scatter with an index smaller than the tensor, or a dynamic last axis")
     if isinstance(value, torch.fx.Node):
         raise Unsupported("scatter of a dynamic value")
