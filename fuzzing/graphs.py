@@ -255,6 +255,14 @@ def cache_write():
     return s.finish(new, 4)
 
 
+def accepted_prefix():
+    """i's six entries, sampled after the same six fed: [6] int64."""
+    s = Sketch()
+    sampled = s.op(ir.ReshapeNode, a=s.i, shape=sizes(6))
+    fed = s.op(ir.ReshapeNode, a=s.i, shape=sizes(1, 6))
+    return s.finish(s.op(ir.AcceptedPrefixNode, sampled=sampled, fed=fed), 1)
+
+
 def linear():
     s = Sketch()
     return s.finish(s.op(ir.LinearNode, x=s.x, weight=s.full([5, 4], 0.25), bias=s.full([5], 1.0)), 3)
@@ -393,6 +401,7 @@ GRAPHS = {
     "ArgTopKNode": arg_top_k, "TakeAlongAxisNode": take_along_axis, "GatherLinearNode": gather_linear,
     "GatherQuantizedLinearNode": gather_quantized_linear, "GatedDeltaNode": gated_delta, "SsdScanNode": ssd_scan,
     "SelectiveScanNode": selective_scan, "HeadsNode": heads, "CacheWriteNode": cache_write,
+    "AcceptedPrefixNode": accepted_prefix,
     # graph-level seeds: persistent state, every dtype
     "state": state, "dtypes": _dtype_mix,
 }

@@ -701,7 +701,8 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
              (Fn(lambda x: F.silu(x[..., :40]) * x[..., 40:]), (rand((1, 3, 80)),)),
              (Fn(merged), (rand((2, 4, 3, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8)))),
              (Fn(lambda x, i, w: (torch.ops.mlx.gather_linear(x, experts_w, i, None) * w[..., None]).sum(1)),
-              (rand((3, 8)), torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.rand(3, 2)))]
+              (rand((3, 8)), torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.rand(3, 2))),
+             (Fn(torch.ops.mlx.accepted_prefix), (torch.tensor([4, 9, 2, 6]), torch.tensor([[1, 3, 4, 8, 2]])))]
     files = []
     for i, (model, args) in enumerate(cases):
         pte = tmp_path / f"case{i}.pte"
@@ -718,6 +719,24 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
         want = model(*args)
         for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sampled,fed,emitted", [
+    ([7], [[3, 5]], [7]),  # a decode step: its one token
+    ([4, 9, 2, 6], [[1, 3, 4, 9, 2]], [4, 9, 2, 6]),  # x = 3 and three drafts, every one confirmed
+    ([4, 9, 2, 6], [[1, 3, 5, 9, 2]], [4, -1, -1, -1]),  # the first draft rejected
+    ([4, 9, 2, 6], [[1, 3, 4, 8, 2]], [4, 9, -1, -1]),  # the second
+])
+def test_the_tokens_a_verify_call_emits_are_one_node(sampled, fed, emitted):
+    """mlx::accepted_prefix (speculative verification's emitted tokens) is
+    one AcceptedPrefixNode, with the op's reference values."""
+    from executorch_mlx.custom_kernel_ops import verification  # noqa: F401  (defines the op)
+
+    args = (torch.tensor(sampled), torch.tensor(fed))
+    assert torch.ops.mlx.accepted_prefix(*args).tolist() == emitted
+    edge = lower(Fn(torch.ops.mlx.accepted_prefix), args)
+    assert [type(n.op).__name__ for n in delegate_graphs(edge)[0].nodes] == ["AcceptedPrefixNode"]
+    assert run(edge.to_executorch().buffer, list(args))[0].tolist() == emitted
 
 
 def test_a_transposed_view_read_elsewhere_too_is_left_as_it_is():

@@ -1,4 +1,5 @@
-"""`mlx::sample` -> RandomBitsNode (the row's random words) + SampleNode.
+"""`mlx::sample` -> RandomBitsNode (the row's random words) + SampleNode;
+`mlx::accepted_prefix` -> AcceptedPrefixNode.
 
 The whole of docs/sampling.md runs in SampleNode (a native kernel on CPUs, MLX
 ops elsewhere); the graph only supplies two 32-bit random words per row:
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..custom_kernel_ops import sample  # noqa: F401  (defines the op)
+from ..custom_kernel_ops import sample, verification  # noqa: F401  (define the ops)
 from ..serialization import ir
 from ..serialization.sampler_params import PARAMS
 from .builder import GraphBuilder, meta_val, node_arg
@@ -48,3 +49,11 @@ def lower_sample(b: GraphBuilder, node: torch.fx.Node) -> None:
         params.update(seed=b.get(seed).tid, position=b.get(position).tid)
     b.bind(node, b.emit(ir.SampleNode, torch.int64, (rows,), logits=logits.tid, temperature=temperature.tid,
                         random=random.tid, **params))
+
+
+@handles(torch.ops.mlx.accepted_prefix.default)
+def lower_accepted_prefix(b: GraphBuilder, node: torch.fx.Node) -> None:
+    sampled, fed = b.get(node.args[0]), b.get(node.args[1])
+    if len(sampled.shape) != 1 or sampled.dtype != torch.int64 or len(fed.shape) != 2:
+        raise Unsupported("accepted_prefix needs sampled [R] int64 and fed [1, S]")
+    b.bind(node, b.emit(ir.AcceptedPrefixNode, torch.int64, sampled.shape, sampled=sampled.tid, fed=fed.tid))

@@ -8,6 +8,7 @@
 
 #include "dtype.h"
 #include "interpreter.h"
+#include "kernels/accepted_prefix.h"
 #include "kernels/activation.h"
 #include "kernels/attention.h"
 #include "kernels/cache_write.h"
@@ -265,6 +266,10 @@ void exec_HeadsNode(Interpreter& st, const ir::HeadsNode* n) {
 
 void exec_CacheWriteNode(Interpreter& st, const ir::CacheWriteNode* n) {
   st.set(n->out(), cache_write(st.get(n->cache()), st.get(n->slots()), st.get(n->update())));
+}
+
+void exec_AcceptedPrefixNode(Interpreter& st, const ir::AcceptedPrefixNode* n) {
+  st.set(n->out(), accepted_prefix(st.get(n->sampled()), st.get(n->fed())));
 }
 
 void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {

@@ -61,6 +61,13 @@ class AbsNode:
 
 
 @dataclass
+class AcceptedPrefixNode:
+    sampled: Tid | None = None
+    fed: Tid | None = None
+    out: Tid | None = None
+
+
+@dataclass
 class AddNode:
     a: Tid | None = None
     b: Tid | None = None
@@ -879,8 +886,8 @@ class WhereNode:
     MLX_FN = 'where'
 
 
-Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode, SelectiveScanNode, HeadsNode, CacheWriteNode]
-OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83, SelectiveScanNode: 84, HeadsNode: 85, CacheWriteNode: 86}
+Op = Union[AddNode, SubtractNode, MultiplyNode, DivideNode, PowerNode, MaximumNode, MinimumNode, EqualNode, NotEqualNode, LessNode, LessEqualNode, GreaterNode, GreaterEqualNode, LogicalAndNode, LogicalOrNode, NegativeNode, ExpNode, LogNode, SqrtNode, RsqrtNode, AbsNode, LogicalNotNode, SigmoidNode, TanhNode, ErfNode, RightShiftNode, IsNanNode, IsPosInfNode, WhereNode, AsTypeNode, MatmulNode, SumNode, MeanNode, MaxNode, MinNode, ArgmaxNode, ArgminNode, SoftmaxNode, LogSumExpNode, ReshapeNode, TransposeNode, ExpandDimsNode, SqueezeNode, BroadcastToNode, SliceNode, TakeNode, ConcatenateNode, FullNode, ArangeNode, RandomBitsNode, SinNode, CosNode, AnyNode, AllNode, BitwiseAndNode, BitwiseOrNode, BitwiseXorNode, CumsumNode, SymIntNode, DynArangeNode, DynSliceNode, ScatterNode, ScaledDotProductAttentionNode, RmsNormNode, LinearNode, SliceUpdateNode, QuantizedLinearNode, QuantizedEmbeddingNode, SampleNode, RopeNode, LayerNormNode, Expm1Node, Log1pNode, SiluNode, ArgTopKNode, TakeAlongAxisNode, GatherLinearNode, GatherQuantizedLinearNode, RemainderNode, GatedDeltaNode, SsdScanNode, FloorDivideNode, FloorNode, SelectiveScanNode, HeadsNode, CacheWriteNode, AcceptedPrefixNode]
+OP_TYPES = {AddNode: 1, SubtractNode: 2, MultiplyNode: 3, DivideNode: 4, PowerNode: 5, MaximumNode: 6, MinimumNode: 7, EqualNode: 8, NotEqualNode: 9, LessNode: 10, LessEqualNode: 11, GreaterNode: 12, GreaterEqualNode: 13, LogicalAndNode: 14, LogicalOrNode: 15, NegativeNode: 16, ExpNode: 17, LogNode: 18, SqrtNode: 19, RsqrtNode: 20, AbsNode: 21, LogicalNotNode: 22, SigmoidNode: 23, TanhNode: 24, ErfNode: 25, RightShiftNode: 26, IsNanNode: 27, IsPosInfNode: 28, WhereNode: 29, AsTypeNode: 30, MatmulNode: 31, SumNode: 32, MeanNode: 33, MaxNode: 34, MinNode: 35, ArgmaxNode: 36, ArgminNode: 37, SoftmaxNode: 38, LogSumExpNode: 39, ReshapeNode: 40, TransposeNode: 41, ExpandDimsNode: 42, SqueezeNode: 43, BroadcastToNode: 44, SliceNode: 45, TakeNode: 46, ConcatenateNode: 47, FullNode: 48, ArangeNode: 49, RandomBitsNode: 50, SinNode: 51, CosNode: 52, AnyNode: 53, AllNode: 54, BitwiseAndNode: 55, BitwiseOrNode: 56, BitwiseXorNode: 57, CumsumNode: 58, SymIntNode: 59, DynArangeNode: 60, DynSliceNode: 61, ScatterNode: 62, ScaledDotProductAttentionNode: 63, RmsNormNode: 64, LinearNode: 65, SliceUpdateNode: 66, QuantizedLinearNode: 67, QuantizedEmbeddingNode: 68, SampleNode: 69, RopeNode: 70, LayerNormNode: 71, Expm1Node: 72, Log1pNode: 73, SiluNode: 74, ArgTopKNode: 75, TakeAlongAxisNode: 76, GatherLinearNode: 77, GatherQuantizedLinearNode: 78, RemainderNode: 79, GatedDeltaNode: 80, SsdScanNode: 81, FloorDivideNode: 82, FloorNode: 83, SelectiveScanNode: 84, HeadsNode: 85, CacheWriteNode: 86, AcceptedPrefixNode: 87}
 OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 
 # Each field's wire type, for tools that walk graphs field by field (fuzzing):
@@ -888,6 +895,7 @@ OP_CLASSES = {v: k for k, v in OP_TYPES.items()}
 # name, a table or struct name, or [T] for a vector; 'required' marks required fields.
 FIELD_TYPES = {
     'AbsNode': {'a': 'Tid required', 'out': 'Tid required'},
+    'AcceptedPrefixNode': {'sampled': 'Tid required', 'fed': 'Tid required', 'out': 'Tid required'},
     'AddNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'AllNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
     'AnyNode': {'a': 'Tid required', 'axes': '[Int] required', 'keepdims': 'Bool', 'out': 'Tid required'},
@@ -997,6 +1005,21 @@ def _pack_AbsNode(b, v):
 
 def _unpack_AbsNode(r):
     return AbsNode(a=_opt(_unpack_Tid, r.A()), out=_opt(_unpack_Tid, r.Out()))
+
+
+def _pack_AcceptedPrefixNode(b, v):
+    fb.AcceptedPrefixNodeStart(b)
+    if v.sampled is not None:
+        fb.AcceptedPrefixNodeAddSampled(b, _pack_Tid(b, v.sampled))
+    if v.fed is not None:
+        fb.AcceptedPrefixNodeAddFed(b, _pack_Tid(b, v.fed))
+    if v.out is not None:
+        fb.AcceptedPrefixNodeAddOut(b, _pack_Tid(b, v.out))
+    return fb.AcceptedPrefixNodeEnd(b)
+
+
+def _unpack_AcceptedPrefixNode(r):
+    return AcceptedPrefixNode(sampled=_opt(_unpack_Tid, r.Sampled()), fed=_opt(_unpack_Tid, r.Fed()), out=_opt(_unpack_Tid, r.Out()))
 
 
 def _pack_AddNode(b, v):

@@ -140,6 +140,7 @@ class Op(object):
     SelectiveScanNode = 84
     HeadsNode = 85
     CacheWriteNode = 86
+    AcceptedPrefixNode = 87
 
 
 # Reference to a value slot of the graph.
@@ -8214,6 +8215,81 @@ def CacheWriteNodeAddOut(builder, out):
     builder.PrependStructSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
 
 def CacheWriteNodeEnd(builder):
+    return builder.EndObject()
+
+
+
+# Speculative verification's emitted tokens (docs/sampling.md): `sampled`
+# [R] int64, row i sampled after the last i + 1 fed tokens, and `fed` [1,
+# S], S >= R, whose last R entries are x, d_1 .. d_{R-1} (a token, then the
+# drafts): out [R] is sampled[0 .. a], then -1, where a counts the leading
+# drafts equal to the token sampled before them. One node where the model
+# has a dozen (slices, comparisons, an argmin, a where).
+class AcceptedPrefixNode(object):
+    __slots__ = ['_tab']
+
+    @classmethod
+    def GetRootAs(cls, buf, offset=0):
+        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, offset)
+        x = AcceptedPrefixNode()
+        x.Init(buf, n + offset)
+        return x
+
+    @classmethod
+    def GetRootAsAcceptedPrefixNode(cls, buf, offset=0):
+        """This method is deprecated. Please switch to GetRootAs."""
+        return cls.GetRootAs(buf, offset)
+    @classmethod
+    def AcceptedPrefixNodeBufferHasIdentifier(cls, buf, offset, size_prefixed=False):
+        return flatbuffers.util.BufferHasIdentifier(buf, offset, b"\x45\x4D\x4C\x58", size_prefixed=size_prefixed)
+
+    # AcceptedPrefixNode
+    def Init(self, buf, pos):
+        self._tab = flatbuffers.table.Table(buf, pos)
+
+    # AcceptedPrefixNode
+    def Sampled(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # AcceptedPrefixNode
+    def Fed(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # AcceptedPrefixNode
+    def Out(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def AcceptedPrefixNodeStart(builder):
+    builder.StartObject(3)
+
+def AcceptedPrefixNodeAddSampled(builder, sampled):
+    builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(sampled), 0)
+
+def AcceptedPrefixNodeAddFed(builder, fed):
+    builder.PrependStructSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(fed), 0)
+
+def AcceptedPrefixNodeAddOut(builder, out):
+    builder.PrependStructSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(out), 0)
+
+def AcceptedPrefixNodeEnd(builder):
     return builder.EndObject()
 
 

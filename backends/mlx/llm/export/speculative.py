@@ -28,21 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from ...custom_kernel_ops import verification  # noqa: F401  (defines mlx::accepted_prefix)
 from ...serialization.sampler_params import PARAMS
 from ..sampler_inputs import TABLE_PARAMS
 from .sampling import token_logprobs, top_token_logprobs
-
-
-def accepted_prefix(sampled: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
-    """`sampled` [R] (row i follows fed[0..i]) and `fed` [R] (x, d_1 .. d_n)
-    -> the emitted tokens [R]: sampled[0..a], -1 after, where a is the
-    number of leading drafts equal to the token sampled before them."""
-    rows = sampled.shape[0]
-    i = torch.arange(rows)
-    following = fed[torch.clamp(i + 1, max=rows - 1)]  # d_{i+1}; the last row has none
-    match = (sampled == following) & (i < rows - 1)
-    accepted = torch.argmin(match.to(torch.int32))  # the first mismatch (lowest index; the last row is one)
-    return torch.where(i <= accepted, sampled, -1)
 
 
 def verify(lm: torch.nn.Module, input_ids: torch.Tensor, cache_position: torch.Tensor, sampler: dict,
@@ -61,7 +50,7 @@ def verify(lm: torch.nn.Module, input_ids: torch.Tensor, cache_position: torch.T
             value = value.expand(rows, -1)  # one table for every row
         params.append(value)
     sampled = torch.ops.mlx.sample(logits, sampler["temperature"], sampler["seed"], position, *params)
-    emitted = accepted_prefix(sampled, input_ids[0, input_ids.shape[1] - rows:])
+    emitted = torch.ops.mlx.accepted_prefix(sampled, input_ids)
     if not logprobs:
         return emitted
     return (emitted, token_logprobs(logits, emitted)) + (top_token_logprobs(logits, top_logprobs)

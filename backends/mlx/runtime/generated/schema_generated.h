@@ -296,6 +296,9 @@ struct HeadsNodeBuilder;
 struct CacheWriteNode;
 struct CacheWriteNodeBuilder;
 
+struct AcceptedPrefixNode;
+struct AcceptedPrefixNodeBuilder;
+
 struct Node;
 struct NodeBuilder;
 
@@ -569,11 +572,12 @@ enum class Op : uint8_t {
   SelectiveScanNode = 84,
   HeadsNode = 85,
   CacheWriteNode = 86,
+  AcceptedPrefixNode = 87,
   MIN = NONE,
-  MAX = CacheWriteNode
+  MAX = AcceptedPrefixNode
 };
 
-inline const Op (&EnumValuesOp())[87] {
+inline const Op (&EnumValuesOp())[88] {
   static const Op values[] = {
     Op::NONE,
     Op::AddNode,
@@ -661,13 +665,14 @@ inline const Op (&EnumValuesOp())[87] {
     Op::FloorNode,
     Op::SelectiveScanNode,
     Op::HeadsNode,
-    Op::CacheWriteNode
+    Op::CacheWriteNode,
+    Op::AcceptedPrefixNode
   };
   return values;
 }
 
 inline const char * const *EnumNamesOp() {
-  static const char * const names[88] = {
+  static const char * const names[89] = {
     "NONE",
     "AddNode",
     "SubtractNode",
@@ -755,13 +760,14 @@ inline const char * const *EnumNamesOp() {
     "SelectiveScanNode",
     "HeadsNode",
     "CacheWriteNode",
+    "AcceptedPrefixNode",
     nullptr
   };
   return names;
 }
 
 inline const char *EnumNameOp(Op e) {
-  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::CacheWriteNode)) return "";
+  if (::flatbuffers::IsOutRange(e, Op::NONE, Op::AcceptedPrefixNode)) return "";
   const size_t index = static_cast<size_t>(e);
   return EnumNamesOp()[index];
 }
@@ -1112,6 +1118,10 @@ template<> struct OpTraits<emlx::ir::HeadsNode> {
 
 template<> struct OpTraits<emlx::ir::CacheWriteNode> {
   static const Op enum_value = Op::CacheWriteNode;
+};
+
+template<> struct OpTraits<emlx::ir::AcceptedPrefixNode> {
+  static const Op enum_value = Op::AcceptedPrefixNode;
 };
 
 template <bool B = false>
@@ -9150,6 +9160,83 @@ struct CacheWriteNode::Traits {
   static auto constexpr Create = CreateCacheWriteNode;
 };
 
+/// Speculative verification's emitted tokens (docs/sampling.md): `sampled`
+/// [R] int64, row i sampled after the last i + 1 fed tokens, and `fed` [1,
+/// S], S >= R, whose last R entries are x, d_1 .. d_{R-1} (a token, then the
+/// drafts): out [R] is sampled[0 .. a], then -1, where a counts the leading
+/// drafts equal to the token sampled before them. One node where the model
+/// has a dozen (slices, comparisons, an argmin, a where).
+struct AcceptedPrefixNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
+  typedef AcceptedPrefixNodeBuilder Builder;
+  struct Traits;
+  enum FlatBuffersVTableOffset FLATBUFFERS_VTABLE_UNDERLYING_TYPE {
+    VT_SAMPLED = 4,
+    VT_FED = 6,
+    VT_OUT = 8
+  };
+  const emlx::ir::Tid *sampled() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SAMPLED);
+  }
+  const emlx::ir::Tid *fed() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_FED);
+  }
+  const emlx::ir::Tid *out() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_OUT);
+  }
+  template <bool B = false>
+  bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
+    return VerifyTableStart(verifier) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_SAMPLED, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_FED, 4) &&
+           VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
+           verifier.EndTable();
+  }
+};
+
+struct AcceptedPrefixNodeBuilder {
+  typedef AcceptedPrefixNode Table;
+  ::flatbuffers::FlatBufferBuilder &fbb_;
+  ::flatbuffers::uoffset_t start_;
+  void add_sampled(const emlx::ir::Tid *sampled) {
+    fbb_.AddStruct(AcceptedPrefixNode::VT_SAMPLED, sampled);
+  }
+  void add_fed(const emlx::ir::Tid *fed) {
+    fbb_.AddStruct(AcceptedPrefixNode::VT_FED, fed);
+  }
+  void add_out(const emlx::ir::Tid *out) {
+    fbb_.AddStruct(AcceptedPrefixNode::VT_OUT, out);
+  }
+  explicit AcceptedPrefixNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
+        : fbb_(_fbb) {
+    start_ = fbb_.StartTable();
+  }
+  ::flatbuffers::Offset<AcceptedPrefixNode> Finish() {
+    const auto end = fbb_.EndTable(start_);
+    auto o = ::flatbuffers::Offset<AcceptedPrefixNode>(end);
+    fbb_.Required(o, AcceptedPrefixNode::VT_SAMPLED);
+    fbb_.Required(o, AcceptedPrefixNode::VT_FED);
+    fbb_.Required(o, AcceptedPrefixNode::VT_OUT);
+    return o;
+  }
+};
+
+inline ::flatbuffers::Offset<AcceptedPrefixNode> CreateAcceptedPrefixNode(
+    ::flatbuffers::FlatBufferBuilder &_fbb,
+    const emlx::ir::Tid *sampled = nullptr,
+    const emlx::ir::Tid *fed = nullptr,
+    const emlx::ir::Tid *out = nullptr) {
+  AcceptedPrefixNodeBuilder builder_(_fbb);
+  builder_.add_out(out);
+  builder_.add_fed(fed);
+  builder_.add_sampled(sampled);
+  return builder_.Finish();
+}
+
+struct AcceptedPrefixNode::Traits {
+  using type = AcceptedPrefixNode;
+  static auto constexpr Create = CreateAcceptedPrefixNode;
+};
+
 struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef NodeBuilder Builder;
   struct Traits;
@@ -9421,6 +9508,9 @@ struct Node FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   }
   const emlx::ir::CacheWriteNode *op_as_CacheWriteNode() const {
     return op_type() == emlx::ir::Op::CacheWriteNode ? static_cast<const emlx::ir::CacheWriteNode *>(op()) : nullptr;
+  }
+  const emlx::ir::AcceptedPrefixNode *op_as_AcceptedPrefixNode() const {
+    return op_type() == emlx::ir::Op::AcceptedPrefixNode ? static_cast<const emlx::ir::AcceptedPrefixNode *>(op()) : nullptr;
   }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
@@ -9774,6 +9864,10 @@ template<> inline const emlx::ir::HeadsNode *Node::op_as<emlx::ir::HeadsNode>() 
 
 template<> inline const emlx::ir::CacheWriteNode *Node::op_as<emlx::ir::CacheWriteNode>() const {
   return op_as_CacheWriteNode();
+}
+
+template<> inline const emlx::ir::AcceptedPrefixNode *Node::op_as<emlx::ir::AcceptedPrefixNode>() const {
+  return op_as_AcceptedPrefixNode();
 }
 
 struct NodeBuilder {
@@ -10334,6 +10428,10 @@ inline bool VerifyOp(::flatbuffers::VerifierTemplate<B> &verifier, const void *o
     }
     case Op::CacheWriteNode: {
       auto ptr = reinterpret_cast<const emlx::ir::CacheWriteNode *>(obj);
+      return verifier.VerifyTable(ptr);
+    }
+    case Op::AcceptedPrefixNode: {
+      auto ptr = reinterpret_cast<const emlx::ir::AcceptedPrefixNode *>(obj);
       return verifier.VerifyTable(ptr);
     }
     default: return true;
