@@ -265,7 +265,8 @@ def accepted_prefix():
 
 def linear():
     s = Sketch()
-    return s.finish(s.op(ir.LinearNode, x=s.x, weight=s.full([5, 4], 0.25), bias=s.full([5], 1.0)), 3)
+    return s.finish(s.op(ir.LinearNode, x=s.x, weight=s.full([5, 4], 0.25), bias=s.full([5], 1.0),
+                         norm=s.full([4], 1.5), norm_eps=1e-5), 3)
 
 
 def slice_update():
@@ -283,7 +284,8 @@ def _quantized(s: Sketch, rows: int = 8):
 def quantized_linear():
     s = Sketch()
     x = s.full([2, 64], 1.0)
-    return s.finish(s.op(ir.QuantizedLinearNode, x=x, bias=s.full([8], 1.0), **_quantized(s)), 2)
+    return s.finish(s.op(ir.QuantizedLinearNode, x=x, bias=s.full([8], 1.0), norm=s.full([64], 0.5), norm_eps=1e-5,
+                         **_quantized(s)), 2)
 
 
 def arg_top_k():

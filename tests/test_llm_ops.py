@@ -702,7 +702,8 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
              (Fn(merged), (rand((2, 4, 3, 8)), rand((2, 2, 9, 8)), rand((2, 2, 9, 8)))),
              (Fn(lambda x, i, w: (torch.ops.mlx.gather_linear(x, experts_w, i, None) * w[..., None]).sum(1)),
               (rand((3, 8)), torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.rand(3, 2))),
-             (Fn(torch.ops.mlx.accepted_prefix), (torch.tensor([4, 9, 2, 6]), torch.tensor([[1, 3, 4, 8, 2]])))]
+             (Fn(torch.ops.mlx.accepted_prefix), (torch.tensor([4, 9, 2, 6]), torch.tensor([[1, 3, 4, 8, 2]]))),
+             (NormedLinear(), (rand((1, 3, 40)),))]
     files = []
     for i, (model, args) in enumerate(cases):
         pte = tmp_path / f"case{i}.pte"
@@ -719,6 +720,36 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
         want = model(*args)
         for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+class NormedLinear(torch.nn.Module):
+    """A decoder's norm before its projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = torch.nn.RMSNorm(40, eps=1e-5), torch.nn.Linear(40, 24, bias=False)
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_a_norm_before_a_linear_layer_is_taken_inside_it(rows, monkeypatch):
+    """rms_norm -> linear (float32) is one LinearNode with `norm`, bit for
+    bit the two nodes' values, for a decode step's row and a prefill's."""
+    from executorch_mlx.lowering import node_fusion
+
+    model, args = NormedLinear(), (rand((1, rows, 40)),)
+    edge = lower(model, args)
+    ops = [n.op for g in delegate_graphs(edge) for n in g.nodes]
+    assert [type(op).__name__ for op in ops] == ["LinearNode"] and ops[0].norm is not None
+    fused = run(edge.to_executorch().buffer, list(args))[0]
+    torch.testing.assert_close(fused, model(*args), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._normed_input])
+    plain = lower(model, args)
+    assert "RmsNormNode" in node_types(plain)
+    assert torch.equal(run(plain.to_executorch().buffer, list(args))[0], fused)
 
 
 @pytest.mark.parametrize("sampled,fed,emitted", [

@@ -560,31 +560,33 @@ def assert_program_near_quantized_model(pte, model):
 
 
 def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp_path, monkeypatch):
-    """Two fusions of linear layers: quantized q/k/v and gate/up as one
-    product each (llm/export/fused_projections.py), and the residual stream
+    """Three fusions of linear layers: quantized q/k/v and gate/up as one
+    product each (llm/export/fused_projections.py), the residual stream
     added inside the layer's node (lowering/ops_elementwise.py; float32
-    LinearNode: tests/test_ops.py). The logits of a prefill and of the decode
+    LinearNode: tests/test_ops.py), and the norm before them taken inside it
+    (lowering/node_fusion.py). The logits of a prefill and of the decode
     step after it are bit for bit those of the program exported without them."""
     from executorch_mlx.inspector import delegate_graphs as pte_graphs
     from executorch_mlx.llm.export import hf_export
-    from executorch_mlx.lowering import ops_elementwise
+    from executorch_mlx.lowering import node_fusion, ops_elementwise
 
     fused = logits_program("int4", True)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
     monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
+    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._normed_input])
     plain = hf_export.export_llm(folder, tmp_path / "plain.pte",
                                  ExportOptions(max_context=32, sampling=False, quantize="int4",
                                                quantize_embedding=True),
                                  progress=None)
 
-    def products(pte) -> tuple[int, int]:
+    def products(pte) -> tuple[int, int, int]:
         ops = [n.op for g in pte_graphs(pte.read_bytes()) for n in g.nodes]
         layers = [op for op in ops if type(op).__name__ in ("QuantizedLinearNode", "LinearNode")]
-        return len(layers), sum(op.residual is not None for op in layers)
+        return len(layers), sum(op.residual is not None for op in layers), sum(op.norm is not None for op in layers)
 
-    layers = 2  # write_model_folder's default; the tied head is one product more
-    assert products(fused) == (4 * layers + 1, 2 * layers)
-    assert products(plain) == (7 * layers + 1, 0)
+    layers = 2  # write_model_folder's default; the tied head is one product more (its norm's rows taken first)
+    assert products(fused) == (4 * layers + 1, 2 * layers, 2 * layers)
+    assert products(plain) == (7 * layers + 1, 0, 0)
     ids = torch.tensor([[3, 17, 42, 5, 99] * 4])
     calls = ([ids, torch.arange(ids.shape[1])], [ids[:, :1], torch.tensor([ids.shape[1]])])
     outputs = []

@@ -24,6 +24,8 @@ This pass rewrites, on the lowered graph:
         => GatherLinearNode / GatherQuantizedLinearNode with weights
     expand_dims -> expand_dims
         => one ExpandDimsNode
+    rms norm (float32) -> linear layer
+        => LinearNode / QuantizedLinearNode with norm
 
 A fused node takes over the slot of its chain's last node, so what reads that
 value is unchanged; a chain's inner values must have no other reader (else
@@ -230,6 +232,17 @@ def _combined_experts(g: _Graph, op: ir.SumNode):
     return None
 
 
+def _normed_input(g: _Graph, op):
+    """A linear layer of rms_norm(x) (float32, a decoder's norm before its
+    projections) as the layer with `norm`."""
+    norm = g.made_by(op.x, ir.RmsNormNode)
+    if op.norm is not None or norm is None or norm.weight is None:
+        return None
+    if not all(g.dtypes.get(t.idx) == torch.float32 for t in (norm.a, norm.weight, norm.out)):
+        return None  # (the kernel normalizes float32 rows; a bfloat16 norm rounds its output)
+    return dataclasses.replace(op, x=norm.a, norm=norm.weight, norm_eps=norm.eps)
+
+
 def _merged_expand(g: _Graph, op: ir.ExpandDimsNode) -> ir.ExpandDimsNode | None:
     """expand_dims of an expand_dims as one (a causal mask's [L] -> [1, 1, L, 1])."""
     inner = g.made_by(op.a, ir.ExpandDimsNode)
@@ -253,6 +266,8 @@ _PASSES = (
     (ir.SiluNode, _silu_halves),
     (ir.SumNode, _combined_experts),
     (ir.ExpandDimsNode, _merged_expand),
+    (ir.LinearNode, _normed_input),
+    (ir.QuantizedLinearNode, _normed_input),
 )
 
 

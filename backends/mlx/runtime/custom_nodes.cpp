@@ -276,9 +276,18 @@ void exec_MatmulNode(Interpreter& st, const ir::MatmulNode* n) {
   st.set(n->out(), emlx::matmul(st.get(n->a()), st.get(n->b())));
 }
 
+namespace {
+// A linear node's terms besides the product (LinearNode, QuantizedLinearNode).
+template <typename Node>
+LinearTerms linear_terms(Interpreter& st, const Node* n) {
+  std::optional<RowNorm> norm;
+  if (n->norm()) norm = RowNorm{st.get(n->norm()), n->norm_eps()};
+  return {norm, st.get_optional(n->bias()), st.get_optional(n->residual())};
+}
+}  // namespace
+
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
-  st.set(n->out(),
-         linear(st.get(n->x()), st.get(n->weight()), {st.get_optional(n->bias()), st.get_optional(n->residual())}));
+  st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), linear_terms(st, n)));
 }
 
 namespace {
@@ -303,8 +312,7 @@ Activations activations(const Node* n) {
 void exec_QuantizedLinearNode(Interpreter& st, const ir::QuantizedLinearNode* n) {
   auto q = quantized_matrix(st, n);
   q.tiled = st.tiled(n->weight());  // (with its scales and biases: Program::tile_quantized_weights)
-  st.set(n->out(), quantized_linear(st.get(n->x()), std::move(q),
-                                    {st.get_optional(n->bias()), st.get_optional(n->residual())}, activations(n)));
+  st.set(n->out(), quantized_linear(st.get(n->x()), std::move(q), linear_terms(st, n), activations(n)));
 }
 
 void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNode* n) {

@@ -13,7 +13,7 @@ import flatbuffers
 from . import schema_generated as fb
 
 FILE_IDENTIFIER = 'EMLX'
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class DType(enum.IntEnum):
@@ -341,7 +341,7 @@ class GatherQuantizedLinearNode:
 
 @dataclass
 class Graph:
-    version: int = 2
+    version: int = 3
     num_values: int = 0
     symbols: list[Symbol] = field(default_factory=list)
     inputs: list[IOValue] = field(default_factory=list)
@@ -441,6 +441,8 @@ class LinearNode:
     bias: Tid | None = None
     out: Tid | None = None
     residual: Tid | None = None
+    norm: Tid | None = None
+    norm_eps: float = 0
 
 
 @dataclass
@@ -619,6 +621,8 @@ class QuantizedLinearNode:
     mode: QuantMode = QuantMode.affine
     float_activations: bool = False
     residual: Tid | None = None
+    norm: Tid | None = None
+    norm_eps: float = 0
 
 
 @dataclass
@@ -939,7 +943,7 @@ FIELD_TYPES = {
     'LayerNormNode': {'a': 'Tid required', 'weight': 'Tid', 'bias': 'Tid', 'eps': 'Float', 'out': 'Tid required'},
     'LessEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'LessNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
-    'LinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'bias': 'Tid', 'out': 'Tid required', 'residual': 'Tid'},
+    'LinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'bias': 'Tid', 'out': 'Tid required', 'residual': 'Tid', 'norm': 'Tid', 'norm_eps': 'Float'},
     'Literal': {'slot': 'UInt', 'dtype': 'DType', 'float_value': 'Double', 'int_value': 'Long'},
     'Log1pNode': {'a': 'Tid required', 'out': 'Tid required'},
     'LogNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -960,7 +964,7 @@ FIELD_TYPES = {
     'NotEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'PowerNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'QuantizedEmbeddingNode': {'indices': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'dtype': 'DType'},
-    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool', 'residual': 'Tid'},
+    'QuantizedLinearNode': {'x': 'Tid required', 'weight': 'Tid required', 'scales': 'Tid required', 'biases': 'Tid', 'bias': 'Tid', 'group_size': 'Int', 'bits': 'Int', 'out': 'Tid required', 'mode': 'QuantMode', 'float_activations': 'Bool', 'residual': 'Tid', 'norm': 'Tid', 'norm_eps': 'Float'},
     'RandomBitsNode': {'shape': '[IntOrSlot] required', 'seed': 'Tid', 'position': 'Tid', 'width': 'Int', 'out': 'Tid required'},
     'RemainderNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'ReshapeNode': {'a': 'Tid required', 'shape': '[IntOrSlot] required', 'out': 'Tid required'},
@@ -1830,11 +1834,14 @@ def _pack_LinearNode(b, v):
         fb.LinearNodeAddOut(b, _pack_Tid(b, v.out))
     if v.residual is not None:
         fb.LinearNodeAddResidual(b, _pack_Tid(b, v.residual))
+    if v.norm is not None:
+        fb.LinearNodeAddNorm(b, _pack_Tid(b, v.norm))
+    fb.LinearNodeAddNormEps(b, v.norm_eps)
     return fb.LinearNodeEnd(b)
 
 
 def _unpack_LinearNode(r):
-    return LinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()), residual=_opt(_unpack_Tid, r.Residual()))
+    return LinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), bias=_opt(_unpack_Tid, r.Bias()), out=_opt(_unpack_Tid, r.Out()), residual=_opt(_unpack_Tid, r.Residual()), norm=_opt(_unpack_Tid, r.Norm()), norm_eps=r.NormEps())
 
 
 def _pack_Literal(b, v):
@@ -2190,11 +2197,14 @@ def _pack_QuantizedLinearNode(b, v):
     fb.QuantizedLinearNodeAddFloatActivations(b, v.float_activations)
     if v.residual is not None:
         fb.QuantizedLinearNodeAddResidual(b, _pack_Tid(b, v.residual))
+    if v.norm is not None:
+        fb.QuantizedLinearNodeAddNorm(b, _pack_Tid(b, v.norm))
+    fb.QuantizedLinearNodeAddNormEps(b, v.norm_eps)
     return fb.QuantizedLinearNodeEnd(b)
 
 
 def _unpack_QuantizedLinearNode(r):
-    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations(), residual=_opt(_unpack_Tid, r.Residual()))
+    return QuantizedLinearNode(x=_opt(_unpack_Tid, r.X()), weight=_opt(_unpack_Tid, r.Weight()), scales=_opt(_unpack_Tid, r.Scales()), biases=_opt(_unpack_Tid, r.Biases()), bias=_opt(_unpack_Tid, r.Bias()), group_size=r.GroupSize(), bits=r.Bits(), out=_opt(_unpack_Tid, r.Out()), mode=QuantMode(r.Mode()), float_activations=r.FloatActivations(), residual=_opt(_unpack_Tid, r.Residual()), norm=_opt(_unpack_Tid, r.Norm()), norm_eps=r.NormEps())
 
 
 def _pack_RandomBitsNode(b, v):

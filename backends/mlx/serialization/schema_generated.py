@@ -5910,8 +5910,10 @@ def SliceUpdateNodeEnd(builder):
 
 # x @ weight^T (+ bias) (+ residual): x [..., K], weight [N, K], bias [N],
 # residual the output's shape and dtype (a decoder layer's residual stream,
-# added in the same node). On the CPU with float32 operands the runtime
-# runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
+# added in the same node). `norm` [K]: x is first RMS-normalized as
+# RmsNormNode does (weight `norm`, `norm_eps`): the norm before a decoder
+# layer's projections, in the same node. On the CPU with float32 operands
+# the runtime runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
 class LinearNode(object):
     __slots__ = ['_tab']
 
@@ -5984,8 +5986,25 @@ class LinearNode(object):
             return obj
         return None
 
+    # LinearNode
+    def Norm(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # LinearNode
+    def NormEps(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
 def LinearNodeStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(7)
 
 def LinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -6001,6 +6020,12 @@ def LinearNodeAddOut(builder, out):
 
 def LinearNodeAddResidual(builder, residual):
     builder.PrependStructSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(residual), 0)
+
+def LinearNodeAddNorm(builder, norm):
+    builder.PrependStructSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(norm), 0)
+
+def LinearNodeAddNormEps(builder, normEps):
+    builder.PrependFloat32Slot(6, normEps, 0.0)
 
 def LinearNodeEnd(builder):
     return builder.EndObject()
@@ -6881,9 +6906,10 @@ def RopeNodeEnd(builder):
 # group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
 # integers, unless `float_activations`: then x meets the dequantized weights
 # in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
-# `residual` (the output's shape and dtype) is added last, as in LinearNode.
-# Affine scales and biases may be of another floating type than x (bfloat16
-# tables under float32 x: half the bytes a step reads for them).
+# `norm` (x normalized first) and `residual` (the output's shape and dtype,
+# added last) as in LinearNode. Affine scales and biases may be of another
+# floating type than x (bfloat16 tables under float32 x: half the bytes a
+# step reads for them).
 class QuantizedLinearNode(object):
     __slots__ = ['_tab']
 
@@ -7004,8 +7030,25 @@ class QuantizedLinearNode(object):
             return obj
         return None
 
+    # QuantizedLinearNode
+    def Norm(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # QuantizedLinearNode
+    def NormEps(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
 def QuantizedLinearNodeStart(builder):
-    builder.StartObject(11)
+    builder.StartObject(13)
 
 def QuantizedLinearNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -7039,6 +7082,12 @@ def QuantizedLinearNodeAddFloatActivations(builder, floatActivations):
 
 def QuantizedLinearNodeAddResidual(builder, residual):
     builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(residual), 0)
+
+def QuantizedLinearNodeAddNorm(builder, norm):
+    builder.PrependStructSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(norm), 0)
+
+def QuantizedLinearNodeAddNormEps(builder, normEps):
+    builder.PrependFloat32Slot(12, normEps, 0.0)
 
 def QuantizedLinearNodeEnd(builder):
     return builder.EndObject()
@@ -8374,7 +8423,7 @@ class Graph(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(4))
         if o != 0:
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
-        return 2
+        return 3
 
     # Graph
     def NumValues(self):
@@ -8555,7 +8604,7 @@ def GraphStart(builder):
     builder.StartObject(9)
 
 def GraphAddVersion(builder, version):
-    builder.PrependUint32Slot(0, version, 2)
+    builder.PrependUint32Slot(0, version, 3)
 
 def GraphAddNumValues(builder, numValues):
     builder.PrependUint32Slot(1, numValues, 0)

@@ -6929,8 +6929,10 @@ inline ::flatbuffers::Offset<SliceUpdateNode> CreateSliceUpdateNodeDirect(
 
 /// x @ weight^T (+ bias) (+ residual): x [..., K], weight [N, K], bias [N],
 /// residual the output's shape and dtype (a decoder layer's residual stream,
-/// added in the same node). On the CPU with float32 operands the runtime
-/// runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
+/// added in the same node). `norm` [K]: x is first RMS-normalized as
+/// RmsNormNode does (weight `norm`, `norm_eps`): the norm before a decoder
+/// layer's projections, in the same node. On the CPU with float32 operands
+/// the runtime runs its own multi-threaded kernel; elsewhere mlx::core::matmul.
 struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef LinearNodeBuilder Builder;
   struct Traits;
@@ -6939,7 +6941,9 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_WEIGHT = 6,
     VT_BIAS = 8,
     VT_OUT = 10,
-    VT_RESIDUAL = 12
+    VT_RESIDUAL = 12,
+    VT_NORM = 14,
+    VT_NORM_EPS = 16
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -6956,6 +6960,12 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   const emlx::ir::Tid *residual() const {
     return GetStruct<const emlx::ir::Tid *>(VT_RESIDUAL);
   }
+  const emlx::ir::Tid *norm() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_NORM);
+  }
+  float norm_eps() const {
+    return GetField<float>(VT_NORM_EPS, 0.0f);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -6964,6 +6974,8 @@ struct LinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyField<emlx::ir::Tid>(verifier, VT_BIAS, 4) &&
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_RESIDUAL, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_NORM, 4) &&
+           VerifyField<float>(verifier, VT_NORM_EPS, 4) &&
            verifier.EndTable();
   }
 };
@@ -6987,6 +6999,12 @@ struct LinearNodeBuilder {
   void add_residual(const emlx::ir::Tid *residual) {
     fbb_.AddStruct(LinearNode::VT_RESIDUAL, residual);
   }
+  void add_norm(const emlx::ir::Tid *norm) {
+    fbb_.AddStruct(LinearNode::VT_NORM, norm);
+  }
+  void add_norm_eps(float norm_eps) {
+    fbb_.AddElement<float>(LinearNode::VT_NORM_EPS, norm_eps, 0.0f);
+  }
   explicit LinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -7007,8 +7025,12 @@ inline ::flatbuffers::Offset<LinearNode> CreateLinearNode(
     const emlx::ir::Tid *weight = nullptr,
     const emlx::ir::Tid *bias = nullptr,
     const emlx::ir::Tid *out = nullptr,
-    const emlx::ir::Tid *residual = nullptr) {
+    const emlx::ir::Tid *residual = nullptr,
+    const emlx::ir::Tid *norm = nullptr,
+    float norm_eps = 0.0f) {
   LinearNodeBuilder builder_(_fbb);
+  builder_.add_norm_eps(norm_eps);
+  builder_.add_norm(norm);
   builder_.add_residual(residual);
   builder_.add_out(out);
   builder_.add_bias(bias);
@@ -7887,9 +7909,10 @@ struct RopeNode::Traits {
 /// group of x to 8 bits (as llama.cpp's Q8_0 activations) and multiplies in
 /// integers, unless `float_activations`: then x meets the dequantized weights
 /// in floating point, as mlx::core::quantized_matmul (and so mlx-lm) computes.
-/// `residual` (the output's shape and dtype) is added last, as in LinearNode.
-/// Affine scales and biases may be of another floating type than x (bfloat16
-/// tables under float32 x: half the bytes a step reads for them).
+/// `norm` (x normalized first) and `residual` (the output's shape and dtype,
+/// added last) as in LinearNode. Affine scales and biases may be of another
+/// floating type than x (bfloat16 tables under float32 x: half the bytes a
+/// step reads for them).
 struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef QuantizedLinearNodeBuilder Builder;
   struct Traits;
@@ -7904,7 +7927,9 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
     VT_OUT = 18,
     VT_MODE = 20,
     VT_FLOAT_ACTIVATIONS = 22,
-    VT_RESIDUAL = 24
+    VT_RESIDUAL = 24,
+    VT_NORM = 26,
+    VT_NORM_EPS = 28
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -7939,6 +7964,12 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
   const emlx::ir::Tid *residual() const {
     return GetStruct<const emlx::ir::Tid *>(VT_RESIDUAL);
   }
+  const emlx::ir::Tid *norm() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_NORM);
+  }
+  float norm_eps() const {
+    return GetField<float>(VT_NORM_EPS, 0.0f);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -7953,6 +7984,8 @@ struct QuantizedLinearNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Tabl
            VerifyField<int8_t>(verifier, VT_MODE, 1) &&
            VerifyField<uint8_t>(verifier, VT_FLOAT_ACTIVATIONS, 1) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_RESIDUAL, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_NORM, 4) &&
+           VerifyField<float>(verifier, VT_NORM_EPS, 4) &&
            verifier.EndTable();
   }
 };
@@ -7994,6 +8027,12 @@ struct QuantizedLinearNodeBuilder {
   void add_residual(const emlx::ir::Tid *residual) {
     fbb_.AddStruct(QuantizedLinearNode::VT_RESIDUAL, residual);
   }
+  void add_norm(const emlx::ir::Tid *norm) {
+    fbb_.AddStruct(QuantizedLinearNode::VT_NORM, norm);
+  }
+  void add_norm_eps(float norm_eps) {
+    fbb_.AddElement<float>(QuantizedLinearNode::VT_NORM_EPS, norm_eps, 0.0f);
+  }
   explicit QuantizedLinearNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -8021,8 +8060,12 @@ inline ::flatbuffers::Offset<QuantizedLinearNode> CreateQuantizedLinearNode(
     const emlx::ir::Tid *out = nullptr,
     emlx::ir::QuantMode mode = emlx::ir::QuantMode::affine,
     bool float_activations = false,
-    const emlx::ir::Tid *residual = nullptr) {
+    const emlx::ir::Tid *residual = nullptr,
+    const emlx::ir::Tid *norm = nullptr,
+    float norm_eps = 0.0f) {
   QuantizedLinearNodeBuilder builder_(_fbb);
+  builder_.add_norm_eps(norm_eps);
+  builder_.add_norm(norm);
   builder_.add_residual(residual);
   builder_.add_out(out);
   builder_.add_bits(bits);
@@ -9922,7 +9965,7 @@ struct Graph FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_NODES = 20
   };
   uint32_t version() const {
-    return GetField<uint32_t>(VT_VERSION, 2);
+    return GetField<uint32_t>(VT_VERSION, 3);
   }
   uint32_t num_values() const {
     return GetField<uint32_t>(VT_NUM_VALUES, 0);
@@ -9983,7 +10026,7 @@ struct GraphBuilder {
   ::flatbuffers::FlatBufferBuilder &fbb_;
   ::flatbuffers::uoffset_t start_;
   void add_version(uint32_t version) {
-    fbb_.AddElement<uint32_t>(Graph::VT_VERSION, version, 2);
+    fbb_.AddElement<uint32_t>(Graph::VT_VERSION, version, 3);
   }
   void add_num_values(uint32_t num_values) {
     fbb_.AddElement<uint32_t>(Graph::VT_NUM_VALUES, num_values, 0);
@@ -10022,7 +10065,7 @@ struct GraphBuilder {
 
 inline ::flatbuffers::Offset<Graph> CreateGraph(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    uint32_t version = 2,
+    uint32_t version = 3,
     uint32_t num_values = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<emlx::ir::Symbol>>> symbols = 0,
     ::flatbuffers::Offset<::flatbuffers::Vector<::flatbuffers::Offset<emlx::ir::IOValue>>> inputs = 0,
@@ -10051,7 +10094,7 @@ struct Graph::Traits {
 
 inline ::flatbuffers::Offset<Graph> CreateGraphDirect(
     ::flatbuffers::FlatBufferBuilder &_fbb,
-    uint32_t version = 2,
+    uint32_t version = 3,
     uint32_t num_values = 0,
     const std::vector<::flatbuffers::Offset<emlx::ir::Symbol>> *symbols = nullptr,
     const std::vector<::flatbuffers::Offset<emlx::ir::IOValue>> *inputs = nullptr,

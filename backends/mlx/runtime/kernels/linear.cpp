@@ -10,6 +10,7 @@
 #include "cpu_arrays.h"
 #include "cpu_kernel.h"
 #include "float_gemm.h"
+#include "norm.h"
 #include "quantized_dot.h"
 #include "thread_pool.h"
 
@@ -340,21 +341,23 @@ void float_rows(const Operands& o) {
 // quantized) (+ bias [N]), row-contiguous; output [..., N] in x's dtype.
 class Linear : public CpuKernel {
  public:
-  Linear(mx::Stream s, Spec spec, bool has_bias, bool has_residual)
-      : CpuKernel(s), spec_(spec), has_bias_(has_bias), has_residual_(has_residual) {}
+  // Inputs x, the operands (w, or w, scales and biases), then the norm's
+  // weight, the bias and the residual where given.
+  Linear(mx::Stream s, Spec spec, std::optional<float> norm_eps, bool has_bias, bool has_residual)
+      : CpuKernel(s), spec_(spec), norm_eps_(norm_eps), has_bias_(has_bias), has_residual_(has_residual) {}
 
   const char* name() const override { return "EmlxLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Linear&>(other);
     return spec_.format == o.spec_.format && spec_.group == o.spec_.group &&
            spec_.activations == o.spec_.activations && spec_.tiled == o.spec_.tiled && has_bias_ == o.has_bias_ &&
-           has_residual_ == o.has_residual_;
+           has_residual_ == o.has_residual_ && norm_eps_ == o.norm_eps_;
   }
 
  private:
   CpuTask task() const override {
-    return [spec = spec_, has_bias = has_bias_, has_residual = has_residual_](const std::vector<mx::array>& inputs,
-                                                                             mx::array& out) {
+    return [spec = spec_, norm_eps = norm_eps_, has_bias = has_bias_, has_residual = has_residual_](
+               const std::vector<mx::array>& inputs, mx::array& out) {
       const Format format = spec.format;
       const int group = spec.group;
       const bool tiled = spec.tiled;
@@ -377,8 +380,17 @@ class Linear : public CpuKernel {
       o.out = o.x_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
-      const size_t operands = quantized ? 3 : 1;
-      o.bias = has_bias ? inputs[1 + operands].data<void>() : nullptr;
+      size_t next = quantized ? 4 : 2;  // the inputs after the operands
+      std::vector<float> normed;
+      if (norm_eps) {  // (float32 x only: build() normalizes others first) the norm's kernel's rows
+        const float* weight = inputs[next++].data<float>();
+        normed.resize(M * K);
+        parallel_rows(M, 32, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) normalize_row(o.x + r * K, weight, *norm_eps, K, normed.data() + r * K);
+        });
+        o.x = normed.data();
+      }
+      o.bias = has_bias ? inputs[next].data<void>() : nullptr;
       IntRows xq;
       if (quantized && spec.activations == Activations::Int8 &&
           quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
@@ -421,6 +433,7 @@ class Linear : public CpuKernel {
   }
 
   Spec spec_;
+  std::optional<float> norm_eps_;
   bool has_bias_, has_residual_;
 };
 
@@ -435,16 +448,22 @@ void check_residual(const mx::array& x, int N, const std::optional<mx::array>& r
 // Our kernel over x as it is (it copies a strided one: a reshape to [M, K]
 // and back would be two more nodes), the operands row-contiguous. `product`
 // is MLX's x w^T for the fallback; the addends are added after it there too.
-mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::vector<mx::array> operands,
-                const Addends& addends, Spec spec, const Fallback& product) {
-  const auto& [bias, residual] = addends;
+mx::array build(mx::StreamOrDevice sd, bool supported, mx::array x, std::vector<mx::array> operands,
+                const LinearTerms& terms, Spec spec, const Fallback& product) {
+  const auto& [norm, bias, residual] = terms;
+  const mx::Stream s = mx::to_stream(sd);
   mx::Shape out_shape = x.shape();
   out_shape.back() = operands[0].shape(0);
   check_residual(x, operands[0].shape(0), residual);
   supported = supported && (!residual || x.dtype() == mx::float32);
+  // The norm in our kernel (float32), else as its own op first.
+  const bool fused_norm = norm && supported && CpuKernel::serves(s) && x.dtype() == mx::float32 &&
+                          norm->weight.dtype() == mx::float32;
+  if (norm && !fused_norm) x = rms_norm(x, norm->weight, norm->eps, s);
   const size_t count = operands.size();
   std::vector<mx::array> in = {x};
   for (auto& a : operands) in.push_back(supported ? row_contiguous(a) : a);
+  if (fused_norm) in.push_back(row_contiguous(norm->weight));
   if (bias) in.push_back(supported ? row_contiguous(*bias) : *bias);
   if (residual) in.push_back(*residual);
   auto fallback = [product, count, has_bias = bias.has_value(), has_residual = residual.has_value()](
@@ -453,8 +472,10 @@ mx::array build(mx::StreamOrDevice s, bool supported, const mx::array& x, std::v
     if (has_bias) y = mx::add(y, in[1 + count], s);
     return has_residual ? mx::add(y, in.back(), s) : y;
   };
+  // (a fused norm means our kernel: the fallback never sees its weight)
+  const auto norm_eps = fused_norm ? std::optional<float>(norm->eps) : std::nullopt;
   return CpuKernel::build(s, supported, std::move(in), std::move(out_shape), x.dtype(), fallback, [&](mx::Stream s) {
-    return std::make_shared<Linear>(s, spec, bias.has_value(), residual.has_value());
+    return std::make_shared<Linear>(s, spec, norm_eps, bias.has_value(), residual.has_value());
   });
 }
 
@@ -492,28 +513,37 @@ void check_quantization(const char* node, const QuantizedMatrix& q, int K) {
   }
 }
 
-mx::array linear(const mx::array& x, const mx::array& w, const Addends& addends, mx::StreamOrDevice s) {
-  const auto& bias = addends.bias;
+// A norm's weight is [K].
+void check_norm(const char* node, const std::optional<RowNorm>& norm, int K) {
+  if (norm && (norm->weight.ndim() != 1 || norm->weight.shape(0) != K)) {
+    throw std::invalid_argument(std::string(node) + ": the norm's weight must be [K]");
+  }
+}
+
+mx::array linear(const mx::array& x, const mx::array& w, const LinearTerms& terms, mx::StreamOrDevice s) {
+  const auto& bias = terms.bias;
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument("LinearNode: x [..., K] and weight [N, K] expected");
   }
   if (bias && (bias->ndim() != 1 || bias->shape(0) != w.shape(0))) {
     throw std::invalid_argument("LinearNode: bias must be [N]");
   }
+  check_norm("LinearNode", terms.norm, w.shape(1));
   const bool supported =
       float32_or_bfloat16(x.dtype()) && w.dtype() == x.dtype() && (!bias || bias->dtype() == x.dtype()) && w.shape(1) > 0;
   auto product = [](const std::vector<mx::array>& in, mx::Stream s) {
     return mx::matmul(in[0], mx::transpose(in[1], s), s);
   };
-  return build(s, supported, x, {w}, addends, {x.dtype() == mx::float32 ? Format::F32 : Format::BF16}, product);
+  return build(s, supported, x, {w}, terms, {x.dtype() == mx::float32 ? Format::F32 : Format::BF16}, product);
 }
 
-mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const Addends& addends,
+mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const LinearTerms& terms,
                            Activations activations, mx::StreamOrDevice s) {
-  const auto& [bias, residual] = addends;
+  const auto& [norm, bias, residual] = terms;
   if (x.ndim() < 1) throw std::invalid_argument("QuantizedLinearNode: x must be [..., K]");
   const int K = x.shape(-1);
   check_quantization("QuantizedLinearNode", q, K);
+  check_norm("QuantizedLinearNode", norm, K);
   if (bias && (bias->ndim() != 1 || bias->shape(0) != q.w.shape(0))) {
     throw std::invalid_argument("QuantizedLinearNode: bias must be [N]");
   }
@@ -525,7 +555,8 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
   const int group_size = q.group_size, bits = q.bits;
   if (q.mode != "affine") {  // MLX's own kernels read the microscaling formats
     check_residual(x, q.w.shape(0), residual);
-    auto y = mx::quantized_matmul(x, mx::view(q.w, mx::uint32, s), q.scales, std::nullopt, /*transpose=*/true,
+    const auto xn = norm ? rms_norm(x, norm->weight, norm->eps, s) : x;
+    auto y = mx::quantized_matmul(xn, mx::view(q.w, mx::uint32, s), q.scales, std::nullopt, /*transpose=*/true,
                                   group_size, bits, q.mode, s);
     if (bias) y = mx::add(y, *bias, s);
     return residual ? mx::add(y, *residual, s) : y;
@@ -540,7 +571,7 @@ mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const A
     return mx::quantized_matmul(in[0], mx::view(rows(in[1]), mx::uint32, s), param(in[2]), param(in[3]),
                                 /*transpose=*/true, group_size, bits, "affine", s);
   };
-  return build(s, supported, x, {q.w, q.scales, *q.biases}, addends,
+  return build(s, supported, x, {q.w, q.scales, *q.biases}, terms,
                {bits == 4 ? Format::Q4 : Format::Q8, group_size, activations, q.tiled}, product);
 }
 

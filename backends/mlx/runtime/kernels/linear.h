@@ -19,19 +19,28 @@
 
 namespace emlx {
 
-// What a linear layer adds to x w^T, in this order: a bias [N], then a
+// x's RMS norm (as rms_norm, norm.h: weight [K]), taken before the product.
+struct RowNorm {
+  mlx::core::array weight;
+  float eps;
+};
+
+// What a linear layer does besides x w^T, in this order: x normalized first
+// (a decoder's norm before its projections), then a bias [N] added, then a
 // residual of the output's shape and x's dtype (the residual stream a
-// decoder layer adds the layer's output to: one node instead of two; our
-// kernel takes it for float32, MLX's add elsewhere).
-struct Addends {
+// decoder layer adds the layer's output to). Each is one node fewer; our
+// kernel takes the norm and the residual for float32 x, MLX's ops
+// elsewhere, with the same values.
+struct LinearTerms {
+  std::optional<RowNorm> norm;
   std::optional<mlx::core::array> bias, residual;
 };
 
-// x [..., K], w [N, K] -> [..., N], plus the addends. On a CPU stream with
+// x [..., K], w [N, K] -> [..., N], with the terms. On a CPU stream with
 // float32 or bfloat16 operands of one dtype it runs our multi-threaded
 // kernel; anywhere else (GPUs, other dtypes) it is mlx::core::matmul with
 // the same semantics.
-mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w, const Addends& addends,
+mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w, const LinearTerms& terms,
                         mlx::core::StreamOrDevice s = {});
 
 // A matrix in one of MLX's quantized layouts (mlx::core::quantize): w
@@ -54,7 +63,7 @@ enum class Activations { Int8, Float };
 // The same as linear with w quantized. Our kernel on a CPU stream for affine
 // 4 and 8 bits when x, scales (and bias) share a float32 or bfloat16 dtype;
 // mlx::core::quantized_matmul otherwise.
-mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q, const Addends& addends,
+mlx::core::array quantized_linear(const mlx::core::array& x, const QuantizedMatrix& q, const LinearTerms& terms,
                                   Activations activations, mlx::core::StreamOrDevice s = {});
 
 // A tiled [..., N, C] matrix (quantized_dot.h; each [N, C] tiled alone)
