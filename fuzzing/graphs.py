@@ -244,6 +244,18 @@ def heads():
                          sin=s.full([1, 2], 0.25), norm=s.full([2], 1.5), eps=1e-5), 4)
 
 
+def heads_into_cache():
+    """Columns 1-2 of x as one rotated head, written at slots 0, 2 and 4 of a
+    [2, 1, 5, 2] state."""
+    s = Sketch()
+    state = s.state([2, 1, 5, 2])
+    slots = s.op(ir.ArangeNode, start=0.0, stop=6.0, step=2.0, dtype=I64)
+    new = s.op(ir.HeadsNode, x=s.x, start=1, heads=1, head_dim=2, cos=s.full([2], 0.5), sin=s.full([1, 2], 0.25),
+               cache=state, slots=slots)
+    s.update(state, new)
+    return s.finish(new, 4)
+
+
 def cache_write():
     """x as [1, 2, 3, 4] written at slots 0, 2 and 4 of a [1, 2, 5, 4] state."""
     s = Sketch()
@@ -404,6 +416,6 @@ GRAPHS = {
     "GatherQuantizedLinearNode": gather_quantized_linear, "GatedDeltaNode": gated_delta, "SsdScanNode": ssd_scan,
     "SelectiveScanNode": selective_scan, "HeadsNode": heads, "CacheWriteNode": cache_write,
     "AcceptedPrefixNode": accepted_prefix,
-    # graph-level seeds: persistent state, every dtype
-    "state": state, "dtypes": _dtype_mix,
+    # graph-level seeds: persistent state, every dtype, a node's optional form
+    "state": state, "dtypes": _dtype_mix, "heads into a cache": heads_into_cache,
 }

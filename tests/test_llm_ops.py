@@ -644,6 +644,57 @@ class SplitHeads(torch.nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 
+class CachedHeads(torch.nn.Module):
+    """k and v heads out of a fused projection written into static caches
+    (a decoder layer's index_copy_), k rotated; the caches read afterwards."""
+
+    def __init__(self, slots: int = 12):
+        super().__init__()
+        self.register_buffer("keys", torch.zeros(1, 2, slots, 8))
+        self.register_buffer("values", torch.zeros(1, 2, slots, 8))
+
+    def forward(self, kv, cos, sin, position):
+        b, length, _ = kv.shape
+        k, v = (t.view(b, length, -1, 8).transpose(1, 2) for t in kv.split([16, 16], dim=-1))
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        self.keys.index_copy_(2, position, k * cos + rotate_half(k) * sin)
+        self.values.index_copy_(2, position, v)
+        return self.keys * 2, self.values.sum(-1)
+
+
+def test_heads_written_into_a_cache_are_one_node_each(monkeypatch):
+    """Heads -> cache write (float32) is one HeadsNode with the cache: no
+    CacheWriteNode left, the caches' values bit for bit those of the two
+    nodes, call after call (a prefill chunk, then decode steps)."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    from executorch_mlx.lowering import node_fusion
+
+    def program():
+        seq = torch.export.Dim("seq", min=1, max=8)
+        example = (rand((1, 2, 32)), rand((1, 2, 8)), rand((1, 2, 8)), torch.arange(2))
+        ep = torch.export.export(CachedHeads(), example, dynamic_shapes=({1: seq}, {1: seq}, {1: seq}, {0: seq}))
+        edge = to_edge_transform_and_lower(ep, partitioner=[executorch_mlx.MLXPartitioner()])
+        program = Runtime.get().load_program(edge.to_executorch().buffer)
+        return edge, program, program.load_method("forward")
+
+    fused, fused_program, fused_method = program()
+    heads = [n.op for n in delegate_graphs(fused)[0].nodes if isinstance(n.op, ir.HeadsNode)]
+    assert len(heads) == 2 and all(h.cache is not None for h in heads)
+    assert "CacheWriteNode" not in node_types(fused)
+    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._heads_into_cache])
+    plain, plain_program, plain_method = program()
+    assert "CacheWriteNode" in node_types(plain)
+    eager, start = CachedHeads(), 0
+    for length in (5, 1, 1):
+        args = [rand((1, length, 32)), rand((1, length, 8)), rand((1, length, 8)), torch.arange(start, start + length)]
+        got = fused_method.execute(args)
+        for g, p, w in zip(got, plain_method.execute(args), eager(*args)):
+            assert torch.equal(g, p)
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        start += length
+
+
 @pytest.mark.parametrize("dtype,length", [(torch.float32, 1), (torch.float32, 70), (torch.bfloat16, 3)])
 def test_heads_split_out_of_a_fused_projection_are_one_node_each(dtype, length):
     args = (rand((2, length, 56), dtype), rand((2, length, 8), dtype), rand((2, length, 8), dtype))
@@ -703,7 +754,9 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
              (Fn(lambda x, i, w: (torch.ops.mlx.gather_linear(x, experts_w, i, None) * w[..., None]).sum(1)),
               (rand((3, 8)), torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.rand(3, 2))),
              (Fn(torch.ops.mlx.accepted_prefix), (torch.tensor([4, 9, 2, 6]), torch.tensor([[1, 3, 4, 8, 2]]))),
-             (NormedLinear(), (rand((1, 3, 40)),))]
+             (NormedLinear(), (rand((1, 3, 40)),)),
+             (Fn(lambda c, i, x: c.index_copy(2, i, x.view(1, 2, 2, 8).transpose(1, 2))),
+              (rand((1, 2, 6, 8)), torch.tensor([4, 1]), rand((1, 2, 16))))]
     files = []
     for i, (model, args) in enumerate(cases):
         pte = tmp_path / f"case{i}.pte"

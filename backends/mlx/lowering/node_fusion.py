@@ -14,6 +14,8 @@ This pass rewrites, on the lowered graph:
         => HeadsNode
     transpose (2, 0, 1, 3) -> expand_dims 3 -> scatter on axis 2 (one index)
         => CacheWriteNode
+    HeadsNode -> CacheWriteNode (float32)
+        => HeadsNode with cache
     prefix slices [:n] of k and v (and the mask) -> attention
         => ScaledDotProductAttentionNode with keys n
     attention -> transpose (1, 2) -> reshape [B, L, H * Dv]
@@ -150,6 +152,16 @@ def _cache_write(g: _Graph, op: ir.ScatterNode) -> ir.CacheWriteNode | None:
     return ir.CacheWriteNode(cache=op.a, slots=op.indices[0], update=t.a, out=op.out)
 
 
+def _heads_into_cache(g: _Graph, op: ir.CacheWriteNode) -> ir.HeadsNode | None:
+    """A cache write of heads (float32) as the HeadsNode that writes them."""
+    h = g.made_by(op.update, ir.HeadsNode)
+    if h is None or h.cache is not None:
+        return None
+    if not all(g.dtypes.get(t.idx) == torch.float32 for t in (op.cache, op.update)):
+        return None  # (a cache of another type takes the heads rounded: CacheWriteNode's cast)
+    return dataclasses.replace(h, cache=op.cache, slots=op.slots, out=op.out)
+
+
 def _prefix(g: _Graph, tid: ir.Tid | None, axis: int) -> tuple[ir.Tid, int] | None:
     """(source, slot of n) when `tid` is source[:n] along `axis` (n a
     run-time value), every other axis whole."""
@@ -261,6 +273,7 @@ _PASSES = (
     (ir.RopeNode, _heads),
     (ir.TransposeNode, _heads),
     (ir.ScatterNode, _cache_write),
+    (ir.CacheWriteNode, _heads_into_cache),
     (ir.ScaledDotProductAttentionNode, _attended_prefix),
     (ir.ReshapeNode, _merged_heads),
     (ir.SiluNode, _silu_halves),

@@ -261,7 +261,14 @@ void exec_RopeNode(Interpreter& st, const ir::RopeNode* n) {
 
 void exec_HeadsNode(Interpreter& st, const ir::HeadsNode* n) {
   const HeadsOptions o{st.get_optional(n->norm()), n->eps(), st.get_optional(n->cos()), st.get_optional(n->sin())};
-  st.set(n->out(), heads(st.get(n->x()), {n->start(), n->heads(), n->head_dim()}, o));
+  const HeadColumns columns{n->start(), n->heads(), n->head_dim()};
+  if (n->cache() == nullptr && n->slots() == nullptr) {
+    st.set(n->out(), heads(st.get(n->x()), columns, o));
+  } else if (n->cache() == nullptr || n->slots() == nullptr) {
+    throw std::invalid_argument("HeadsNode: cache and slots go together");
+  } else {
+    st.set(n->out(), heads_into_cache(st.get(n->x()), columns, o, {st.get(n->cache()), st.get(n->slots())}));
+  }
 }
 
 void exec_CacheWriteNode(Interpreter& st, const ir::CacheWriteNode* n) {

@@ -379,6 +379,8 @@ class HeadsNode:
     out: Tid | None = None
     norm: Tid | None = None
     eps: float = 0
+    cache: Tid | None = None
+    slots: Tid | None = None
 
 
 @dataclass
@@ -935,7 +937,7 @@ FIELD_TYPES = {
     'Graph': {'version': 'UInt', 'num_values': 'UInt', 'symbols': '[Symbol]', 'inputs': '[IOValue]', 'outputs': '[IOValue]', 'constants': '[Constant]', 'literals': '[Literal]', 'mutable_buffers': '[MutableBuffer]', 'nodes': '[Node]'},
     'GreaterEqualNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
     'GreaterNode': {'a': 'Tid required', 'b': 'Tid required', 'out': 'Tid required'},
-    'HeadsNode': {'x': 'Tid required', 'start': 'Int', 'heads': 'Int', 'head_dim': 'Int', 'cos': 'Tid', 'sin': 'Tid', 'out': 'Tid required', 'norm': 'Tid', 'eps': 'Float'},
+    'HeadsNode': {'x': 'Tid required', 'start': 'Int', 'heads': 'Int', 'head_dim': 'Int', 'cos': 'Tid', 'sin': 'Tid', 'out': 'Tid required', 'norm': 'Tid', 'eps': 'Float', 'cache': 'Tid', 'slots': 'Tid'},
     'IOValue': {'slot': 'UInt', 'kind': 'IOKind', 'dtype': 'DType', 'shape': '[Dim]'},
     'IntOrSlot': {'value': 'Long', 'slot': 'Int'},
     'IsNanNode': {'a': 'Tid required', 'out': 'Tid required'},
@@ -1713,11 +1715,15 @@ def _pack_HeadsNode(b, v):
     if v.norm is not None:
         fb.HeadsNodeAddNorm(b, _pack_Tid(b, v.norm))
     fb.HeadsNodeAddEps(b, v.eps)
+    if v.cache is not None:
+        fb.HeadsNodeAddCache(b, _pack_Tid(b, v.cache))
+    if v.slots is not None:
+        fb.HeadsNodeAddSlots(b, _pack_Tid(b, v.slots))
     return fb.HeadsNodeEnd(b)
 
 
 def _unpack_HeadsNode(r):
-    return HeadsNode(x=_opt(_unpack_Tid, r.X()), start=r.Start(), heads=r.Heads(), head_dim=r.HeadDim(), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()), norm=_opt(_unpack_Tid, r.Norm()), eps=r.Eps())
+    return HeadsNode(x=_opt(_unpack_Tid, r.X()), start=r.Start(), heads=r.Heads(), head_dim=r.HeadDim(), cos=_opt(_unpack_Tid, r.Cos()), sin=_opt(_unpack_Tid, r.Sin()), out=_opt(_unpack_Tid, r.Out()), norm=_opt(_unpack_Tid, r.Norm()), eps=r.Eps(), cache=_opt(_unpack_Tid, r.Cache()), slots=_opt(_unpack_Tid, r.Slots()))
 
 
 def _pack_IOValue(b, v):

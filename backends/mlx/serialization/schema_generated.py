@@ -8047,6 +8047,9 @@ def FloorNodeEnd(builder):
 # when `norm` is given (a q/k norm); then rotated as RopeNode rotates when
 # cos and sin are given (both or neither; broadcast to the output). One node
 # where a model has a slice, a reshape, a norm, a transpose and a rotation.
+# With `cache` [B, heads, S, head_dim] and `slots` [L], the heads are written
+# into the cache as CacheWriteNode writes an update, and out is the cache so
+# written (a KV cache's new keys or values: one node instead of two).
 class HeadsNode(object):
     __slots__ = ['_tab']
 
@@ -8147,8 +8150,28 @@ class HeadsNode(object):
             return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
         return 0.0
 
+    # HeadsNode
+    def Cache(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # HeadsNode
+    def Slots(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = o + self._tab.Pos
+            obj = Tid()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
 def HeadsNodeStart(builder):
-    builder.StartObject(9)
+    builder.StartObject(11)
 
 def HeadsNodeAddX(builder, x):
     builder.PrependStructSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(x), 0)
@@ -8176,6 +8199,12 @@ def HeadsNodeAddNorm(builder, norm):
 
 def HeadsNodeAddEps(builder, eps):
     builder.PrependFloat32Slot(8, eps, 0.0)
+
+def HeadsNodeAddCache(builder, cache):
+    builder.PrependStructSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(cache), 0)
+
+def HeadsNodeAddSlots(builder, slots):
+    builder.PrependStructSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(slots), 0)
 
 def HeadsNodeEnd(builder):
     return builder.EndObject()

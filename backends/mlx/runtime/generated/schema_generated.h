@@ -8987,6 +8987,9 @@ struct FloorNode::Traits {
 /// when `norm` is given (a q/k norm); then rotated as RopeNode rotates when
 /// cos and sin are given (both or neither; broadcast to the output). One node
 /// where a model has a slice, a reshape, a norm, a transpose and a rotation.
+/// With `cache` [B, heads, S, head_dim] and `slots` [L], the heads are written
+/// into the cache as CacheWriteNode writes an update, and out is the cache so
+/// written (a KV cache's new keys or values: one node instead of two).
 struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   typedef HeadsNodeBuilder Builder;
   struct Traits;
@@ -8999,7 +9002,9 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
     VT_SIN = 14,
     VT_OUT = 16,
     VT_NORM = 18,
-    VT_EPS = 20
+    VT_EPS = 20,
+    VT_CACHE = 22,
+    VT_SLOTS = 24
   };
   const emlx::ir::Tid *x() const {
     return GetStruct<const emlx::ir::Tid *>(VT_X);
@@ -9028,6 +9033,12 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
   float eps() const {
     return GetField<float>(VT_EPS, 0.0f);
   }
+  const emlx::ir::Tid *cache() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_CACHE);
+  }
+  const emlx::ir::Tid *slots() const {
+    return GetStruct<const emlx::ir::Tid *>(VT_SLOTS);
+  }
   template <bool B = false>
   bool Verify(::flatbuffers::VerifierTemplate<B> &verifier) const {
     return VerifyTableStart(verifier) &&
@@ -9040,6 +9051,8 @@ struct HeadsNode FLATBUFFERS_FINAL_CLASS : private ::flatbuffers::Table {
            VerifyFieldRequired<emlx::ir::Tid>(verifier, VT_OUT, 4) &&
            VerifyField<emlx::ir::Tid>(verifier, VT_NORM, 4) &&
            VerifyField<float>(verifier, VT_EPS, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_CACHE, 4) &&
+           VerifyField<emlx::ir::Tid>(verifier, VT_SLOTS, 4) &&
            verifier.EndTable();
   }
 };
@@ -9075,6 +9088,12 @@ struct HeadsNodeBuilder {
   void add_eps(float eps) {
     fbb_.AddElement<float>(HeadsNode::VT_EPS, eps, 0.0f);
   }
+  void add_cache(const emlx::ir::Tid *cache) {
+    fbb_.AddStruct(HeadsNode::VT_CACHE, cache);
+  }
+  void add_slots(const emlx::ir::Tid *slots) {
+    fbb_.AddStruct(HeadsNode::VT_SLOTS, slots);
+  }
   explicit HeadsNodeBuilder(::flatbuffers::FlatBufferBuilder &_fbb)
         : fbb_(_fbb) {
     start_ = fbb_.StartTable();
@@ -9098,8 +9117,12 @@ inline ::flatbuffers::Offset<HeadsNode> CreateHeadsNode(
     const emlx::ir::Tid *sin = nullptr,
     const emlx::ir::Tid *out = nullptr,
     const emlx::ir::Tid *norm = nullptr,
-    float eps = 0.0f) {
+    float eps = 0.0f,
+    const emlx::ir::Tid *cache = nullptr,
+    const emlx::ir::Tid *slots = nullptr) {
   HeadsNodeBuilder builder_(_fbb);
+  builder_.add_slots(slots);
+  builder_.add_cache(cache);
   builder_.add_eps(eps);
   builder_.add_norm(norm);
   builder_.add_out(out);

@@ -29,4 +29,17 @@ struct HeadsOptions {
 mlx::core::array heads(const mlx::core::array& x, HeadColumns columns, const HeadsOptions& options,
                        mlx::core::StreamOrDevice s = {});
 
+// A KV cache the heads are written into: cache [B, heads, S, head_dim],
+// slots [L] (clamped into [0, S)).
+struct HeadsCache {
+  mlx::core::array cache, slots;
+};
+
+// cache_write(cache, slots, heads(x, columns, options)) (cache_write.h),
+// the same values: on a CPU stream with a float32 cache one kernel of ours
+// that writes each head into its slot (in place when nothing else holds
+// the cache); anything else those two ops.
+mlx::core::array heads_into_cache(const mlx::core::array& x, HeadColumns columns, const HeadsOptions& options,
+                                  const HeadsCache& target, mlx::core::StreamOrDevice s = {});
+
 }  // namespace emlx
