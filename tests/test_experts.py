@@ -102,6 +102,20 @@ def test_experts_kernel_is_the_dense_kernel_per_pair(kind, activations, per_expe
         assert torch.equal(run(one_row, [x[t:t + 1], i[t:t + 1]])[0][0], got[t])
 
 
+@pytest.mark.parametrize("kind", ["fp32", 4])
+def test_experts_read_the_routers_top_k_ids_without_a_cast(kind):
+    """top-k's ids (int32 in the graph, int64 in torch) reach the experts node
+    uncast (lowering/node_fusion.py); the rows are those of the same ids given."""
+    fn, _, _ = _experts_and_dense(kind)
+    routed = lambda x, scores: fn(x, torch.topk(scores, TOP).indices)  # noqa: E731
+    x, scores = rand((T, K)), torch.randn(T, E)
+    edge = lower(Fn(routed), (x, scores))
+    assert "AsTypeNode" not in node_types(edge), node_types(edge)
+    got = run(edge.to_executorch().buffer, [x, scores])[0]
+    given = lower(Fn(fn), (x, _indices(T))).to_executorch().buffer
+    assert torch.equal(got, run(given, [x, torch.topk(scores, TOP).indices])[0])
+
+
 @pytest.mark.parametrize("kind", ["fp32", 4, 8])
 @pytest.mark.parametrize("rows", [1, T])
 def test_experts_combined_by_their_weights_are_one_node(kind, rows):

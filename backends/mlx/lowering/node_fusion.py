@@ -28,6 +28,8 @@ This pass rewrites, on the lowered graph:
         => one ExpandDimsNode
     rms norm (float32) -> linear layer
         => LinearNode / QuantizedLinearNode with norm
+    int32 ids cast to int64 -> experts
+        => the experts node reading the int32 ids
 
 A fused node takes over the slot of its chain's last node, so what reads that
 value is unchanged; a chain's inner values must have no other reader (else
@@ -255,6 +257,15 @@ def _normed_input(g: _Graph, op):
     return dataclasses.replace(op, x=norm.a, norm=norm.weight, norm_eps=norm.eps)
 
 
+def _any_integer_ids(g: _Graph, op):
+    """An experts node's ids read as the router gives them: the kernels and
+    MLX's gathers take any integer type (top-k's int32, cast to torch's int64)."""
+    cast = g.made_by(op.indices, ir.AsTypeNode, only_reader=False)
+    if cast is None or g.dtypes.get(cast.a.idx) != torch.int32 or g.dtypes.get(cast.out.idx) != torch.int64:
+        return None  # (a widening cast only: the same values)
+    return dataclasses.replace(op, indices=cast.a)
+
+
 def _merged_expand(g: _Graph, op: ir.ExpandDimsNode) -> ir.ExpandDimsNode | None:
     """expand_dims of an expand_dims as one (a causal mask's [L] -> [1, 1, L, 1])."""
     inner = g.made_by(op.a, ir.ExpandDimsNode)
@@ -279,6 +290,8 @@ _PASSES = (
     (ir.SiluNode, _silu_halves),
     (ir.SumNode, _combined_experts),
     (ir.ExpandDimsNode, _merged_expand),
+    (ir.GatherLinearNode, _any_integer_ids),
+    (ir.GatherQuantizedLinearNode, _any_integer_ids),
     (ir.LinearNode, _normed_input),
     (ir.QuantizedLinearNode, _normed_input),
 )
