@@ -47,8 +47,8 @@ from collections import Counter
 import torch
 
 from ..serialization import ir
-from .sizes import same_size
 from .common_nodes import drop_dead_nodes, reads
+from .sizes import same_size
 
 
 class _Graph:
@@ -279,7 +279,8 @@ def _merged_expand(g: _Graph, op: ir.ExpandDimsNode) -> ir.ExpandDimsNode | None
 
 
 # In this order: a rotation takes its transpose before that transpose could
-# be fused alone, and a cache write's update is a HeadsNode by then.
+# be fused alone, and a cache write's update is a HeadsNode by then (which
+# then writes the cache itself).
 _PASSES = (
     (ir.RopeNode, _heads),
     (ir.TransposeNode, _heads),

@@ -9,8 +9,8 @@ import torch
 
 from ..serialization import ir
 from .builder import GraphBuilder, ir_dtype, meta_val, node_arg
-from .sizes import same_shape, same_size
 from .registry import Unsupported, handles
+from .sizes import same_shape, same_size
 
 aten = torch.ops.aten
 
