@@ -15,11 +15,6 @@ namespace mx = mlx::core;
 
 namespace {
 
-// The slot of update row i, clamped into [0, S).
-int64_t slot_at(const mx::array& slots, int64_t i, int64_t S) {
-  return std::clamp<int64_t>(integer_at(slots, i * slots.strides()[0]), 0, S - 1);
-}
-
 // Inputs cache, slots, update; the output takes the cache's buffer when
 // CpuKernel could donate it, else starts as a copy.
 class CacheWrite : public CpuKernel {
@@ -36,20 +31,13 @@ class CacheWrite : public CpuKernel {
     return [](const std::vector<mx::array>& inputs, mx::array& out) {
       const auto &cache = inputs[0], &slots = inputs[1], &update = inputs[2];
       const size_t item = out.itemsize();
+      copy_unless_donated(cache, out);
       uint8_t* dst = out.data<uint8_t>();
-      if (dst != cache.data<uint8_t>()) {
-        if (cache.flags().row_contiguous) {
-          std::memcpy(dst, cache.data<uint8_t>(), out.nbytes());
-        } else {
-          const auto bytes = row_major_bytes(cache);
-          std::memcpy(dst, bytes.data(), bytes.size());
-        }
-      }
       const int64_t B = out.shape(0), H = out.shape(1), S = out.shape(2), D = out.shape(3), L = update.shape(2);
       const auto& us = update.strides();
       const uint8_t* src = update.data<uint8_t>();
       for (int64_t i = 0; i < L; ++i) {
-        const int64_t slot = slot_at(slots, i, S);
+        const int64_t slot = clamped_entry(slots, i, S);
         for (int64_t b = 0; b < B; ++b) {
           for (int64_t h = 0; h < H; ++h) {
             uint8_t* to = dst + (((b * H + h) * S + slot) * D) * item;

@@ -59,6 +59,12 @@ inline int64_t integer_at(const mlx::core::array& a, int64_t i) {
   }
 }
 
+// Entry i of a 1-D integer array (any stride) clamped into [0, n): a slot of
+// a cache of n.
+inline int64_t clamped_entry(const mlx::core::array& a, int64_t i, int64_t n) {
+  return std::clamp<int64_t>(integer_at(a, i * a.strides()[0]), 0, n - 1);
+}
+
 // Whether `a` broadcasts to `shape` (right-aligned: each of its axes 1 or
 // the shape's).
 inline bool broadcasts_to(const mlx::core::array& a, const mlx::core::Shape& shape) {

@@ -3,10 +3,13 @@
 #include <mlx/allocator.h>
 #include <mlx/backend/cpu/encoder.h>
 
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "cpu_arrays.h"
 #include "thread_pool.h"
 
 namespace emlx {
@@ -32,6 +35,17 @@ void CpuKernel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     note_kernel_cpu();
     run(inputs, out);
   });
+}
+
+void copy_unless_donated(const mx::array& first, mx::array& out) {
+  uint8_t* dst = out.data<uint8_t>();
+  if (dst == first.data<uint8_t>()) return;
+  if (first.flags().row_contiguous) {
+    std::memcpy(dst, first.data<uint8_t>(), out.nbytes());
+  } else {
+    const auto bytes = row_major_bytes(first);
+    std::memcpy(dst, bytes.data(), bytes.size());
+  }
 }
 
 void CpuKernel::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -68,4 +68,8 @@ class CpuKernel : public mlx::core::UnaryPrimitive {
   virtual bool updates_first_input() const { return false; }
 };
 
+// In the task of a kernel that updates_first_input: `out` as `first` was,
+// unless MLX let it take `first`'s buffer (then it already is).
+void copy_unless_donated(const mlx::core::array& first, mlx::core::array& out);
+
 }  // namespace emlx

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -65,18 +64,31 @@ class HeadRows {
   std::vector<int64_t> cs_, ss_;
 };
 
-// Inputs x, then the norm's weight and cos and sin as HeadRows reads them;
-// output [B, H, L, D], row-contiguous.
-class Heads : public CpuKernel {
+// What both heads kernels do to each head.
+class HeadsKernel : public CpuKernel {
  public:
-  Heads(mx::Stream s, int start, bool normalized, float eps, bool rotated)
+  HeadsKernel(mx::Stream s, int start, bool normalized, float eps, bool rotated)
       : CpuKernel(s), start_(start), normalized_(normalized), eps_(eps), rotated_(rotated) {}
 
-  const char* name() const override { return "EmlxHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Heads&>(other);
+    const auto& o = static_cast<const HeadsKernel&>(other);
     return start_ == o.start_ && normalized_ == o.normalized_ && eps_ == o.eps_ && rotated_ == o.rotated_;
   }
+
+ protected:
+  int start_;
+  bool normalized_;
+  float eps_;
+  bool rotated_;
+};
+
+// Inputs x, then the norm's weight and cos and sin as HeadRows reads them;
+// output [B, H, L, D], row-contiguous.
+class Heads : public HeadsKernel {
+ public:
+  using HeadsKernel::HeadsKernel;
+
+  const char* name() const override { return "EmlxHeads"; }
 
  private:
   CpuTask task() const override {
@@ -92,26 +104,16 @@ class Heads : public CpuKernel {
       });
     };
   }
-
-  int start_;
-  bool normalized_;
-  float eps_;
-  bool rotated_;
 };
 
 // Inputs cache [B, H, S, D] float32, slots [L], then x and the rest as
 // Heads takes them; the output takes the cache's buffer when CpuKernel could
 // donate it, else starts as its copy. Each head goes straight to its slot.
-class HeadsIntoCache : public CpuKernel {
+class HeadsIntoCache : public HeadsKernel {
  public:
-  HeadsIntoCache(mx::Stream s, int start, bool normalized, float eps, bool rotated)
-      : CpuKernel(s), start_(start), normalized_(normalized), eps_(eps), rotated_(rotated) {}
+  using HeadsKernel::HeadsKernel;
 
   const char* name() const override { return "EmlxHeadsIntoCache"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const HeadsIntoCache&>(other);
-    return start_ == o.start_ && normalized_ == o.normalized_ && eps_ == o.eps_ && rotated_ == o.rotated_;
-  }
 
  private:
   bool updates_first_input() const override { return true; }
@@ -120,32 +122,20 @@ class HeadsIntoCache : public CpuKernel {
     return [start = start_, normalized = normalized_, eps = eps_, rotated = rotated_](
                const std::vector<mx::array>& inputs, mx::array& out) {
       const auto &cache = inputs[0], &slots = inputs[1];
+      copy_unless_donated(cache, out);
       float* dst = out.data<float>();
-      if (dst != cache.data<float>()) {
-        if (cache.flags().row_contiguous) {
-          std::memcpy(dst, cache.data<float>(), out.nbytes());
-        } else {
-          const auto bytes = row_major_bytes(cache);
-          std::memcpy(dst, bytes.data(), bytes.size());
-        }
-      }
       const int64_t B = out.shape(0), H = out.shape(1), S = out.shape(2), D = out.shape(3), L = slots.shape(0);
       const HeadRows rows(inputs, 2, start, normalized, eps, rotated, {static_cast<int>(B), static_cast<int>(H),
                                                                         static_cast<int>(L), static_cast<int>(D)});
       std::vector<float> scratch(normalized ? D : 0);
       for (int64_t l = 0; l < L; ++l) {
-        const int64_t slot = std::clamp<int64_t>(integer_at(slots, l * slots.strides()[0]), 0, S - 1);
+        const int64_t slot = clamped_entry(slots, l, S);
         for (int64_t b = 0; b < B; ++b) {
           for (int64_t h = 0; h < H; ++h) rows.write(b, h, l, D, scratch.data(), dst + ((b * H + h) * S + slot) * D);
         }
       }
     };
   }
-
-  int start_;
-  bool normalized_;
-  float eps_;
-  bool rotated_;
 };
 
 // Checks the arguments; whether our kernels take them (float32).
