@@ -31,6 +31,14 @@ def node_types(edge: EdgeProgramManager) -> set[str]:
     return {type(n.op).__name__ for g in delegate_graphs(edge) for n in g.nodes}
 
 
+def without_fusion(monkeypatch, fuse) -> None:
+    """Lowers without one pass of lowering/node_fusion.py (`fuse`, its
+    function) for the rest of the test: the unfused program to compare with."""
+    from executorch_mlx.lowering import node_fusion
+
+    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not fuse])
+
+
 def run(buffer: bytes, inputs: list, method: str = "forward") -> list[torch.Tensor]:
     program = Runtime.get().load_program(buffer)
     return list(program.load_method(method).execute(inputs))

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops
+from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops, without_fusion
 from test_ops import Fn, check, rand
 
 import executorch_mlx
@@ -682,7 +682,7 @@ def test_heads_written_into_a_cache_are_one_node_each(monkeypatch):
     heads = [n.op for n in delegate_graphs(fused)[0].nodes if isinstance(n.op, ir.HeadsNode)]
     assert len(heads) == 2 and all(h.cache is not None for h in heads)
     assert "CacheWriteNode" not in node_types(fused)
-    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._heads_into_cache])
+    without_fusion(monkeypatch, node_fusion._heads_into_cache)
     plain, plain_program, plain_method = program()
     assert "CacheWriteNode" in node_types(plain)
     eager, start = CachedHeads(), 0
@@ -799,7 +799,7 @@ def test_a_norm_before_a_linear_layer_is_taken_inside_it(rows, monkeypatch):
     assert [type(op).__name__ for op in ops] == ["LinearNode"] and ops[0].norm is not None
     fused = run(edge.to_executorch().buffer, list(args))[0]
     torch.testing.assert_close(fused, model(*args), atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._normed_input])
+    without_fusion(monkeypatch, node_fusion._normed_input)
     plain = lower(model, args)
     assert "RmsNormNode" in node_types(plain)
     assert torch.equal(run(plain.to_executorch().buffer, list(args))[0], fused)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from cli_runs import cli
 from executorch.runtime import Runtime
-from harness import delegate_graphs, lower, node_types, run, undelegated_ops
+from harness import delegate_graphs, lower, node_types, run, undelegated_ops, without_fusion
 from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
@@ -573,7 +573,7 @@ def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp
     fused = logits_program("int4", True)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
     monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
-    monkeypatch.setattr(node_fusion, "_PASSES", [p for p in node_fusion._PASSES if p[1] is not node_fusion._normed_input])
+    without_fusion(monkeypatch, node_fusion._normed_input)
     plain = hf_export.export_llm(folder, tmp_path / "plain.pte",
                                  ExportOptions(max_context=32, sampling=False, quantize="int4",
                                                quantize_embedding=True),

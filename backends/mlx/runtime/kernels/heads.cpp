@@ -150,12 +150,16 @@ bool check_heads(const mx::array& x, HeadColumns columns, const HeadsOptions& o)
   if (o.norm && (o.norm->ndim() != 1 || o.norm->shape(0) != D)) {
     throw std::invalid_argument("HeadsNode: the norm's weight must be [head_dim]");
   }
-  const int B = x.shape(0), L = x.shape(1);
-  const mx::Shape shape = {B, count, L, D};
-  const bool rotated = o.cos.has_value(), normalized = o.norm.has_value();
-  if (rotated) check_rotation(shape, *o.cos, *o.sin, "HeadsNode");
+  if (o.cos) check_rotation({x.shape(0), count, x.shape(1), D}, *o.cos, *o.sin, "HeadsNode");
   const auto f32 = [](const std::optional<mx::array>& a) { return !a || a->dtype() == mx::float32; };
   return x.dtype() == mx::float32 && x.size() > 0 && f32(o.norm) && f32(o.cos) && f32(o.sin);
+}
+
+// The options' arrays after a kernel's leading inputs, in the order HeadRows
+// reads them (the norm's weight made row-contiguous for our kernel).
+void append_head_operands(std::vector<mx::array>& in, const HeadsOptions& o, bool supported) {
+  if (o.norm) in.push_back(supported ? row_contiguous(*o.norm) : *o.norm);
+  if (o.cos) in.push_back(*o.cos), in.push_back(*o.sin);
 }
 
 }  // namespace
@@ -166,8 +170,7 @@ mx::array heads(const mx::array& x, HeadColumns columns, const HeadsOptions& o, 
   const bool rotated = o.cos.has_value(), normalized = o.norm.has_value();
   const mx::Shape shape = {x.shape(0), count, x.shape(1), D};
   std::vector<mx::array> in = {x};
-  if (normalized) in.push_back(supported ? row_contiguous(*o.norm) : *o.norm);
-  if (rotated) in.push_back(*o.cos), in.push_back(*o.sin);
+  append_head_operands(in, o, supported);
   const float eps = o.eps;
   auto fallback = [start, count, D, normalized, eps, rotated](const std::vector<mx::array>& in, mx::Stream s) {
     const auto& x = in[0];
@@ -182,7 +185,6 @@ mx::array heads(const mx::array& x, HeadColumns columns, const HeadsOptions& o, 
   });
 }
 
-
 mx::array heads_into_cache(const mx::array& x, HeadColumns columns, const HeadsOptions& o, const HeadsCache& target,
                            mx::StreamOrDevice s) {
   const auto& [cache, slots] = target;
@@ -196,8 +198,7 @@ mx::array heads_into_cache(const mx::array& x, HeadColumns columns, const HeadsO
   }
   supported = supported && cache.dtype() == mx::float32 && cache.shape(2) > 0;
   std::vector<mx::array> in = {cache, slots, x};
-  if (o.norm) in.push_back(supported ? row_contiguous(*o.norm) : *o.norm);
-  if (o.cos) in.push_back(*o.cos), in.push_back(*o.sin);
+  append_head_operands(in, o, supported);
   const bool rotated = o.cos.has_value(), normalized = o.norm.has_value();
   const float eps = o.eps;
   auto fallback = [columns, normalized, eps, rotated](const std::vector<mx::array>& in, mx::Stream s) {
