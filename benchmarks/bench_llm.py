@@ -14,7 +14,10 @@ repetitions interleaved (every variant of a config in each repetition) so
 that machine noise hits all alike. Each engine and format runs in a process
 of its own (loaded once, driven in turn by this one), as a user runs one:
 in one shared process both ours and llama.cpp decoded slower than alone,
-and not by the same factor (docs/benchmarks.md).
+and not by the same factor (docs/benchmarks.md). Our .pte and llama.cpp's
+GGUF are written by a process of their own before that one starts, as a
+user exports once and runs many times: a process that had exported the
+model decoded 4-12% slower than one that only loaded it (docs/benchmarks.md).
 
   ours (sampled)   executorch-mlx .pte, sampler on the device (T=0.8, seeded)
   ours (greedy)    the same program with T=0
@@ -29,6 +32,12 @@ and not by the same factor (docs/benchmarks.md).
   xnnpack          fp32 only: the same export lowered to ExecuTorch's XNNPACK
                    backend, logits to the host, torch sampling at 1 thread
   portable         fp32 only: the same export on ExecuTorch's portable kernels
+
+A second table pairs ours with llama.cpp repetition by repetition (their
+runs in one repetition are seconds apart; the machine's speed drifts over
+minutes): the median of the per-repetition ratios and the repetitions ours
+won. `--skip mlx-lm` leaves out mlx-lm (10 tok/s in int4 on this CPU: its
+runs put ~20 s between ours and llama.cpp's in each repetition).
 
 Each contender's decode rate is also given as a share of the memory bound:
 the machine's read bandwidth (measured at start, 2 threads) divided by the
@@ -53,8 +62,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 TEMPERATURE = 0.8
 SETTLE_S = 0.5
 
@@ -76,6 +83,8 @@ def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     hidden = hidden or (256 if small else 1024)
+    import torch
+
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers or (2 if small else 8), num_attention_heads=max(4, hidden // 64),
                       num_key_value_heads=max(1, hidden // 256), max_position_embeddings=8192,
@@ -94,12 +103,9 @@ VARIANTS = ("fp32", "bf16", "int8", "int4")
 GROUP_SIZE = 64
 
 
-def ours(folder: Path, out: Path, max_context: int, variant: str):
-    import numpy as np
-
+def ours_program(folder: Path, out: Path, max_context: int, variant: str) -> Path:
     from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.export.options import ExportOptions
-    from executorch_mlx.llm.run.runner import LLMRunner
 
     t0 = time.perf_counter()
     options = dict(dtype="bf16") if variant == "bf16" else dict(
@@ -108,6 +114,15 @@ def ours(folder: Path, out: Path, max_context: int, variant: str):
                      progress=None)
     print(f"exported ours {variant} in {time.perf_counter() - t0:.1f} s: {pte.stat().st_size / 2**20:.1f} MiB",
           flush=True)
+    return pte
+
+
+def ours(folder: Path, out: Path, max_context: int, variant: str):
+    import numpy as np
+
+    from executorch_mlx.llm.run.runner import LLMRunner
+
+    pte = out / f"ours-{variant}.pte"  # (prepare: ours_program)
     runner = LLMRunner(pte)
 
     names = runner.input_names[2:]  # after input_ids and cache_position: the sampler's
@@ -164,6 +179,7 @@ def mlx_lm_native(folder: Path, variant: str):
 def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
     """The same HF export as ours (logits of the last position), lowered to
     another ExecuTorch backend; sampling on the host."""
+    import torch
     from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
     from transformers import AutoModelForCausalLM
@@ -191,13 +207,24 @@ def executorch_baseline(folder: Path, name: str, partitioner, max_context: int):
     return [(f"fp32 {name} (sampled, host)", call)]
 
 
+LLAMA_CPP_QUANT = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+
+
+def llama_cpp_file(out: Path, variant: str) -> Path:
+    return out / f"llama-{LLAMA_CPP_QUANT[variant]}.gguf"
+
+
+def llama_cpp_program(folder: Path, out: Path, variant: str) -> Path:
+    from gguf_folder import write_gguf
+
+    return write_gguf(folder, llama_cpp_file(out, variant), LLAMA_CPP_QUANT[variant])
+
+
 def llama_cpp(folder: Path, out: Path, max_context: int, variant: str):
     import llama_cpp as lc
     import numpy as np
-    from gguf_folder import write_gguf
 
-    quant = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}[variant]
-    gguf = write_gguf(folder, out / f"llama-{quant}.gguf", quant)
+    gguf = llama_cpp_file(out, variant)  # (prepare: llama_cpp_program)
     llm = lc.Llama(str(gguf), n_ctx=max_context, n_threads=2, n_threads_batch=2, seed=42, verbose=False)
     vocab = llm.n_vocab()
 
@@ -248,6 +275,16 @@ def run_once(call, prompt: list[int], steps: int) -> tuple[float, float, list[in
     return prefill, (time.perf_counter() - t0) / steps, tokens
 
 
+def prepare(kind: str, variant: str, folder: str, out: str, max_context: str) -> int:
+    """Writes what an engine's worker loads (ours: the .pte; llama.cpp: the
+    GGUF), in a process of its own (Engine runs it before the worker)."""
+    if kind == "ours":
+        ours_program(Path(folder), Path(out), int(max_context), variant)
+    elif kind == "llama.cpp":
+        llama_cpp_program(Path(folder), Path(out), variant)
+    return 0
+
+
 def engine(kind: str, variant: str, folder: Path, out: Path, max_context: int):
     """The contenders of one engine and format, in this process."""
     if kind == "ours":
@@ -267,7 +304,10 @@ def serve_engine(kind: str, variant: str, folder: str, out: str, max_context: st
     """A worker: loads one engine's contenders, says their names and weight
     bytes, then runs `run_once` for each request line until stdin closes.
     Its protocol has stdout to itself; what else is printed goes to stderr."""
-    torch.set_num_threads(1)  # torch's spinning pool starves MLX's threads on few cores
+    if kind in ("xnnpack", "portable"):  # (the others do not run torch)
+        import torch
+
+        torch.set_num_threads(1)  # torch's spinning pool starves other threads on few cores
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     calls = dict(engine(kind, variant, Path(folder), Path(out), int(max_context)))
@@ -285,8 +325,11 @@ class Engine:
 
     def __init__(self, kind: str, variant: str, folder: Path, out: Path, max_context: int):
         self.kind, self.variant = kind, variant
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", kind, variant, str(folder), str(out),
-                                      str(max_context)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        args = [kind, variant, str(folder), str(out), str(max_context)]
+        if kind in ("ours", "llama.cpp"):
+            subprocess.run([sys.executable, __file__, "--prepare", *args], check=True)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         self.weight_bytes = self._answer("loading")
 
     def run(self, name: str, prompt: list[int], steps: int) -> tuple[float, float, list[int]]:
@@ -309,7 +352,7 @@ def bench_config(config: str, args, tmp: Path) -> None:
     out = tmp / f"{config}-pte"
     out.mkdir()
     kinds = [(kind, variant) for variant in args.variants for kind in ("ours", "mlx-lm", "llama.cpp")
-             if not (kind == "llama.cpp" and (variant == "bf16" or "llama.cpp" in args.skip))]
+             if kind not in args.skip and not (kind == "llama.cpp" and variant == "bf16")]
     kinds += [(kind, "fp32") for kind in ("xnnpack", "portable") if "fp32" in args.variants and kind not in args.skip]
     engines = []
     try:
@@ -355,18 +398,45 @@ def measure(config: str, args, engines: list[Engine]) -> None:
     for name, (prefill, decode) in median.items():
         variant, who = name.split(" ", 1)
         mode = "greedy" if "greedy" in name else "sampled"
-        base = median[f"{variant} mlx-lm ({mode})"]
-        peer = median.get(f"{variant} llama.cpp ({mode})")
-        vs_peer = [f"{ours / theirs:.2f}x" for ours, theirs in zip((prefill, decode), peer)] if peer else ["-", "-"]
+        vs = [ratios((prefill, decode), median.get(f"{variant} {peer} ({mode})")) for peer in ("mlx-lm", "llama.cpp")]
         share = f"{decode * weight_bytes[name] / args.bandwidth:.2f}" if weight_bytes[name] else "-"
-        print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {prefill / base[0]:.2f}x | "
-              f"{decode / base[1]:.2f}x | {vs_peer[0]} | {vs_peer[1]} | {share} |")
+        print(f"| {variant} | {who} | {prefill:.1f} | {decode:.1f} | {vs[0][0]} | {vs[0][1]} | {vs[1][0]} | "
+              f"{vs[1][1]} | {share} |")
+    print_paired(results, args.variants)
+
+
+def ratios(ours: tuple[float, float], theirs: tuple[float, float] | None) -> list[str]:
+    return [f"{a / b:.2f}x" for a, b in zip(ours, theirs)] if theirs else ["-", "-"]
+
+
+def print_paired(results: dict, variants: list[str]) -> None:
+    """Ours against llama.cpp repetition by repetition (the two runs of a
+    repetition are seconds apart, where the machine's speed drifts over
+    minutes): the median of the per-repetition ratios, and in how many
+    repetitions ours was faster."""
+    rows = []
+    for variant in variants:
+        for mode in ("greedy", "sampled"):
+            ours, theirs = results.get(f"{variant} ours ({mode})"), results.get(f"{variant} llama.cpp ({mode})")
+            if not (ours and theirs):
+                continue
+            cells = []
+            for part in (0, 1):  # prefill, decode seconds: a ratio of theirs to ours is ours' speed-up
+                paired = [b[part] / a[part] for a, b in zip(ours, theirs)]
+                cells.append(f"{statistics.median(paired):.2f}x ({sum(r > 1 for r in paired)}/{len(paired)})")
+            rows.append(f"| {variant} | {mode} | {cells[0]} | {cells[1]} |")
+    if rows:
+        print("\nOurs against llama.cpp, paired by repetition: median ratio (repetitions where ours was faster)\n")
+        print("| weights | mode | prefill | decode |\n|---|---|---|---|")
+        print("\n".join(rows))
     print(flush=True)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--engine"]:
         return serve_engine(*sys.argv[2:])
+    if sys.argv[1:2] == ["--prepare"]:
+        return prepare(*sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["large", "small"], choices=["large", "small"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -376,7 +446,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32, help="decode steps per repetition")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-context", type=int, default=256)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["xnnpack", "portable", "llama.cpp"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["xnnpack", "portable", "llama.cpp", "mlx-lm"])
     args = ap.parse_args()
     try:
         import mlx_lm  # noqa: F401
