@@ -1,18 +1,22 @@
-"""Prefill after a pause: the same 64-token prefill right after the previous
-call and after pauses of 10, 60 and 500 ms, in one process, interleaved.
+"""A call after a pause: the same 64-token prefill and the 32 greedy decode
+steps after it, run right after the previous call and after pauses of 10,
+60 and 500 ms, in one process, interleaved.
 
     .venv/bin/python benchmarks/bench_pauses.py                  # int4, 8 rounds
     .venv/bin/python benchmarks/bench_pauses.py --variant fp32 --rounds 5
+    .venv/bin/python benchmarks/bench_pauses.py --config small   # per-step costs dominate
 
 A chat's turns and a server's requests come after pauses. Each call's graph
 is built on the caller's thread while MLX's stream thread runs it; after a
 pause, Linux can wake the one onto the other's CPU (an idle virtual CPU can
-look busy to it), and both then share one core for milliseconds (our
-pool, docs/lowering.md). The ratio of each pause's median
-to the back-to-back median, measured in the same run, should be 1.00.
+look busy to it), and both then share one core (our pool, docs/lowering.md):
+for milliseconds in a prefill, and for whole decode runs of a small model.
+The ratio of each pause's median to the back-to-back median, measured in
+the same run, should be 1.00.
 
-The "large" Llama config of bench_llm.py (~104M parameters, random
-weights), greedy, max context 256; bench_llm.py's call of the program.
+A Llama config of bench_llm.py ("large": ~104M parameters; "small": 2
+layers, hidden 256; random weights), greedy, max context 256; bench_llm.py's
+call of the program.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from bench_llm import GROUP_SIZE, VARIANTS, load_average, machine, write_folder
 
 PROMPT = [(31 * i + 7) % 32000 for i in range(64)]
 PAUSES_S = (0.0, 0.01, 0.06, 0.5)
+STEPS = 32
 
 
-def prefill_call(pte: Path):
+def generate_call(pte: Path):
+    """A call of the program as bench_llm.py makes it: (prefill ms, mean decode step ms)."""
     import numpy as np
 
     from executorch_mlx.llm.run.runner import LLMRunner
@@ -39,14 +45,28 @@ def prefill_call(pte: Path):
     names = runner.input_names[2:]
     given = {"temperature": np.array(0.0, dtype=np.float32), "seed": np.array(42), "position": np.array(0)}
     sampler = runner.sampler_values(names, given)
-    ids, positions = np.array([PROMPT]), np.arange(len(PROMPT))
-    return lambda: runner.method.execute([ids, positions] + sampler)
+    at = names.index("position")
+
+    def step(ids: list[int], start: int) -> int:
+        sampler[at] = np.array(start)
+        return int(runner.method.execute([np.array([ids]), np.arange(start, start + len(ids))] + sampler)[0][0])
+
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        token = step(PROMPT, 0)
+        t1 = time.perf_counter()
+        for i in range(STEPS):
+            token = step([token], len(PROMPT) + i)
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3 / STEPS
+
+    return run
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="int4", choices=[v for v in VARIANTS if v != "bf16"])
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--config", default="large", choices=["large", "small"])
     args = ap.parse_args()
     from executorch_mlx.llm.export.hf_export import export_llm
     from executorch_mlx.llm.export.options import ExportOptions
@@ -54,27 +74,28 @@ def main() -> int:
     print("command: " + " ".join(sys.argv))
     print(f"machine: {machine()}; load average at start: {load_average()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_folder(Path(tmp) / "large", small=False, layers=None, hidden=None)
+        folder = write_folder(Path(tmp) / args.config, small=args.config == "small", layers=None, hidden=None)
         quantized = dict(quantize=args.variant, group_size=GROUP_SIZE, quantize_embedding=True)
         pte = export_llm(folder, Path(tmp) / f"ours-{args.variant}.pte",
                          ExportOptions(max_context=256, **(quantized if args.variant != "fp32" else {})), progress=None)
-        call = prefill_call(pte)
-        call()  # warm-up
+        run = generate_call(pte)
+        run()  # warm-up
         ms = {pause: [] for pause in PAUSES_S}
         for r in range(args.rounds):
             for pause in PAUSES_S[r % len(PAUSES_S):] + PAUSES_S[:r % len(PAUSES_S)]:  # rotating order
-                call()  # the call the pause follows
+                run()  # the call the pause follows
                 time.sleep(pause)
-                t0 = time.perf_counter()
-                call()
-                ms[pause].append((time.perf_counter() - t0) * 1e3)
-    base = statistics.median(ms[0.0])
-    print(f"\n{args.variant}, 64-token prefill, median of {args.rounds} rounds\n")
-    print("| pause before the call | prefill ms | every round | vs back-to-back |")
-    print("|---|---|---|---|")
+                ms[pause].append(run())
+    base = [statistics.median(part) for part in zip(*ms[0.0])]
+    print(f"\n{args.config} {args.variant}: a 64-token prefill, then {STEPS} decode steps; median of {args.rounds} "
+          "rounds\n")
+    print("| pause before the call | prefill ms | decode step ms | every round (prefill / step) | vs back-to-back |")
+    print("|---|---|---|---|---|")
     for pause, runs in ms.items():
-        median = statistics.median(runs)
-        print(f"| {pause * 1e3:.0f} ms | {median:.1f} | {' '.join(f'{v:.0f}' for v in runs)} | {median / base:.2f}x |")
+        prefill, step = (statistics.median(part) for part in zip(*runs))
+        rounds = " ".join(f"{p:.0f}/{d:.2f}" for p, d in runs)
+        print(f"| {pause * 1e3:.0f} ms | {prefill:.1f} | {step:.3f} | {rounds} | {prefill / base[0]:.2f}x, "
+              f"{step / base[1]:.2f}x |")
     print(f"load average at end: {load_average()}")
     return 0
 

@@ -788,6 +788,7 @@ void Program::reset_after_failure(const std::string& reason) {
 std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const std::vector<int64_t>& symbols) {
   std::lock_guard<std::mutex> lock(mlx_mutex());
   use_thread_stream();
+  const KeptApart apart;
   auto* buffers = graph_->mutable_buffers();
   std::vector<mx::array> outs, updates;
   {
@@ -833,7 +834,10 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   all.insert(all.end(), updates.begin(), updates.end());
   try {
     mx::async_eval(all);
-    if (auto done = queued_so_far()) wait_helping(done);
+    if (auto done = queued_so_far()) {
+      wait_helping(done);
+      remember_stream_thread();
+    }
     mx::eval(all);  // (done by now on the CPU: this reports a failure)
   } catch (const std::exception& e) {
     reset_after_failure(std::string("evaluation failed: ") + e.what());

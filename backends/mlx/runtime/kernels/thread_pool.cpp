@@ -13,6 +13,7 @@
 
 #if defined(__linux__)
 #include <sched.h>
+#include <unistd.h>
 #endif
 
 namespace emlx {
@@ -64,6 +65,18 @@ class AwayFrom {
 
 // The CPU where MLX's stream thread last ran a task of ours.
 std::atomic<int> kernel_cpu{-1};
+std::atomic<int64_t> kernel_thread{0};  // (a Linux thread id)
+
+int64_t current_thread() {
+#if defined(__linux__)
+  static thread_local const int64_t me = gettid();
+  return me;
+#else
+  return 0;
+#endif
+}
+
+thread_local int64_t stream_thread = 0;  // of the graphs the calling thread builds
 
 class Pool {
  public:
@@ -227,7 +240,62 @@ void help_until(const std::function<bool()>& done) { pool().help_until(done, poo
 
 void wake_helpers() { pool().wake(); }
 
-void note_kernel_cpu() { kernel_cpu.store(current_cpu(), std::memory_order_relaxed); }
+void note_kernel_cpu() {
+  kernel_cpu.store(current_cpu(), std::memory_order_relaxed);
+  kernel_thread.store(current_thread(), std::memory_order_relaxed);
+}
+
+void remember_stream_thread() { stream_thread = kernel_thread.load(std::memory_order_relaxed); }
+
+#if defined(__linux__)
+struct KeptApart::Masks {
+  pid_t stream;
+  cpu_set_t builder_was, stream_was;
+};
+
+KeptApart::KeptApart() {
+  if (pool_size() < 2 || stream_thread == 0) return;
+  Masks m;
+  m.stream = static_cast<pid_t>(stream_thread);
+  if (sched_getaffinity(0, sizeof m.builder_was, &m.builder_was) != 0 || CPU_COUNT(&m.builder_was) < 2 ||
+      sched_getaffinity(m.stream, sizeof m.stream_was, &m.stream_was) != 0) {
+    return;
+  }
+  // The stream thread's CPU: one both may run on, the one it last ran on
+  // unless the builder is there (then the builder moves only if it must).
+  cpu_set_t both;
+  CPU_AND(&both, &m.builder_was, &m.stream_was);
+  const int here = current_cpu(), last = kernel_cpu.load(std::memory_order_relaxed);
+  int own = last >= 0 && last < CPU_SETSIZE && last != here && CPU_ISSET(last, &both) ? last : -1;
+  for (int c = 0; c < CPU_SETSIZE && own < 0; ++c) {
+    if (c != here && CPU_ISSET(c, &both)) own = c;
+  }
+  if (own < 0) {
+    if (here < 0 || here >= CPU_SETSIZE || !CPU_ISSET(here, &both)) return;
+    own = here;
+  }
+  cpu_set_t one, rest = m.builder_was;
+  CPU_ZERO(&one);
+  CPU_SET(own, &one);
+  CPU_CLR(own, &rest);
+  if (sched_setaffinity(m.stream, sizeof one, &one) != 0) return;  // (it ended: another stream's)
+  if (sched_setaffinity(0, sizeof rest, &rest) != 0) {
+    sched_setaffinity(m.stream, sizeof m.stream_was, &m.stream_was);
+    return;
+  }
+  saved_ = std::make_unique<Masks>(m);
+}
+
+KeptApart::~KeptApart() {
+  if (!saved_) return;
+  sched_setaffinity(0, sizeof saved_->builder_was, &saved_->builder_was);
+  sched_setaffinity(saved_->stream, sizeof saved_->stream_was, &saved_->stream_was);
+}
+#else
+struct KeptApart::Masks {};
+KeptApart::KeptApart() {}
+KeptApart::~KeptApart() {}
+#endif
 
 bool step_aside() {
   const int at = current_cpu();
