@@ -321,12 +321,13 @@ def serve_engine(kind: str, variant: str, folder: str, out: str, max_context: st
 
 class Engine:
     """One engine's worker process (serve_engine), started and loaded before
-    the next starts, so that no two exports or loads overlap."""
+    the next starts, so that no two exports or loads overlap. `prepare`:
+    write its file first (False: the caller has written it, see prepare)."""
 
-    def __init__(self, kind: str, variant: str, folder: Path, out: Path, max_context: int):
+    def __init__(self, kind: str, variant: str, folder: Path, out: Path, max_context: int, prepare: bool = True):
         self.kind, self.variant = kind, variant
         args = [kind, variant, str(folder), str(out), str(max_context)]
-        if kind in ("ours", "llama.cpp"):
+        if prepare and kind in ("ours", "llama.cpp"):
             subprocess.run([sys.executable, __file__, "--prepare", *args], check=True)
         self.proc = subprocess.Popen([sys.executable, __file__, "--engine", *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
