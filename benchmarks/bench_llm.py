@@ -34,9 +34,9 @@ model decoded 4-12% slower than one that only loaded it (docs/benchmarks.md).
   portable         fp32 only: the same export on ExecuTorch's portable kernels
 
 A second table pairs ours with llama.cpp repetition by repetition (their
-runs in one repetition are seconds apart; the machine's speed drifts over
-minutes): the median of the per-repetition ratios and the repetitions ours
-won. `--skip mlx-lm` leaves out mlx-lm (10 tok/s in int4 on this CPU: its
+runs in one repetition are seconds apart; the machine's speed drifts by tens
+of percent between repetitions): the median of the per-repetition ratios
+and the repetitions ours won. `--skip mlx-lm` leaves out mlx-lm (10 tok/s in int4 on this CPU: its
 runs put ~20 s between ours and llama.cpp's in each repetition).
 
 Each contender's decode rate is also given as a share of the memory bound:
@@ -80,11 +80,10 @@ def load_average() -> str:
 
 
 def write_folder(path: Path, small: bool, layers: int | None, hidden: int | None) -> Path:
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     hidden = hidden or (256 if small else 1024)
-    import torch
-
     cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers or (2 if small else 8), num_attention_heads=max(4, hidden // 64),
                       num_key_value_heads=max(1, hidden // 256), max_position_embeddings=8192,
@@ -412,9 +411,8 @@ def ratios(ours: tuple[float, float], theirs: tuple[float, float] | None) -> lis
 
 def print_paired(results: dict, variants: list[str]) -> None:
     """Ours against llama.cpp repetition by repetition (the two runs of a
-    repetition are seconds apart, where the machine's speed drifts over
-    minutes): the median of the per-repetition ratios, and in how many
-    repetitions ours was faster."""
+    repetition are seconds apart, repetitions a minute or more): the median
+    of the per-repetition ratios, and in how many repetitions ours was faster."""
     rows = []
     for variant in variants:
         for mode in ("greedy", "sampled"):
