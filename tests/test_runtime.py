@@ -106,6 +106,54 @@ print(same)
     assert out == ["True", "True"]
 
 
+class Products(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to keep apart")
+def test_a_call_keeps_the_stream_thread_and_the_caller_on_cpus_of_their_own(tmp_path):
+    """From a thread's second call on (its first finds its stream thread),
+    MLX's stream thread may run on one CPU only and the caller only on the
+    others while the call runs (kernels/thread_pool.h: KeptApart); after
+    it both are as they were. Watched from another thread, which runs
+    while the call does (our runner's calls release the GIL)."""
+    path = tmp_path / "products.pte"
+    model, x = Products(), torch.randn(1024, 1024)
+    path.write_bytes(lower(model, (x,)).to_executorch().buffer)
+    code = f"""
+import os, threading, time
+import numpy as np
+from executorch_mlx.loaded_program import LoadedProgram
+method = LoadedProgram({str(path)!r}).load_method("forward")
+x = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+method.execute([x])
+main, cpus = threading.get_native_id(), os.sched_getaffinity(0)
+seen, done = [], threading.Event()
+def watch():
+    while not done.is_set():
+        masks = {{int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}}
+        own = [m for t, m in masks.items() if t != main and len(m) == 1 and m < cpus]
+        seen.extend(m for m in own if masks[main] == cpus - m)
+        time.sleep(0.0005)
+watcher = threading.Thread(target=watch)
+watcher.start()
+for _ in range(3):
+    method.execute([x])
+done.set()
+watcher.join()
+print(bool(seen), os.sched_getaffinity(0) == cpus)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
+
+
 class Twice(torch.nn.Module):
     def forward(self, x):
         return x * 2
