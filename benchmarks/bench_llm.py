@@ -116,28 +116,33 @@ def ours_program(folder: Path, out: Path, max_context: int, variant: str) -> Pat
     return pte
 
 
-def ours(folder: Path, out: Path, max_context: int, variant: str):
+def program_call(runner, temperature: float):
+    """call(ids, start) -> the token our program emits for `ids` at positions
+    start, start + 1, ...: every sampler input the program takes at
+    `temperature` (seed 42), what is not given off."""
     import numpy as np
 
+    names = runner.input_names[2:]  # after input_ids and cache_position: the sampler's
+    given = {"temperature": np.array(temperature, dtype=np.float32), "seed": np.array(42), "position": np.array(0)}
+    sampler = runner.sampler_values(names, given)
+    at = names.index("position")
+
+    def call(ids: list[int], start: int) -> int:
+        sampler[at] = np.array(start)
+        inputs = [np.array([ids]), np.arange(start, start + len(ids))] + sampler
+        return int(runner.method.execute(inputs)[0][0])
+
+    return call
+
+
+def ours(folder: Path, out: Path, max_context: int, variant: str):
     from executorch_mlx.llm.run.runner import LLMRunner
 
     pte = out / f"ours-{variant}.pte"  # (prepare: ours_program)
     runner = LLMRunner(pte)
 
-    names = runner.input_names[2:]  # after input_ids and cache_position: the sampler's
-
     def make(temperature: float):
-        # every sampler input the program takes; what is not given is off
-        given = {"temperature": np.array(temperature, dtype=np.float32), "seed": np.array(42),
-                 "position": np.array(0)}
-        sampler = runner.sampler_values(names, given)
-        at = names.index("position")
-
-        def call(ids: list[int], start: int) -> int:
-            sampler[at] = np.array(start)
-            inputs = [np.array([ids]), np.arange(start, start + len(ids))] + sampler
-            return int(runner.method.execute(inputs)[0][0])
-
+        call = program_call(runner, temperature)
         call.weight_bytes = pte.stat().st_size
         return call
 

@@ -17,31 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
-from bench_llm import load_average, machine
+from bench_llm import load_average, machine, program_call, run_once
 
 PROMPT = list(range(1, 65))
 STEPS = 32
-
-
-def decode_call(pte: Path):
-    import numpy as np
-
-    from executorch_mlx.llm.run.runner import LLMRunner
-
-    runner = LLMRunner(pte)
-    names = runner.input_names[2:]
-    given = {"temperature": np.array(0.0, dtype=np.float32), "seed": np.array(42), "position": np.array(0)}
-    sampler = runner.sampler_values(names, given)
-    at = names.index("position")
-
-    def call(ids: list[int], start: int) -> int:
-        sampler[at] = np.array(start)
-        return int(runner.method.execute([np.array([ids]), np.arange(start, start + len(ids))] + sampler)[0][0])
-
-    return call
 
 
 def main() -> int:
@@ -52,15 +33,13 @@ def main() -> int:
     if len(args.programs) < 2:
         ap.error("give at least two programs")
     print(f"machine: {machine()}; load average at start: {load_average()}")
-    calls = [decode_call(p) for p in args.programs]
+    from executorch_mlx.llm.run.runner import LLMRunner
+
+    calls = [program_call(LLMRunner(p), 0.0) for p in args.programs]
     steps: list[list[float]] = [[] for _ in calls]
     for _ in range(args.reps):
         for call, times in zip(calls, steps):
-            token = call(PROMPT, 0)
-            t0 = time.perf_counter()
-            for i in range(STEPS):
-                token = call([token], len(PROMPT) + i)
-            times.append((time.perf_counter() - t0) / STEPS)
+            times.append(run_once(call, PROMPT, STEPS)[1])
     print(f"\n{args.reps} repetitions, each: a {len(PROMPT)}-token prefill, then {STEPS} greedy decode steps\n")
     print("| program | decode tok/s (median) | speed vs the first (median of pairs) | mean | wins |")
     print("|---|---|---|---|---|")

@@ -28,38 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_llm import GROUP_SIZE, VARIANTS, load_average, machine, write_folder
+from bench_llm import GROUP_SIZE, VARIANTS, load_average, machine, program_call, run_once, write_folder
 
 PROMPT = [(31 * i + 7) % 32000 for i in range(64)]
 PAUSES_S = (0.0, 0.01, 0.06, 0.5)
 STEPS = 32
-
-
-def generate_call(pte: Path):
-    """A call of the program as bench_llm.py makes it: (prefill ms, mean decode step ms)."""
-    import numpy as np
-
-    from executorch_mlx.llm.run.runner import LLMRunner
-
-    runner = LLMRunner(pte)
-    names = runner.input_names[2:]
-    given = {"temperature": np.array(0.0, dtype=np.float32), "seed": np.array(42), "position": np.array(0)}
-    sampler = runner.sampler_values(names, given)
-    at = names.index("position")
-
-    def step(ids: list[int], start: int) -> int:
-        sampler[at] = np.array(start)
-        return int(runner.method.execute([np.array([ids]), np.arange(start, start + len(ids))] + sampler)[0][0])
-
-    def run() -> tuple[float, float]:
-        t0 = time.perf_counter()
-        token = step(PROMPT, 0)
-        t1 = time.perf_counter()
-        for i in range(STEPS):
-            token = step([token], len(PROMPT) + i)
-        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3 / STEPS
-
-    return run
 
 
 def main() -> int:
@@ -78,7 +51,14 @@ def main() -> int:
         quantized = dict(quantize=args.variant, group_size=GROUP_SIZE, quantize_embedding=True)
         pte = export_llm(folder, Path(tmp) / f"ours-{args.variant}.pte",
                          ExportOptions(max_context=256, **(quantized if args.variant != "fp32" else {})), progress=None)
-        run = generate_call(pte)
+        from executorch_mlx.llm.run.runner import LLMRunner
+
+        call = program_call(LLMRunner(pte), 0.0)
+
+        def run() -> tuple[float, float]:  # (prefill ms, mean decode step ms)
+            prefill, step, _ = run_once(call, PROMPT, STEPS)
+            return prefill * 1e3, step * 1e3
+
         run()  # warm-up
         ms = {pause: [] for pause in PAUSES_S}
         for r in range(args.rounds):
