@@ -268,6 +268,44 @@ def test_a_tied_table_is_tiled_for_its_head_and_its_embedding_reads_rows_of_the_
     assert torch.equal(logits[0], alone)
 
 
+def test_embedding_rows_are_the_mlx_ops_rows_bit_for_bit(tmp_path):
+    """An embedding's rows come from one kernel of ours on a CPU stream
+    (kernels/quantized_rows.h) where MLX's dequantize composes ~45 arrays:
+    2-, 4- and 8-bit tables, float32 and bfloat16 scales, a bfloat16
+    program (rounded after the product and after the bias, as MLX's ops
+    round), a tied table read from its tiles; ids negative and out of range
+    (clamped) included. Each equals the MLX-ops path (what GPUs run,
+    EMLX_DISABLE_CPU_KERNELS=1, in a process of its own) bit for bit."""
+    torch.manual_seed(3)
+    weight = torch.randn(37, 128)
+    ids = torch.tensor([[0, 15, 16, 31, 32, 36, -1, -37, 99, -99, 7]])
+    tables = {f"int{bits}": QEmbedding(weight, 64, bits) for bits in (2, 4, 8)}
+    tables["int4 bf16 scales"] = QEmbedding(weight, 32, 4)
+    tables["int4 bf16 scales"].table = QuantizedTable(weight, QuantFormat(4, 32, bf16_params=True))
+    tables["int8 bf16 program"] = QEmbedding(weight.to(torch.bfloat16), 64, 8)
+    tables["int4 tied"] = TiedTable(weight, 64, 4)
+    cases = []
+    for name, model in tables.items():
+        pte = tmp_path / f"{name.replace(' ', '_')}.pte"
+        pte.write_bytes(lower(model.eval(), (ids[:, :4],), dynamic_shapes=({1: torch.export.Dim("n", max=16)},))
+                        .to_executorch().buffer)
+        cases.append(str(pte))
+    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime\n"
+              "ids = torch.tensor(" + str(ids.tolist()) + "); out = []\n"
+              "for pte in sys.argv[1:-1]:\n"
+              "    p = Runtime.get().load_program(open(pte, 'rb').read())\n"
+              "    out.append(p.load_method('forward').execute([ids])[0].clone())\n"
+              "torch.save(out, sys.argv[-1])")
+    subprocess.run([sys.executable, "-c", script, *cases, tmp_path / "mlx_ops.pt"], check=True,
+                   env={**os.environ, "EMLX_DISABLE_CPU_KERNELS": "1"})
+    want = torch.load(tmp_path / "mlx_ops.pt")
+    for name, pte, expected in zip(tables, cases, want):
+        got = run(Path(pte).read_bytes(), [ids])[0]
+        assert got.dtype == expected.dtype and torch.equal(got, expected), name
+    clamped = ids.clamp(-37, 36) % 37
+    torch.testing.assert_close(want[1], dequantized(tables["int4"].table)[clamped], atol=1e-6, rtol=1e-6)
+
+
 def test_every_x86_build_computes_each_row_alone(tmp_path):
     """The integer kernel is built in plain C++ and for AVX2, AVX-VNNI and
     AVX-512 VNNI (EMLX_X86_KERNELS caps the build a process uses, so each

@@ -18,6 +18,7 @@
 #include "kernels/linear.h"
 #include "kernels/matmul.h"
 #include "kernels/norm.h"
+#include "kernels/quantized_rows.h"
 #include "kernels/rope.h"
 #include "kernels/sampler.h"
 #include "kernels/state_scan.h"
@@ -327,18 +328,9 @@ void exec_QuantizedEmbeddingNode(Interpreter& st, const ir::QuantizedEmbeddingNo
   q.tiled = st.tiled(n->weight());  // a tied output layer's (Program::tile_quantized_weights)
   const int K = q.w.ndim() == 2 ? static_cast<int>(static_cast<int64_t>(q.w.shape(1)) * 32 / std::max(q.bits, 1)) : 0;
   check_quantization("QuantizedEmbeddingNode", q, K);
-  auto ids = in_range(st.get(n->indices()), q.w.shape(0), "QuantizedEmbeddingNode");
-  std::vector<mx::array> tables = {q.w, q.scales};
-  if (q.biases) tables.push_back(*q.biases);
-  auto rows = take_rows(tables, ids, q.tiled);
-  // rows in the node's dtype; affine ones computed in float32 when the
-  // scales' type is not that dtype (as the reference op computes them)
-  const auto dtype = to_mlx_dtype(n->dtype());
-  const bool widen = q.mode == "affine" && q.scales.dtype() != dtype;
-  auto param = [&](const mx::array& a) { return widen ? mx::astype(a, mx::float32) : a; };
-  auto biases = q.biases ? std::optional<mx::array>(param(rows[2])) : std::nullopt;
-  st.set(n->out(), mx::dequantize(mx::view(rows[0], mx::uint32), param(rows[1]), biases, q.group_size, q.bits,
-                                  q.mode, std::nullopt, dtype));
+  const auto& ids = st.get(n->indices());
+  check_indices(ids, q.w.shape(0), "QuantizedEmbeddingNode");
+  st.set(n->out(), quantized_rows(q, ids, to_mlx_dtype(n->dtype())));
 }
 
 namespace {
