@@ -320,6 +320,17 @@ int64_t draw(const std::vector<int>& ids, const std::vector<double>& e, size_t n
   return last;  // rounding carried the target past the end
 }
 
+// Whether penalize() would change a token of the row: penalties off (their
+// neutral values), bias entries all padding and no mask leave it as it is.
+bool rewrites(const Row& r, int V) {
+  if (r.mask) return true;
+  if (r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f)) return true;
+  for (int j = 0; j < r.bias_len; ++j) {
+    if (r.bias_ids[j] >= 0 && r.bias_ids[j] < V) return true;
+  }
+  return false;
+}
+
 int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
   thread_local std::vector<float> copy, zs, tmp;
   thread_local std::vector<double> sums, mass;
@@ -328,7 +339,7 @@ int64_t sample_row(const float* logits, int V, const Row& r, const Passes& p) {
   // The row is only read, except when penalties, a bias or a mask rewrite
   // tokens: then a copy (NaN as -inf) takes them.
   const float* x = logits;
-  if (r.history_len || r.bias_len || r.mask) {
+  if (rewrites(r, V)) {
     copy.resize(V);
     p.load(logits, copy.data(), V);
     penalize(copy.data(), V, r, ids);
