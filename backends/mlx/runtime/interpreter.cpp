@@ -717,15 +717,18 @@ namespace {
 // On the CPU, a task queued after the graph's tasks so far: once it has run,
 // so have they (the stream's one thread runs its tasks in order). Waiting on
 // it with help_until, the builder runs kernel items meanwhile rather than
-// sleep; nullptr on other devices.
+// sleep; nullptr on other devices. With `more` (the graph is still being
+// built) the stream thread lingers for the next batch (thread_pool.h).
 using Done = std::shared_ptr<std::atomic<bool>>;
-Done queued_so_far() {
+Done queued_so_far(bool more) {
   if (mx::default_device() != mx::Device::cpu) return nullptr;
   auto done = std::make_shared<std::atomic<bool>>(false);
-  mx::scheduler::enqueue(mx::default_stream(mx::default_device()), [done] {
+  const uint64_t seen = dispatches();
+  mx::scheduler::enqueue(mx::default_stream(mx::default_device()), [done, more, seen] {
     note_kernel_cpu();
     done->store(true, std::memory_order_release);
     wake_helpers();
+    if (more) linger(seen);
   });
   return done;
 }
@@ -770,7 +773,7 @@ void Program::build(Interpreter& st, const std::vector<mx::array>& inputs,
     older = std::move(newer);
     newer = written[0];
     older_done = std::move(newer_done);
-    newer_done = queued_so_far();
+    newer_done = queued_so_far(true);
   }
 }
 
@@ -834,7 +837,7 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   all.insert(all.end(), updates.begin(), updates.end());
   try {
     mx::async_eval(all);
-    if (auto done = queued_so_far()) {
+    if (auto done = queued_so_far(false)) {
       wait_helping(done);
       remember_stream_thread();
     }

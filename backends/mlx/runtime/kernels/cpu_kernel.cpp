@@ -35,6 +35,7 @@ void CpuKernel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     note_kernel_cpu();
     run(inputs, out);
   });
+  note_dispatch();
 }
 
 void copy_unless_donated(const mx::array& first, mx::array& out) {

@@ -78,6 +78,15 @@ int64_t current_thread() {
 
 thread_local int64_t stream_thread = 0;  // of the graphs the calling thread builds
 
+// A spin-wait hint: the core's other hardware thread, if any, gets its share.
+inline void relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 class Pool {
  public:
   explicit Pool(int workers) {
@@ -122,8 +131,6 @@ class Pool {
     // the core (another process, on a machine with no core to spare): then
     // every helper sleeps for a while rather than spin.
     using clock = std::chrono::steady_clock;
-    constexpr auto kSpin = std::chrono::microseconds(200), kTaken = std::chrono::microseconds(100);
-    constexpr auto kBackOff = std::chrono::milliseconds(50);
     auto idle_since = clock::now();
     while (!done()) {
       const uint64_t t = ticket_.load();
@@ -152,6 +159,18 @@ class Pool {
       idle_since = clock::now();
     }
   }
+
+  void linger(uint64_t seen) {
+    using clock = std::chrono::steady_clock;
+    const auto until = clock::now() + kLinger;
+    if (until.time_since_epoch().count() <= no_spin_until_.load()) return;
+    while (dispatches_.load(std::memory_order_acquire) == seen && clock::now() < until) {
+      for (int i = 0; i < 16; ++i) relax();
+    }
+  }
+
+  void note_dispatch() { dispatches_.fetch_add(1, std::memory_order_release); }
+  uint64_t dispatches() const { return dispatches_.load(std::memory_order_acquire); }
 
   void wake() {
     // (taking the lock orders this after a helper's check of done(): it is
@@ -198,6 +217,10 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};
   std::atomic<int> pending_{0};
   std::atomic<int64_t> no_spin_until_{0};  // (steady_clock ticks)
+  std::atomic<uint64_t> dispatches_{0};
+  static constexpr auto kSpin = std::chrono::microseconds(200), kTaken = std::chrono::microseconds(100);
+  static constexpr auto kLinger = std::chrono::microseconds(50);
+  static constexpr auto kBackOff = std::chrono::milliseconds(50);
 };
 
 Pool& pool() {
@@ -239,6 +262,12 @@ int pool_size() {
 void help_until(const std::function<bool()>& done) { pool().help_until(done, pool_size() > 1); }
 
 void wake_helpers() { pool().wake(); }
+
+void note_dispatch() { pool().note_dispatch(); }
+uint64_t dispatches() { return pool().dispatches(); }
+void linger(uint64_t seen) {
+  if (pool_size() > 1) pool().linger(seen);
+}
 
 void note_kernel_cpu() {
   kernel_cpu.store(current_cpu(), std::memory_order_relaxed);

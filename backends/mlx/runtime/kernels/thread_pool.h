@@ -58,6 +58,20 @@ class KeptApart {
 // the thread that ran it is its graphs' stream thread.
 void remember_stream_thread();
 
+// MLX's stream thread sleeps on a condition variable whenever its queue is
+// empty, and the builder's next task then wakes it: a futex wake-up on the
+// builder's side, a reschedule on the other (on a small model's decode,
+// ~15% of the builder's time went to waking it). note_dispatch counts the
+// tasks our kernels queue (CpuKernel::eval_cpu); at the end of a batch the
+// stream thread calls linger(dispatches() as the batch was queued), which
+// spins until the builder has queued a kernel of ours since, or for 50 us
+// at most (none with one thread for the kernels, or while the helpers back
+// off: another process wants the cores). Longer (200 us) cost a large
+// model's decode 3%: the builder is then often slower than that.
+void note_dispatch();
+uint64_t dispatches();
+void linger(uint64_t seen);
+
 // Runs fn(r0, r1) over [0, rows) in chunks of `chunk` rows spread over the
 // pool; as many rows as one chunk (a decode step's) run on the caller, not
 // worth waking the pool for.
