@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run
-from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB, draws, edge_draws, greedy_draws,
-                           oracle, reference_tokens, shared_word_draws, write_programs)
+from sampler_cases import (CALLS, CASES, EDGE_ROWS, HISTORY, LOGITS, ROWS, VOCAB, all_parameters_method, calls, draws,
+                           edge_draws, greedy_draws, oracle, reference_tokens, shared_word_draws, write_programs)
 from scipy.stats import chisquare
 
 from executorch_mlx.llm.run.decode import SampledDecoder
@@ -106,6 +106,23 @@ def test_infinite_temperature_and_overflow_rows_draw_only_allowed_tokens(path, r
     tokens = edge_draws() if path == "native" else request.getfixturevalue("mlx_ops_draws")["edge"]
     for kind, (_, _, allowed, *_) in enumerate(EDGE_ROWS):
         assert set(tokens[:, kind::len(EDGE_ROWS)].flatten().tolist()) == allowed, kind
+
+
+def test_a_nan_logit_read_in_place_counts_as_minus_infinity_as_in_the_copy():
+    """The native kernel copies a row only when penalties, a bias or a mask
+    change a token (neutral penalties with a history, and bias slots that
+    name no token, leave the row to be read in place); either way a NaN
+    logit counts as -inf. Token 0 (the largest logit) is NaN: greedy rows
+    take token 1 (the lowest index of the next largest), top-k 2 rows draw
+    only tokens 1 and 2, with neutral penalties and with a repetition
+    penalty that copies the row without changing the choice."""
+    logits = torch.tensor(LOGITS).repeat(ROWS, 1)
+    logits[:, 0] = float("nan")
+    for penalty in (1.0, 1.01):
+        params = [dict(temperature=0.0 if r % 2 else 1.0, top_k=2, repetition_penalty=penalty) for r in range(ROWS)]
+        tokens = calls(all_parameters_method()[1], logits, params, lambda c: torch.arange(ROWS) + 5 * c, 4)
+        assert set(tokens[:, 1::2].flatten().tolist()) == {1}, penalty
+        assert set(tokens[:, ::2].flatten().tolist()) == {1, 2}, penalty
 
 
 def test_logprobs_are_log_softmax_of_the_raw_logits_at_the_chosen_id():
