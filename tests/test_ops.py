@@ -993,6 +993,24 @@ def test_index_select_takes_entries_along_an_axis():
     check(lambda x: x.index_select(1, torch.tensor([3, 0, 3, 2])), rand((2, 4, 5)), nodes={"TakeNode"})
 
 
+class IndexSelect(torch.nn.Module):
+    def forward(self, x, i):
+        return x.index_select(1, i)
+
+
+def test_index_select_of_rows_known_on_the_host_is_a_slice_or_a_take_with_the_same_values():
+    """Indices that reach the runtime as an input are on the host when the
+    graph is built: consecutive rows (after the runtime's clamping into
+    range and counting negative ones from the end) are taken as a slice, any
+    others by MLX's take; both give x's rows at the clamped indices."""
+    x = rand((2, 6, 3))
+    program = lower(IndexSelect().eval(), (x, torch.tensor([2, 3]))).to_executorch().buffer
+    for i in ([2, 3], [4, 5], [-2, -1], [5, 99], [-99, -98], [1, 0], [3, 3]):
+        rows = [min(max(r, -6), 5) % 6 for r in i]
+        got = run(program, [x, torch.tensor(i)])[0]
+        assert torch.equal(got, x[:, rows]), i
+
+
 def test_indexing_with_two_index_tensors_takes_at_broadcast_pairs():
     # x[i, j] with i [3, 1] and j [4] (a padding mask read at [batch, position]); and on middle axes
     check(lambda x, i, j: x[i, j], rand((3, 5, 2)), torch.tensor([[2], [0], [1]]), torch.tensor([4, 0, 0, 3]),
