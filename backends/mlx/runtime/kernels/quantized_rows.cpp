@@ -38,7 +38,7 @@ class QuantizedRows : public CpuKernel {
       const uint32_t mask = (1u << bits) - 1;
       const int per_word = 32 / bits;
       std::vector<float> row(K);
-      // (the tables are evaluated constants or computed rows: row-contiguous, their strides those of [N, C])
+      // (the tables as stored: row-contiguous [N, C], see stored())
       for (int64_t i = 0; i < static_cast<int64_t>(ids.size()); ++i) {
         int64_t at = 0, rest = i;
         for (int d = static_cast<int>(ids.ndim()) - 1; d >= 0; --d) {
