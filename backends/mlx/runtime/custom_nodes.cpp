@@ -107,9 +107,7 @@ std::optional<std::vector<int64_t>> host_rows(const mx::array& indices, int64_t 
   }
   std::vector<int64_t> rows;
   for (size_t i = 0; i < indices.size(); ++i) {
-    const int64_t r = std::clamp<int64_t>(integer_at(indices, indices.ndim() ? i * indices.strides()[0] : 0), -size,
-                                          size - 1);
-    rows.push_back(r < 0 ? r + size : r);
+    rows.push_back(wrapped_row(integer_at(indices, indices.ndim() ? i * indices.strides()[0] : 0), size));
   }
   return rows;
 }

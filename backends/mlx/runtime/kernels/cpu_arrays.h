@@ -65,6 +65,13 @@ inline int64_t clamped_entry(const mlx::core::array& a, int64_t i, int64_t n) {
   return std::clamp<int64_t>(integer_at(a, i * a.strides()[0]), 0, n - 1);
 }
 
+// An index into an axis of n (n > 0) as the runtime's takes read it:
+// clamped into [-n, n - 1], negative ones counted from the end.
+inline int64_t wrapped_row(int64_t index, int64_t n) {
+  const int64_t r = std::clamp<int64_t>(index, -n, n - 1);
+  return r < 0 ? r + n : r;
+}
+
 // Whether `a` broadcasts to `shape` (right-aligned: each of its axes 1 or
 // the shape's).
 inline bool broadcasts_to(const mlx::core::array& a, const mlx::core::Shape& shape) {

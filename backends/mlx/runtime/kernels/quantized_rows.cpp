@@ -45,8 +45,7 @@ class QuantizedRows : public CpuKernel {
           at += (rest % ids.shape(d)) * ids.strides()[d];
           rest /= ids.shape(d);
         }
-        int64_t r = std::clamp<int64_t>(integer_at(ids, at), -N, N - 1);
-        if (r < 0) r += N;
+        const int64_t r = wrapped_row(integer_at(ids, at), N);
         // element c of row r: at r * C + c in rows, at c * 16 + r % 16 of its tile [C, 16] when tiled
         const int64_t lanes = static_cast<int64_t>(kTileRows), stride = r < whole ? lanes : 1;
         const auto first = [&](int64_t C) { return r < whole ? (r / lanes) * C * lanes + r % lanes : r * C; };

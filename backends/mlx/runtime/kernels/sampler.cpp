@@ -254,10 +254,15 @@ struct Row {
   double u;  // uniform in [0, 1) from the row's random words
 };
 
+// Whether the history's penalties change a token (each off at its neutral value).
+bool history_penalizes(const Row& r) {
+  return r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f);
+}
+
 // docs/sampling.md step 1, on the few tokens the history and the bias name,
 // then the token mask on every token.
 void penalize(float* x, int V, const Row& r, std::vector<int32_t>& ids) {
-  if (r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f)) {
+  if (history_penalizes(r)) {
     ids.assign(r.history, r.history + r.history_len);
     std::sort(ids.begin(), ids.end());
     for (size_t i = 0; i < ids.size();) {
@@ -323,8 +328,7 @@ int64_t draw(const std::vector<int>& ids, const std::vector<double>& e, size_t n
 // Whether penalize() would change a token of the row: penalties off (their
 // neutral values), bias entries all padding and no mask leave it as it is.
 bool rewrites(const Row& r, int V) {
-  if (r.mask) return true;
-  if (r.history_len && (r.repetition != 1.0f || r.frequency != 0.0f || r.presence != 0.0f)) return true;
+  if (r.mask || history_penalizes(r)) return true;
   for (int j = 0; j < r.bias_len; ++j) {
     if (r.bias_ids[j] >= 0 && r.bias_ids[j] < V) return true;
   }
