@@ -337,9 +337,9 @@ def test_linear_kernel(m, k, n, bias):
 
 def test_float_linear_rows_equal_one_row_calls_bit_for_bit(tmp_path):
     """Up to 16 rows of x (a decode step, a verify call), the float32 kernel
-    computes each row as a one-row call does, whichever way a pass reads the
-    weights (one or two rows of x: weight rows in order; more: four weight
-    rows side by side), in the plain C++ build and this CPU's."""
+    computes each row as a one-row call does, whichever rows of x share a
+    pass over a weight row (one, two or four), in the plain C++ build, the
+    AVX2 one and this CPU's (AVX-512 where it has it)."""
     import os
     import subprocess
     import sys
@@ -355,9 +355,10 @@ def test_float_linear_rows_equal_one_row_calls_bit_for_bit(tmp_path):
               "p = Runtime.get().load_program(open(sys.argv[1], 'rb').read()); m = p.load_method('forward')\n"
               "x = torch.load(sys.argv[2]); ones = [m.execute([x[i:i + 1]])[0] for i in range(len(x))]\n"
               "print(all(torch.equal(m.execute([x[:n]])[0][i], ones[i][0]) for n in range(1, 17) for i in range(n)))")
-    out = subprocess.run([sys.executable, "-c", script, pte, tmp_path / "x.pt"], check=True, capture_output=True,
-                         text=True, env={**os.environ, "EMLX_X86_KERNELS": "plain"}).stdout.split()
-    assert out == ["True"]
+    for build in ("plain", "avx2"):
+        out = subprocess.run([sys.executable, "-c", script, pte, tmp_path / "x.pt"], check=True, capture_output=True,
+                             text=True, env={**os.environ, "EMLX_X86_KERNELS": build}).stdout.split()
+        assert out == ["True"], build
     program = Runtime.get().load_program(pte.read_bytes())  # this process's build (alive while its method runs)
     method = program.load_method("forward")
     ones = [method.execute([x[i:i + 1]])[0] for i in range(len(x))]

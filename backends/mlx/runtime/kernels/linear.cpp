@@ -21,6 +21,7 @@ namespace mx = mlx::core;
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));  // (only inside AVX-512 functions)
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -53,9 +54,15 @@ struct Operands {
   size_t M, N, K;
 };
 
-// A dot product's end: the lanes of `sum` added in order, then the products
-// of x and w from k on (past the last whole vector). Every kernel below ends
-// so, which keeps their sums bit for bit alike.
+// A dot product of x and w (K long) in the dot-product kernels below is
+// summed in this order whatever the build, the number of rows of x and the
+// way a pass reads them: 32 lanes, lane l adding x[k] w[k] (one fused
+// multiply-add each) for k = l, l + 32, ... up to K rounded down to 8;
+// lanes l and l + 16 added, then those 16 as l and l + 8; the 8 left in
+// order; then the products from K rounded down to 8 on. Four chains of 8
+// floats (two of 16 with AVX-512) keep a core's loads in flight where one
+// chain of multiply-adds, each waiting on the one before, held a Xeon's
+// float32 decode to 15 GB/s of weights (docs/benchmarks.md).
 __attribute__((always_inline)) inline float finish(v8 sum, const float* x, const float* w, size_t k, size_t K) {
   float s = 0;
   for (int i = 0; i < 8; ++i) s += sum[i];
@@ -63,21 +70,55 @@ __attribute__((always_inline)) inline float finish(v8 sum, const float* x, const
   return s;
 }
 
-// Dot products of ROWS rows of w with one row of x (all K long).
-template <int ROWS>
-inline void dots(const float* x, const float* w, size_t K, float* out) {
-  v8 acc[ROWS] = {};
+// out[m] = x[m] . w for XR rows of x (K apart) and one row of w, in V
+// vectors (v8, or v16 inside an AVX-512 function): 32 / lanes of V
+// accumulators a row of x, then the tail in v8 as above. PREFETCH: w is a
+// float32 matrix read in order, and the line 4 KB ahead is asked for into
+// L2 as each line is read: a weight row of K = 1024 is a 4 KB page, where
+// the CPU's own prefetcher stops and starts again (on the Xeon of
+// docs/benchmarks.md 17 -> 23 GB/s on two threads, with the wider chains).
+template <typename V, int XR, bool PREFETCH>
+__attribute__((always_inline)) inline void row_dots(const float* x, size_t K, const float* w, float* out) {
+  constexpr int L = sizeof(V) / sizeof(float), C = 32 / L;
+  V acc[XR][C] = {};
   size_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    v8 xv;
-    __builtin_memcpy(&xv, x + k, sizeof xv);
-    for (int r = 0; r < ROWS; ++r) {
-      v8 wv;
-      __builtin_memcpy(&wv, w + r * K + k, sizeof wv);
-      acc[r] += xv * wv;
+  for (; k + 32 <= K; k += 32) {
+    if constexpr (PREFETCH) {
+#pragma GCC unroll 2
+      for (int line = 0; line < 2; ++line) __builtin_prefetch(w + k + 16 * line + 1024, 0, 2);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      V wv;
+      __builtin_memcpy(&wv, w + k + L * c, sizeof wv);
+#pragma GCC unroll 4
+      for (int m = 0; m < XR; ++m) {
+        V xv;
+        __builtin_memcpy(&xv, x + m * K + k + L * c, sizeof xv);
+        acc[m][c] += xv * wv;
+      }
     }
   }
-  for (int r = 0; r < ROWS; ++r) out[r] = finish(acc[r], x, w + r * K, k, K);
+#pragma GCC unroll 4
+  for (int m = 0; m < XR; ++m) {
+    v8 part[4];
+    if constexpr (L == 16) {
+      for (int c = 0; c < 2; ++c) {
+        part[2 * c] = __builtin_shufflevector(acc[m][c], acc[m][c], 0, 1, 2, 3, 4, 5, 6, 7);
+        part[2 * c + 1] = __builtin_shufflevector(acc[m][c], acc[m][c], 8, 9, 10, 11, 12, 13, 14, 15);
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) __builtin_memcpy(&part[c], &acc[m][c], sizeof(v8));
+    }
+    size_t j = k;
+    for (int c = 0; j + 8 <= K; j += 8, ++c) {
+      v8 wv, xv;
+      __builtin_memcpy(&wv, w + j, sizeof wv);
+      __builtin_memcpy(&xv, x + m * K + j, sizeof xv);
+      part[c] += xv * wv;
+    }
+    out[m] = finish((part[0] + part[2]) + (part[1] + part[3]), x + m * K, w, j, K);
+  }
 }
 
 // Eight quantized values starting at value k of a row, as floats (MLX's
@@ -139,105 +180,37 @@ inline void decode_row(const Operands& o, size_t n, float* dst) {
   for (; k < o.K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
-// out[m, n0:n1] for every row m of x: kRows rows of w at a time (decoded
-// once into `scratch` unless stored as float32), reused from registers for
-// two rows of x at once and from cache for the rest. Each out[m, n] is summed
-// in the same order whatever M is (eight lanes over K, then the lanes in
-// order, then the tail): a row of a multi-row call (a verify call's) is bit
-// for bit the row a one-row call (a decode step) computes.
-template <int XR>
-inline void dots_rows(const float* x, size_t K, const float* w, float (*acc)[4]) {
-  constexpr int kRows = 4;
-  // (unrolled: kept in registers, not in arrays on the stack)
-  v8 sum[XR][kRows] = {};
-  size_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    v8 wv[kRows];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r) __builtin_memcpy(&wv[r], w + r * K + k, sizeof(v8));
-#pragma GCC unroll 2
-    for (int m = 0; m < XR; ++m) {
-      v8 xv;
-      __builtin_memcpy(&xv, x + m * K + k, sizeof xv);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) sum[m][r] += xv * wv[r];
-    }
-  }
-  for (int m = 0; m < XR; ++m) {
-    for (int r = 0; r < kRows; ++r) acc[m][r] = finish(sum[m][r], x + m * K, w + r * K, k, K);
-  }
-}
-
-// The same sums for one or two rows of x and float32 weights read from
-// memory: each weight row once, in the order rows are stored, one stream
-// the prefetcher follows (four rows read side by side are four pages at
-// once at K = 1024, where a row is a 4 KB page, and a core then read 16 GB/s
-// of weights where it reads 25 in order). On [32000, 1024] weights it
-// measured 4.1-4.7 ms against 5.2-5.3 for one row of x, 9.1 against 10.9
-// for two, even for three, and 12.1-13.8 against 11.1-11.8 for four (four
-// weight rows a pass reuse x from registers).
-template <int XR>
-__attribute__((always_inline)) inline void row_dots(const float* x, size_t K, const float* w, float* acc) {
-  v8 sum[XR] = {};
-  size_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    v8 wv;
-    __builtin_memcpy(&wv, w + k, sizeof wv);
-#pragma GCC unroll 2
-    for (int m = 0; m < XR; ++m) {
-      v8 xv;
-      __builtin_memcpy(&xv, x + m * K + k, sizeof xv);
-      sum[m] += xv * wv;
-    }
-  }
-  for (int m = 0; m < XR; ++m) acc[m] = finish(sum[m], x + m * K, w, k, K);
-}
-
-constexpr size_t kInOrderRows = 2;  // rows of x up to which float32 weights are read in order
-
-__attribute__((always_inline)) inline void float_weight_rows(const Operands& o, size_t n0, size_t n1) {
+// out[m, n0:n1] for every row m of x: a weight row at a time (float32
+// ones read in order, one stream; others decoded into `scratch` first),
+// met by up to MAXR rows of x a pass. Every out[m, n] is row_dots' sum, so
+// a row of a many-row call (a verify call's) is bit for bit the row a
+// one-row call (a decode step) computes.
+template <typename V, int MAXR>
+__attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   const size_t K = o.K;
+  const bool stored = o.format == Format::F32;
   for (size_t n = n0; n < n1; ++n) {
     const float* w = static_cast<const float*>(o.w) + n * K;
-    float acc[kInOrderRows];
-    o.M == 2 ? row_dots<2>(o.x, K, w, acc) : row_dots<1>(o.x, K, w, acc);
+    if (!stored) decode_row(o, n, scratch), w = scratch;
     const float bias = o.bias ? float_at(o.bias, n, o.x_bf16) : 0.0f;
-    for (size_t m = 0; m < o.M; ++m) o.out[m * o.N + n] = acc[m] + bias;
-  }
-}
-
-__attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
-  constexpr size_t kRows = 4;
-  const size_t K = o.K;
-  if (o.format == Format::F32 && o.M <= kInOrderRows) return float_weight_rows(o, n0, n1);
-  for (size_t n = n0; n < n1; n += kRows) {
-    const size_t rows = std::min(kRows, n1 - n);
-    const float* w = static_cast<const float*>(o.w) + n * K;
-    if (o.format != Format::F32) {
-      for (size_t r = 0; r < rows; ++r) decode_row(o, n + r, scratch + r * K);
-      w = scratch;
-    }
+    float acc[MAXR];
     for (size_t m = 0; m < o.M;) {
-      float acc[2][kRows];
-      const size_t pair = rows == kRows && m + 2 <= o.M ? 2 : 1;
-      if (rows < kRows) {
-        for (size_t r = 0; r < rows; ++r) dots<1>(o.x + m * K, w + r * K, K, acc[0] + r);
-      } else if (pair == 2) {
-        dots_rows<2>(o.x + m * K, K, w, acc);
+      const float* x = o.x + m * K;
+      size_t rows = 1;
+      if (MAXR >= 4 && m + 4 <= o.M) {
+        rows = 4, stored ? row_dots<V, 4, true>(x, K, w, acc) : row_dots<V, 4, false>(x, K, w, acc);
+      } else if (m + 2 <= o.M) {
+        rows = 2, stored ? row_dots<V, 2, true>(x, K, w, acc) : row_dots<V, 2, false>(x, K, w, acc);
       } else {
-        dots_rows<1>(o.x + m * K, K, w, acc);
+        stored ? row_dots<V, 1, true>(x, K, w, acc) : row_dots<V, 1, false>(x, K, w, acc);
       }
-      for (size_t i = 0; i < pair; ++i, ++m) {
-        for (size_t r = 0; r < rows; ++r) {
-          o.out[m * o.N + n + r] = acc[i][r] + (o.bias ? float_at(o.bias, n + r, o.x_bf16) : 0.0f);
-        }
-      }
+      for (size_t i = 0; i < rows; ++i, ++m) o.out[m * o.N + n] = acc[i] + bias;
     }
   }
 }
 
 void linear_block_generic(const Operands& o, size_t n0, size_t n1, float* scratch) {
-  linear_block(o, n0, n1, scratch);
+  linear_block<v8, 2>(o, n0, n1, scratch);
 }
 
 // Rows n0 .. n0 + rows of w as floats, one after another in dst (K apart).
@@ -248,10 +221,17 @@ inline void decode_rows(const Operands& o, size_t n0, size_t rows, float* dst) {
 void decode_rows_generic(const Operands& o, size_t n0, size_t rows, float* dst) { decode_rows(o, n0, rows, dst); }
 
 #if defined(__x86_64__)
-// The same code compiled twice: for AVX2+FMA machines, and for any x86-64.
+// The same code compiled three times: for AVX-512 machines (16-float
+// vectors, 32 registers: four rows of x a pass), for AVX2+FMA ones, and for
+// any x86-64.
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void linear_block_avx512(const Operands& o, size_t n0,
+                                                                               size_t n1, float* scratch) {
+  linear_block<v16, 4>(o, n0, n1, scratch);
+}
+
 __attribute__((target("avx2,fma"))) void linear_block_avx2(const Operands& o, size_t n0, size_t n1,
                                                             float* scratch) {
-  linear_block(o, n0, n1, scratch);
+  linear_block<v8, 2>(o, n0, n1, scratch);
 }
 
 __attribute__((target("avx2,fma"))) void decode_rows_avx2(const Operands& o, size_t n0, size_t rows, float* dst) {
@@ -259,6 +239,7 @@ __attribute__((target("avx2,fma"))) void decode_rows_avx2(const Operands& o, siz
 }
 
 #else
+constexpr auto linear_block_avx512 = linear_block_generic;
 constexpr auto linear_block_avx2 = linear_block_generic;
 constexpr auto decode_rows_avx2 = decode_rows_generic;
 #endif
@@ -324,16 +305,14 @@ void gemm(const Operands& o) {
 // integer path: sgemm from kGemmRows rows of x on, dot products below.
 void float_rows(const Operands& o) {
   if (o.M >= kGemmRows) return gemm(o);
-  // Each 4 weight rows stay in cache while every row of x passes them,
-  // whatever the block's size.
   const size_t rows = block_rows(o.N, 4);
   const int blocks = static_cast<int>((o.N + rows - 1) / rows);
-  const bool avx2 = has_avx2();
+  const auto block = has_avx512() ? linear_block_avx512 : has_avx2() ? linear_block_avx2 : linear_block_generic;
   parallel_for(blocks, [&](int b) {
     thread_local std::vector<float> scratch;
-    if (o.format != Format::F32 && scratch.size() < 4 * o.K) scratch.resize(4 * o.K);
+    if (o.format != Format::F32 && scratch.size() < o.K) scratch.resize(o.K);
     const size_t n0 = b * rows, n1 = std::min(o.N, n0 + rows);
-    (avx2 ? linear_block_avx2 : linear_block_generic)(o, n0, n1, scratch.data());
+    block(o, n0, n1, scratch.data());
   });
 }
 
