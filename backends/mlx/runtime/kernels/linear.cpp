@@ -56,13 +56,14 @@ struct Operands {
 
 // A dot product of x and w (K long) in the dot-product kernels below is
 // summed in this order whatever the build, the number of rows of x and the
-// way a pass reads them: 32 lanes, lane l adding x[k] w[k] (one fused
-// multiply-add each) for k = l, l + 32, ... up to K rounded down to 8;
-// lanes l and l + 16 added, then those 16 as l and l + 8; the 8 left in
-// order; then the products from K rounded down to 8 on. Four chains of 8
-// floats (two of 16 with AVX-512) keep a core's loads in flight where one
-// chain of multiply-adds, each waiting on the one before, held a Xeon's
-// float32 decode to 15 GB/s of weights (docs/benchmarks.md).
+// way a pass reads them: 32 lanes, lane l adding x[k] w[k] (a fused
+// multiply-add in the builds with FMA) for k = l, l + 32, ... up to K
+// rounded down to 8; lanes l and l + 16 added, then those 16 as l and
+// l + 8; the 8 left in order; then the products from K rounded down to 8
+// on. Four chains of 8 floats (two of 16 with AVX-512) keep a core's loads
+// in flight where one chain of multiply-adds, each waiting on the one
+// before, held a Xeon's float32 decode to 15 GB/s of weights
+// (docs/benchmarks.md).
 __attribute__((always_inline)) inline float finish(v8 sum, const float* x, const float* w, size_t k, size_t K) {
   float s = 0;
   for (int i = 0; i < 8; ++i) s += sum[i];
