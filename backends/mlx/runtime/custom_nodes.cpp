@@ -94,9 +94,7 @@ int64_t floor_div(int64_t a, int64_t b) {
   int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
-}  // namespace
 
-namespace {
 // The entries of 0-d or 1-d `indices` already on the host (a literal, an
 // input, a size), at least one, as rows of an axis of `size`: clamped into
 // [-size, size - 1], counted from the end when negative; nullopt otherwise.
