@@ -728,7 +728,7 @@ Done queued_so_far(bool more) {
     note_kernel_cpu();
     done->store(true, std::memory_order_release);
     wake_helpers();
-    if (more) linger(seen);
+    more ? linger(seen) : read_ahead_until_dispatch(seen);
   });
   return done;
 }

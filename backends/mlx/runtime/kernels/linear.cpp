@@ -13,6 +13,7 @@
 #include "norm.h"
 #include "quantized_dot.h"
 #include "thread_pool.h"
+#include "upcoming_weights.h"
 
 namespace emlx {
 
@@ -302,6 +303,12 @@ void gemm(const Operands& o) {
   });
 }
 
+// Bytes of o's weight matrix (the packed values only, for the quantized formats).
+size_t weight_bytes(const Operands& o) {
+  const size_t bits = o.format == Format::F32 ? 32 : o.format == Format::BF16 ? 16 : o.format == Format::Q8 ? 8 : 4;
+  return o.N * o.K * bits / 8;
+}
+
 // out = x w^T (+ bias) for any weight format but the quantized formats'
 // integer path: sgemm from kGemmRows rows of x on, dot products below.
 void float_rows(const Operands& o) {
@@ -309,12 +316,14 @@ void float_rows(const Operands& o) {
   const size_t rows = block_rows(o.N, 4);
   const int blocks = static_cast<int>((o.N + rows - 1) / rows);
   const auto block = has_avx512() ? linear_block_avx512 : has_avx2() ? linear_block_avx2 : linear_block_generic;
+  product_starts(o.w, weight_bytes(o));
   parallel_for(blocks, [&](int b) {
     thread_local std::vector<float> scratch;
     if (o.format != Format::F32 && scratch.size() < o.K) scratch.resize(o.K);
     const size_t n0 = b * rows, n1 = std::min(o.N, n0 + rows);
     block(o, n0, n1, scratch.data());
   });
+  product_ends(o.w);
 }
 
 // MLX primitive: inputs x [..., K] (any strides), w (+ scales, biases when
@@ -379,6 +388,7 @@ class Linear : public CpuKernel {
         // 16 weight rows (the tiled layout's).
         const size_t rows = block_rows(N, kTileRows);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
+        product_starts(o.w, weight_bytes(o));
         parallel_for(blocks, [&](int b) {
           const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
           quantized_dots(xq, static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16, tiled, n0, n1, o.out,
@@ -388,6 +398,7 @@ class Linear : public CpuKernel {
             for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.x_bf16);
           }
         });
+        product_ends(o.w);
       } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
         std::vector<uint8_t> bytes[3];
         const PackedRows rows = untile_matrix({static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16,

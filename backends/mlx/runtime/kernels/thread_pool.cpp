@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "upcoming_weights.h"
+
 #if defined(__linux__)
 #include <sched.h>
 #include <unistd.h>
@@ -129,7 +131,8 @@ class Pool {
     // then): the helper spins between them, yielding, and sleeps after a
     // longer lull. A yield that took long shows that another thread wanted
     // the core (another process, on a machine with no core to spare): then
-    // every helper sleeps for a while rather than spin.
+    // every helper sleeps for a while rather than spin. While it spins it
+    // reads the next product's weights ahead (upcoming_weights.h).
     using clock = std::chrono::steady_clock;
     auto idle_since = clock::now();
     while (!done()) {
@@ -143,6 +146,7 @@ class Pool {
       if (spin) {
         const auto before = clock::now();
         if (before - idle_since < kSpin && before.time_since_epoch().count() > no_spin_until_.load()) {
+          if (read_ahead()) continue;
           std::this_thread::yield();
           const auto after = clock::now();
           if (after - before > kTaken && !step_aside()) {
@@ -167,6 +171,11 @@ class Pool {
     while (dispatches_.load(std::memory_order_acquire) == seen && clock::now() < until) {
       for (int i = 0; i < 16; ++i) relax();
     }
+  }
+
+  // False while the helpers back off (another process wants the cores).
+  bool may_spin() const {
+    return std::chrono::steady_clock::now().time_since_epoch().count() > no_spin_until_.load();
   }
 
   void note_dispatch() { dispatches_.fetch_add(1, std::memory_order_release); }
@@ -267,6 +276,12 @@ void note_dispatch() { pool().note_dispatch(); }
 uint64_t dispatches() { return pool().dispatches(); }
 void linger(uint64_t seen) {
   if (pool_size() > 1) pool().linger(seen);
+}
+
+void read_ahead_until_dispatch(uint64_t seen) {
+  if (pool_size() < 2 || !pool().may_spin()) return;
+  while (dispatches() == seen && read_ahead()) {
+  }
 }
 
 void note_kernel_cpu() {

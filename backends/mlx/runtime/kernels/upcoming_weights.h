@@ -1,0 +1,30 @@
+// A decode step's matrix-vector products come in the same order every step,
+// and between two of them the memory bus idles: one core runs small kernels
+// (attention, heads, cache writes) while the other, the graph builder lending
+// its core to our kernels (thread_pool.h), spins waiting for the next
+// product; between two calls the stream thread idles while the caller runs
+// its own code and builds the next graph. Either idle thread reads the start
+// of the next products' weights meanwhile, so that they find them in cache
+// (a ~100M model's decode on a 2-core Xeon: float32 1.05x, int4 1.05-1.10x;
+// docs/benchmarks.md).
+#pragma once
+
+#include <cstddef>
+
+namespace emlx {
+
+// A product over the weights at w (bytes long) starts: it is remembered as
+// the successor of the product before it, and nothing is read ahead while it
+// runs (the cores' bandwidth is its own).
+void product_starts(const void* w, size_t bytes);
+
+// The product over w has ended: the products that followed it last time,
+// in order, are now the ones to read ahead, up to a budget (what the caches
+// keep: read_ahead_bytes in the .cpp).
+void product_ends(const void* w);
+
+// Called by an idle thread: asks for the next share of the upcoming
+// product's weights into cache. False when there is nothing (left) to ask for.
+bool read_ahead();
+
+}  // namespace emlx
