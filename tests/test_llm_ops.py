@@ -322,10 +322,11 @@ class Linear(torch.nn.Module):
         return self.fc(x)
 
 
-# (M >= 17 is a prefill's product: 19 and 33 rows leave rows of x past the
-# kernel's blocks of 4, K = 37 and 100 values past its steps of 16)
+# (M >= 17 is a prefill's product: 19, 33 and 70 rows leave rows of x past
+# the kernel's vectors of 16 and chunks of 64, K = 37 and 100 values past its
+# steps of 16, N = 13, 50, 130 weight rows past its groups of 6-24)
 LINEAR_CASES = [(1, 64, 32, True), (3, 37, 13, False), (64, 256, 130, True), (5, 7, 1, True), (19, 37, 13, True),
-                (33, 100, 50, False)]
+                (33, 100, 50, False), (70, 37, 29, True)]
 
 
 @pytest.mark.parametrize("m,k,n,bias", LINEAR_CASES)

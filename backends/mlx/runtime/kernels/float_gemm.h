@@ -1,18 +1,26 @@
 // Float32 products for many rows of x (a prefill) without OpenBLAS's
-// packing: x and the weights both keep K contiguous, so a tile of 4 rows of
-// x and 6 weight rows is 24 dot products at once in AVX-512 registers, each
-// weight read straight from where it is stored. OpenBLAS copies (packs) every
-// weight tile before multiplying: a quarter of a float32 prefill's time went
-// to that copy.
+// packing of the weights: the weights are read where they are stored, a
+// value of 4-24 weight rows at a time broadcast against the same value of up
+// to 64 rows of x, which float_gemm_columns lays side by side once a
+// product. Outer products like these need no sums across a register's lanes
+// (the dot products of the decode kernel do).
 #pragma once
 
 #include <cstddef>
 
 namespace emlx {
 
-// out[m * ldo + n] = x[m] . w[n] for x [M, K] and w [N, K] (rows adjacent),
-// on a CPU with AVX-512 only (has_avx512(), thread_pool.h; the callers take
-// OpenBLAS elsewhere).
-void float_gemm(const float* x, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo);
+// Rows of x a chunk of float_gemm_columns' layout.
+constexpr size_t kColumnRows = 64;
+
+// xt = x [M, K] in chunks of kColumnRows rows, each [K, kColumnRows]: value
+// k of the chunk's rows side by side (rows past M zero). xt holds
+// ceil(M / kColumnRows) * kColumnRows * K floats. AVX-512 CPUs only, as below.
+void float_gemm_columns(const float* x, size_t M, size_t K, float* xt);
+
+// out[m * ldo + n] = x[m] . w[n] for x [M, K] (as float_gemm_columns lays it
+// out) and w [N, K] (rows adjacent), on a CPU with AVX-512 only (has_avx512(),
+// thread_pool.h; the callers take OpenBLAS elsewhere).
+void float_gemm(const float* xt, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo);
 
 }  // namespace emlx

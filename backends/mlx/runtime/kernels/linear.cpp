@@ -275,12 +275,17 @@ void gemm(const Operands& o) {
   // threads. OpenBLAS runs tiles of 256 at half the rate of 384 or more with
   // tens of rows of x (each call packs x again: a 64-token prompt, 11.6
   // against 25.5 GFLOP/s a core, numpy's OpenBLAS, 64 x 1024 x 32000 in
-  // tiles); our kernel packs nothing, and tiles of 96 rows share a layer's
+  // tiles); our kernel packs no weights (x once a product), and tiles of 96 rows share a layer's
   // products evenly between the threads (a 64-token fp32 prefill 761-878
   // tok/s against 751-758 with tiles of 512).
   const bool ours = has_avx512();
   const size_t tile = ours ? 96 : 512;
   const int tiles = static_cast<int>((N + tile - 1) / tile);
+  std::vector<float> xt;
+  if (ours) {
+    xt.resize((M + kColumnRows - 1) / kColumnRows * kColumnRows * K);
+    float_gemm_columns(o.x, M, K, xt.data());
+  }
   parallel_for(tiles, [&](int t) {
     const size_t n0 = t * tile, rows = std::min(tile, N - n0);
     const float* w = static_cast<const float*>(o.w) + n0 * K;
@@ -291,7 +296,7 @@ void gemm(const Operands& o) {
       w = scratch.data();
     }
     if (ours) {
-      float_gemm(o.x, M, K, w, rows, o.out + n0, N);
+      float_gemm(xt.data(), M, K, w, rows, o.out + n0, N);
     } else {
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
     }
