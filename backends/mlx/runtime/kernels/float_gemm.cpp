@@ -44,6 +44,7 @@ __attribute__((target("avx512f"), always_inline)) inline void transpose16(__m512
   }
 }
 
+// float_gemm_columns: 16 rows by 16 values at a time, transposed in registers.
 __attribute__((target("avx512f"))) void columns_avx512(const float* x, size_t M, size_t K, float* xt) {
   for (size_t m0 = 0; m0 < M; m0 += kColumnRows) {
     float* chunk = xt + m0 * K;  // (chunks are kColumnRows * K apart)
