@@ -597,9 +597,10 @@ def assert_program_near_quantized_model(pte, model):
     assert_near_integer_reference(method.execute([ids[:, :1], torch.tensor([ids.shape[1]])])[0], want)
 
 
-def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp_path, monkeypatch):
-    """Three fusions of linear layers: quantized q/k/v and gate/up as one
-    product each (llm/export/fused_projections.py), the residual stream
+@pytest.mark.parametrize("mode", ["int4", None])
+def test_fused_linear_layers_compute_the_same_values(mode, folder, logits_program, tmp_path, monkeypatch):
+    """Three fusions of linear layers: q/k/v and gate/up (quantized, or
+    float32) as one product each (llm/export/fused_projections.py), the residual stream
     added inside the layer's node (lowering/ops_elementwise.py; float32
     LinearNode: tests/test_ops.py), and the norm before them taken inside it
     (lowering/node_fusion.py). The logits of a prefill and of the decode
@@ -608,13 +609,13 @@ def test_fused_linear_layers_compute_the_same_values(folder, logits_program, tmp
     from executorch_mlx.llm.export import hf_export
     from executorch_mlx.lowering import node_fusion, ops_elementwise
 
-    fused = logits_program("int4", True)
+    fused = logits_program(mode, mode is not None)
     monkeypatch.setattr(hf_export, "fuse_shared_input_projections", lambda ep: 0)
     monkeypatch.setattr(ops_elementwise, "_with_residual", lambda b, node: None)
     without_fusion(monkeypatch, node_fusion._normed_input)
     plain = hf_export.export_llm(folder, tmp_path / "plain.pte",
-                                 ExportOptions(max_context=32, sampling=False, quantize="int4",
-                                               quantize_embedding=True),
+                                 ExportOptions(max_context=32, sampling=False, quantize=mode,
+                                               quantize_embedding=mode is not None),
                                  progress=None)
 
     def products(pte) -> tuple[int, int, int]:

@@ -1,16 +1,19 @@
-"""Quantized projections of one input fused into one product.
+"""Projections of one input fused into one product.
 
 An attention block multiplies its input by q, k and v; an MLP by gate and
 up. Each product is a node of its own at run time: on the CPU each
-quantizes the same x again, wakes the kernel's threads and returns, and a
-decode step of a small model is made of such fixed costs as much as of
-reading weights. Here every group of `mlx::quantized_linear` calls on the
-same input, in the same format, becomes one call over the weights stacked
-row after row, followed by a slice per original call (views at run time).
+quantizes (or lays out) the same x again, wakes the kernel's threads and
+returns, and between two products one core idles. Here every group of
+`mlx::quantized_linear` calls (or of float `aten.linear` calls) on the same
+input, with weights in the same format, becomes one call over the weights
+stacked row after row, followed by a slice per original call (views at run
+time).
 
-Each output row of the quantized product depends only on x and its own
-weight row (its groups' scales and biases included), so the fused program
-computes the same values, bit for bit, as the unfused one.
+Each output row of a product depends only on x and its own weight row (its
+groups' scales and biases included), and our kernels compute each row on its
+own, so the fused program computes the same values, bit for bit, as the
+unfused one (OpenBLAS, where a CPU without AVX-512 takes it for a prefill,
+may round a row differently by its place in the matrix).
 """
 
 from __future__ import annotations
@@ -22,21 +25,27 @@ from torch.export.graph_signature import InputKind
 from ...lowering.weight_files import stack_rows
 
 QUANTIZED_LINEAR = torch.ops.mlx.quantized_linear.default
+LINEAR = torch.ops.aten.linear.default
+# The arguments of each product after x that are stacked along the output rows.
+_STACKED = {QUANTIZED_LINEAR: 4, LINEAR: 2}  # (weight, scales, biases, bias; weight, bias)
 
 
 def _fusable(node: torch.fx.Node, ep: ExportedProgram) -> tuple | None:
-    """The key of what a product can be fused with (its format and which of
-    its operands exist), or None when it cannot be: an operand computed in
-    the program, not a weight."""
+    """The key of what a product can be fused with (its kind, format and
+    which of its operands exist), or None when it cannot be: an operand
+    computed in the program, not a weight."""
     from ...lowering.builder import constant_tensor
 
-    x, weight, scales, biases, bias, *fmt = node.args
-    operands = (weight, scales, biases, bias)
-    if any(a is not None and (not isinstance(a, torch.fx.Node) or constant_tensor(ep, a) is None) for a in operands):
+    count = _STACKED[node.target]
+    operands = list(node.args[1:1 + count]) + [None] * (1 + count - len(node.args))
+    if node.kwargs or any(
+            a is not None and (not isinstance(a, torch.fx.Node) or constant_tensor(ep, a) is None) for a in operands):
         return None
-    if node.kwargs:
-        return None
-    return (tuple(fmt), biases is None, bias is None, constant_tensor(ep, scales).dtype)
+    if node.target == LINEAR:
+        weight, bias = operands
+        return (LINEAR, constant_tensor(ep, weight).dtype, bias is None)
+    weight, scales, biases, bias = operands
+    return (QUANTIZED_LINEAR, tuple(node.args[5:]), biases is None, bias is None, constant_tensor(ep, scales).dtype)
 
 
 def fuse_shared_input_projections(ep: ExportedProgram) -> int:
@@ -51,7 +60,7 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
     graph = ep.graph_module.graph
     groups: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target == QUANTIZED_LINEAR:
+        if node.op == "call_function" and node.target in _STACKED:
             key = _fusable(node, ep)
             if key is not None:
                 groups.setdefault((node.args[0], key), []).append(node)
@@ -60,9 +69,10 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
     for (x, _), nodes in groups.items():
         if len(nodes) < 2:
             continue
+        op, count = nodes[0].target, _STACKED[nodes[0].target]
         stacked = []
-        for i in range(1, 5):  # weight, scales, biases, bias: each stacked along the output rows
-            parts = [n.args[i] for n in nodes]
+        for i in range(1, 1 + count):
+            parts = [n.args[i] if i < len(n.args) else None for n in nodes]
             if parts[0] is None:
                 stacked.append(None)
                 continue
@@ -72,10 +82,10 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
                     ep, graph, name, InputKind.BUFFER, stack_rows([constant_tensor(ep, p) for p in parts]),
                     persistent_buffer=True))
         with graph.inserting_before(nodes[0]):
-            product = graph.call_function(QUANTIZED_LINEAR, (x, *stacked, *nodes[0].args[5:]))
+            rest = tuple(nodes[0].args[1 + count:])  # (the quantized format)
+            product = graph.call_function(op, (x, *stacked, *rest))
             product.meta = dict(nodes[0].meta)
-            product.meta["val"] = QUANTIZED_LINEAR(x.meta["val"], *(s if s is None else s.meta["val"] for s in stacked),
-                                                   *nodes[0].args[5:])
+            product.meta["val"] = op(x.meta["val"], *(s if s is None else s.meta["val"] for s in stacked), *rest)
             last = product.meta["val"].dim() - 1
             start, parts = 0, []
             for node in nodes:
