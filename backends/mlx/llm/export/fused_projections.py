@@ -30,14 +30,19 @@ LINEAR = torch.ops.aten.linear.default
 _STACKED = {QUANTIZED_LINEAR: 4, LINEAR: 2}  # (weight, scales, biases, bias; weight, bias)
 
 
+def _operands(node: torch.fx.Node) -> list:
+    """The stacked arguments of a product (_STACKED), None where not given."""
+    count = _STACKED[node.target]
+    return [node.args[i] if i < len(node.args) else None for i in range(1, 1 + count)]
+
+
 def _fusable(node: torch.fx.Node, ep: ExportedProgram) -> tuple | None:
     """The key of what a product can be fused with (its kind, format and
     which of its operands exist), or None when it cannot be: an operand
     computed in the program, not a weight."""
     from ...lowering.builder import constant_tensor
 
-    count = _STACKED[node.target]
-    operands = list(node.args[1:1 + count]) + [None] * (1 + count - len(node.args))
+    operands = _operands(node)
     if node.kwargs or any(
             a is not None and (not isinstance(a, torch.fx.Node) or constant_tensor(ep, a) is None) for a in operands):
         return None
@@ -71,8 +76,7 @@ def fuse_shared_input_projections(ep: ExportedProgram) -> int:
             continue
         op, count = nodes[0].target, _STACKED[nodes[0].target]
         stacked = []
-        for i in range(1, 1 + count):
-            parts = [n.args[i] if i < len(n.args) else None for n in nodes]
+        for i, parts in enumerate(zip(*(_operands(n) for n in nodes)), start=1):
             if parts[0] is None:
                 stacked.append(None)
                 continue

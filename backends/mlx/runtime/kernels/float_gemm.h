@@ -2,8 +2,8 @@
 // packing of the weights: the weights are read where they are stored, a
 // value of 6-24 weight rows at a time (fewer at the end) broadcast against
 // the same value of up to 64 rows of x, which float_gemm_columns lays side
-// by side once a product. Outer products like these need no sums across a register's lanes
-// (the dot products of the decode kernel do).
+// by side once a product. Outer products like these need no sums across a
+// register's lanes (the dot products of the decode kernel do).
 #pragma once
 
 #include <cstddef>

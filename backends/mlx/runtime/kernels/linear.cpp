@@ -31,6 +31,11 @@ typedef uint64_t u64x4 __attribute__((vector_size(32)));
 // How the weight matrix [N, K] is stored.
 enum class Format : int { F32, BF16, Q4, Q8 };
 
+// Bits a stored weight takes in `format`.
+constexpr int format_bits(Format format) {
+  return format == Format::F32 ? 32 : format == Format::BF16 ? 16 : format == Format::Q8 ? 8 : 4;
+}
+
 // A linear layer's weights as our kernel reads them: their format, and for
 // the quantized ones the group, how x meets them, and whether they are
 // tiled (quantized_dot.h).
@@ -149,7 +154,7 @@ inline v8 unpack8(const uint8_t* row, size_t k) {
 }
 
 inline const uint8_t* packed_row(const Operands& o, size_t n) {
-  return static_cast<const uint8_t*>(o.w) + n * o.K * (o.format == Format::Q4 ? 4 : 8) / 8;
+  return static_cast<const uint8_t*>(o.w) + n * o.K * format_bits(o.format) / 8;
 }
 
 // Row n of w as K floats in dst (w = q * scale + bias per group).
@@ -310,8 +315,7 @@ void gemm(const Operands& o) {
 
 // Bytes of o's weight matrix (the packed values only, for the quantized formats).
 size_t weight_bytes(const Operands& o) {
-  const size_t bits = o.format == Format::F32 ? 32 : o.format == Format::BF16 ? 16 : o.format == Format::Q8 ? 8 : 4;
-  return o.N * o.K * bits / 8;
+  return o.N * o.K * format_bits(o.format) / 8;
 }
 
 // out = x w^T (+ bias) for any weight format but the quantized formats'
@@ -387,7 +391,7 @@ class Linear : public CpuKernel {
       o.bias = has_bias ? inputs[next].data<void>() : nullptr;
       IntRows xq;
       if (quantized && spec.activations == Activations::Int8 &&
-          quantize_rows(o.x, M, K, group, format == Format::Q4 ? 4 : 8, xq)) {
+          quantize_rows(o.x, M, K, group, format_bits(format), xq)) {
         // Integer dot products (quantized_dot.h), for any number of rows,
         // every row what a decode step computes; blocks of whole tiles of
         // 16 weight rows (the tiled layout's).
@@ -407,7 +411,7 @@ class Linear : public CpuKernel {
       } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
         std::vector<uint8_t> bytes[3];
         const PackedRows rows = untile_matrix({static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16,
-                                               group, format == Format::Q4 ? 4 : 8},
+                                               group, format_bits(format)},
                                               N, K, bytes);
         o.w = rows.w, o.scales = rows.scales, o.biases = rows.biases;
         float_rows(o);
