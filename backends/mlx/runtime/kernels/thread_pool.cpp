@@ -121,8 +121,11 @@ class Pool {
     }
     cv_.notify_all();
     drain(gen);
-    // Workers may still be finishing their last item.
-    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    // Workers may still be finishing their last item: the next product's
+    // weights are read meanwhile.
+    while (pending_.load(std::memory_order_acquire) > 0) {
+      if (!read_ahead()) std::this_thread::yield();
+    }
   }
 
   void help_until(const std::function<bool()>& done, bool spin) {
@@ -195,7 +198,11 @@ class Pool {
     while (true) {
       uint64_t t = ticket_.load();
       const uint64_t index = t & kClosed;
-      if ((t >> 32) != (gen & 0xffffffffu) || index >= static_cast<uint64_t>(n_.load())) return;
+      if ((t >> 32) != (gen & 0xffffffffu)) return;
+      if (index >= static_cast<uint64_t>(n_.load())) {
+        product_tail();
+        return;
+      }
       if (!ticket_.compare_exchange_weak(t, t + 1)) continue;
       (*fn_.load())(static_cast<int>(index));
       pending_.fetch_sub(1, std::memory_order_release);

@@ -72,16 +72,13 @@ void product_starts(const void* w, size_t bytes) {
     s.successors[s.last] = {static_cast<const char*>(w), bytes};
   }
   s.last = w;
-  s.upcoming = {}, s.budget = 0;
+  s.upcoming = s.successor(w), s.asked = 0, s.budget = read_ahead_bytes();
   s.pending.store(false, std::memory_order_relaxed);
 }
 
-void product_ends(const void* w) {
-  State& s = state();
-  std::lock_guard<std::mutex> lock(s.m);
-  s.upcoming = s.successor(w), s.asked = 0, s.budget = read_ahead_bytes();
-  s.pending.store(s.upcoming.p != nullptr && s.budget > 0, std::memory_order_relaxed);
-}
+void product_tail() { state().pending.store(true, std::memory_order_relaxed); }
+
+void product_ends(const void*) { product_tail(); }
 
 bool read_ahead() {
   constexpr size_t kShare = 16 * 1024;  // (a few microseconds: new work is never kept waiting long)

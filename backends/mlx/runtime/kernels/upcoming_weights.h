@@ -14,13 +14,19 @@
 namespace emlx {
 
 // A product over the weights at w (bytes long) starts: it is remembered as
-// the successor of the product before it, and nothing is read ahead while it
-// runs (the cores' bandwidth is its own).
+// the successor of the product before it, and the products that followed it
+// last time, in order, are the ones to read ahead next, up to a budget (what
+// the caches keep: read_ahead_bytes in the .cpp). Nothing is read ahead
+// while every thread has a share of it (the cores' bandwidth is its own).
 void product_starts(const void* w, size_t bytes);
 
-// The product over w has ended: the products that followed it last time,
-// in order, are now the ones to read ahead, up to a budget (what the caches
-// keep: read_ahead_bytes in the .cpp).
+// The running product's items are all claimed: a thread that found none
+// left idles until the last one is done (a decode step's products spent ~5%
+// of their time so, one core streaming), and may read ahead meanwhile.
+// Called by our pool for every parallel run: after a product, the same.
+void product_tail();
+
+// The product over w has ended: its successors may be read ahead.
 void product_ends(const void* w);
 
 // Called by an idle thread: asks for the next share of the upcoming
