@@ -4,14 +4,11 @@ cache) that the delegate keeps between calls."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 from harness import assert_matches_eager, delegate_graphs, lower, node_types, run, undelegated_ops, without_fusion
+from other_process import run_elsewhere
 from test_ops import Fn, check, rand
 
 import executorch_mlx
@@ -341,25 +338,17 @@ def test_float_linear_rows_equal_one_row_calls_bit_for_bit(tmp_path):
     computes each row as a one-row call does, whichever rows of x share a
     pass over a weight row (one, two or four), in the plain C++ build, the
     AVX2 one and this CPU's (AVX-512 where it has it)."""
-    import os
-    import subprocess
-    import sys
-
     torch.manual_seed(3)
     model = Linear(300, 45, True).eval()  # K: 37 vectors of 8 and a tail; N: not a multiple of 4
     x = rand((16, 300))
     pte = tmp_path / "linear.pte"
     pte.write_bytes(lower(model, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=16)},))
                     .to_executorch().buffer)
-    torch.save(x, tmp_path / "x.pt")
-    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime\n"
-              "p = Runtime.get().load_program(open(sys.argv[1], 'rb').read()); m = p.load_method('forward')\n"
-              "x = torch.load(sys.argv[2]); ones = [m.execute([x[i:i + 1]])[0] for i in range(len(x))]\n"
-              "print(all(torch.equal(m.execute([x[:n]])[0][i], ones[i][0]) for n in range(1, 17) for i in range(n)))")
+    calls = [(pte, [[x[i:i + 1]] for i in range(len(x))] + [[x[:n]] for n in range(1, 17)])]
     for build in ("plain", "avx2"):
-        out = subprocess.run([sys.executable, "-c", script, pte, tmp_path / "x.pt"], check=True, capture_output=True,
-                             text=True, env={**os.environ, "EMLX_X86_KERNELS": build}).stdout.split()
-        assert out == ["True"], build
+        (each,) = run_elsewhere(calls, {"EMLX_X86_KERNELS": build}, tmp_path)
+        ones, many = [y[0] for y in each[:16]], [y[0] for y in each[16:]]
+        assert all(torch.equal(many[n - 1][i], ones[i][0]) for n in range(1, 17) for i in range(n)), build
     program = Runtime.get().load_program(pte.read_bytes())  # this process's build (alive while its method runs)
     method = program.load_method("forward")
     ones = [method.execute([x[i:i + 1]])[0] for i in range(len(x))]
@@ -763,15 +752,8 @@ def test_fused_nodes_on_mlx_ops_give_the_chains_values(tmp_path):
     for i, (model, args) in enumerate(cases):
         pte = tmp_path / f"case{i}.pte"
         pte.write_bytes(lower(model, args).to_executorch().buffer)
-        files.append((str(pte), list(args)))
-    torch.save(files, tmp_path / "cases.pt")
-    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
-              "for pte, args in torch.load(sys.argv[1]):\n"
-              "    p = Runtime.get().load_program(open(pte, 'rb').read()); out.append(p.load_method('forward').execute(args))\n"
-              "torch.save(out, sys.argv[2])")
-    subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", tmp_path / "out.pt"], check=True,
-                   env={**os.environ, "EMLX_DISABLE_CPU_KERNELS": "1"})
-    for (model, args), got in zip(cases, torch.load(tmp_path / "out.pt")):
+        files.append((str(pte), [list(args)]))
+    for (model, args), (got,) in zip(cases, run_elsewhere(files, {"EMLX_DISABLE_CPU_KERNELS": "1"}, tmp_path)):
         want = model(*args)
         for g, w in zip(got, want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)

@@ -6,8 +6,6 @@ whole models against their eager quantized reference, and export errors."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,6 +15,7 @@ import torch
 from cli_runs import cli
 from executorch.runtime import Runtime
 from harness import delegate_graphs, lower, node_types, run, undelegated_ops, without_fusion
+from other_process import run_elsewhere
 from test_ops import rand
 
 import executorch_mlx  # noqa: F401  (registers the ops)
@@ -290,15 +289,8 @@ def test_embedding_rows_are_the_mlx_ops_rows_bit_for_bit(tmp_path):
         pte.write_bytes(lower(model.eval(), (ids[:, :4],), dynamic_shapes=({1: torch.export.Dim("n", max=16)},))
                         .to_executorch().buffer)
         cases.append(str(pte))
-    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime\n"
-              "ids = torch.tensor(" + str(ids.tolist()) + "); out = []\n"
-              "for pte in sys.argv[1:-1]:\n"
-              "    p = Runtime.get().load_program(open(pte, 'rb').read())\n"
-              "    out.append(p.load_method('forward').execute([ids])[0].clone())\n"
-              "torch.save(out, sys.argv[-1])")
-    subprocess.run([sys.executable, "-c", script, *cases, tmp_path / "mlx_ops.pt"], check=True,
-                   env={**os.environ, "EMLX_DISABLE_CPU_KERNELS": "1"})
-    want = torch.load(tmp_path / "mlx_ops.pt")
+    want = [each[0][0] for each in run_elsewhere([(pte, [[ids]]) for pte in cases],
+                                                 {"EMLX_DISABLE_CPU_KERNELS": "1"}, tmp_path)]
     for name, pte, expected in zip(tables, cases, want):
         got = run(Path(pte).read_bytes(), [ids])[0]
         assert got.dtype == expected.dtype and torch.equal(got, expected), name
@@ -322,15 +314,8 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
         pte.write_bytes(lower(model, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=16)},))
                         .to_executorch().buffer)
         cases.append((str(pte), x))
-    torch.save(cases, tmp_path / "cases.pt")
-    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
-              "for pte, x in torch.load(sys.argv[1]):\n"
-              "    p = Runtime.get().load_program(open(pte, 'rb').read()); m = p.load_method('forward')\n"
-              "    out.append((m.execute([x])[0].clone(), [m.execute([x[i:i + 1]])[0] for i in range(len(x))]))\n"
-              "torch.save(out, sys.argv[2])")
     builds = {}
     for build in ("plain", "avx2", "avx-vnni", "best"):
-        out = tmp_path / f"{build}.pt"
         if build == "best" and "EMLX_X86_KERNELS" not in os.environ:  # this process's own build
             builds[build] = []
             for pte, x in cases:
@@ -339,9 +324,9 @@ def test_every_x86_build_computes_each_row_alone(tmp_path):
                 builds[build].append((method.execute([x])[0].clone(),
                                       [method.execute([x[i:i + 1]])[0] for i in range(len(x))]))
         else:
-            subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
-                           env={**os.environ, "EMLX_X86_KERNELS": build})
-            builds[build] = torch.load(out)
+            calls = [(pte, [[x]] + [[x[i:i + 1]] for i in range(len(x))]) for pte, x in cases]
+            builds[build] = [(each[0][0], [row[0] for row in each[1:]])
+                             for each in run_elsewhere(calls, {"EMLX_X86_KERNELS": build}, tmp_path)]
         for (whole, rows), (pte, _) in zip(builds[build], cases):
             assert all(torch.equal(whole[i], row[0]) for i, row in enumerate(rows)), (build, pte)
     for (a, _), (b, _), (c, _), (d, _) in zip(builds["plain"], builds["avx2"], builds["avx-vnni"], builds["best"]):
@@ -465,23 +450,15 @@ def test_kernel_paths_agree_in_subprocesses(tmp_path):
         cases.append((str(pte), xs))
         with torch.no_grad():
             want.append([model(x) for x in xs])
-    torch.save(cases, tmp_path / "cases.pt")
-    script = ("import sys, torch, executorch_mlx; from executorch.runtime import Runtime; out = []\n"
-              "for pte, xs in torch.load(sys.argv[1]):\n"
-              "    p = Runtime.get().load_program(open(pte, 'rb').read()); m = p.load_method('forward')\n"
-              "    out.append([m.execute([x])[0] for x in xs])\n"
-              "torch.save(out, sys.argv[2])")
-    # the kernel as this process's environment sets it up (what the script in a process of the same env runs)
+    # the kernel as this process's environment sets it up (what a process of the same env runs)
     outs = [[]]
     for pte, xs in cases:
         program = Runtime.get().load_program(open(pte, "rb").read())  # kept alive while its method runs
         method = program.load_method("forward")
         outs[0].append([method.execute([x])[0] for x in xs])
-    for i, env in enumerate([{"EMLX_NUM_THREADS": "1"}, {"EMLX_DISABLE_CPU_KERNELS": "1"}]):
-        out = tmp_path / f"y{i}.pt"
-        subprocess.run([sys.executable, "-c", script, tmp_path / "cases.pt", out], check=True,
-                       env={**os.environ, **env})
-        outs.append(torch.load(out))
+    for env in [{"EMLX_NUM_THREADS": "1"}, {"EMLX_DISABLE_CPU_KERNELS": "1"}]:
+        each = run_elsewhere([(pte, [[x] for x in xs]) for pte, xs in cases], env, tmp_path)
+        outs.append([[y[0] for y in ys] for ys in each])
     for (case, kernel, one_thread, mlx_ops, expected), (_, xs), model in zip(zip(KERNEL_CASES, *outs, want), cases,
                                                                             models):
         for ys in (kernel, one_thread, mlx_ops):
