@@ -3,10 +3,11 @@
 // (attention, heads, cache writes) while the other, the graph builder lending
 // its core to our kernels (thread_pool.h), spins waiting for the next
 // product; between two calls the stream thread idles while the caller runs
-// its own code and builds the next graph. Either idle thread reads the start
-// of the next products' weights meanwhile, so that they find them in cache
-// (a ~100M model's decode on a 2-core Xeon: float32 1.05x, int4 1.05-1.10x;
-// docs/benchmarks.md).
+// its own code and builds the next graph; at the end of each product one
+// thread waits for the other's last rows. Any idle thread reads the start of
+// the next products' weights meanwhile, so that they find them in cache (a
+// ~100M model's decode on a 2-core Xeon: float32 1.05x, int4 1.05-1.10x, and
+// float32 1.02x more from the ends of products; docs/benchmarks.md).
 #pragma once
 
 #include <cstddef>
@@ -23,7 +24,9 @@ void product_starts(const void* w, size_t bytes);
 // The running product's items are all claimed: a thread that found none
 // left idles until the last one is done (a decode step's products spent ~5%
 // of their time so, one core streaming), and may read ahead meanwhile.
-// Called by our pool for every parallel run: after a product, the same.
+// Our pool calls it at the end of every parallel run: one that is not a
+// product (attention, say) runs after a product has ended, whose successors
+// may be read ahead already.
 void product_tail();
 
 // The product over w has ended: its successors may be read ahead.
