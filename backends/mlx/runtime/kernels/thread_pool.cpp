@@ -122,9 +122,12 @@ class Pool {
     cv_.notify_all();
     drain(gen);
     // Workers may still be finishing their last item: the next product's
-    // weights are read meanwhile.
+    // weights are asked for meanwhile, a share before each yield (the thread
+    // with the last item may be waiting for this core), none while the
+    // helpers back off.
     while (pending_.load(std::memory_order_acquire) > 0) {
-      if (!read_ahead()) std::this_thread::yield();
+      if (may_spin()) read_ahead();
+      std::this_thread::yield();
     }
   }
 
