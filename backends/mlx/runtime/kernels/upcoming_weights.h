@@ -6,8 +6,8 @@
 // its own code and builds the next graph; at the end of each product one
 // thread waits for the other's last rows. Any idle thread reads the start of
 // the next products' weights meanwhile, so that they find them in cache (a
-// ~100M model's decode on a 2-core Xeon: float32 1.05x, int4 1.05-1.10x, and
-// float32 1.02x more from the ends of products; docs/benchmarks.md).
+// ~100M model's decode on a 2-core Xeon: float32 1.05x, int4 1.05-1.10x; the
+// ends of products added nothing clear beyond that; docs/benchmarks.md).
 #pragma once
 
 #include <cstddef>
