@@ -2,7 +2,7 @@
 
 One server, started as a user would (`executorch-mlx serve --api-key ...`,
 with a 2 s header timeout so that the slow-client test is short) on a free
-port of 127.0.0.1, serves the tiny chat program of test_serve.py. A thread
+port of 127.0.0.1, serves the tiny chat program of test_serve.py. A process
 asks /health every 0.1 s from start to end; the last test holds it to 1 s.
 Each hostile row must end in a JSON 4xx within 2 s and leave the server's
 memory and its answers as they were."""
@@ -15,9 +15,8 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,27 +35,49 @@ FAST = 2.0  # seconds a hostile request may take
 HELLO = [{"role": "user", "content": "Once upon a time"}]
 
 
-@dataclass
+# Asks /health every 0.1 s; answers each line it reads with [slowest seconds,
+# failures] so far, and ends at the end of its input.
+_WATCH = r"""
+import http.client, json, select, sys, time
+port, slowest, failures = int(sys.argv[1]), 0.0, []
+while True:
+    start = time.monotonic()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        conn.close()
+        if status != 200:
+            failures.append(f"status {status}")
+    except OSError as e:
+        failures.append(repr(e))
+    slowest = max(slowest, time.monotonic() - start)
+    if select.select([sys.stdin], [], [], 0.1)[0]:
+        if not sys.stdin.readline():
+            break
+        print(json.dumps([slowest, failures]), flush=True)
+"""
+
+
 class HealthWatch:
-    """/health asked every 0.1 s on a thread of its own."""
+    """/health asked every 0.1 s by a process of its own: a thread of the
+    test process would time its own waits for the GIL too (the tests run
+    the CLI in this process)."""
 
-    port: int
-    slowest: float = 0.0
-    failures: list = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
+    def __init__(self, port: int):
+        self.process = subprocess.Popen([sys.executable, "-c", _WATCH, str(port)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            start = time.monotonic()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                assert conn.getresponse().status == 200
-                conn.close()
-            except (OSError, AssertionError) as e:
-                self.failures.append(repr(e))
-            self.slowest = max(self.slowest, time.monotonic() - start)
-            time.sleep(0.1)
+    def report(self) -> tuple[float, list[str]]:
+        """(the slowest answer so far in seconds, the failed asks)"""
+        self.process.stdin.write("report\n")
+        self.process.stdin.flush()
+        slowest, failures = json.loads(self.process.stdout.readline())
+        return slowest, failures
+
+    def stop(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=10)
 
 
 @dataclass
@@ -102,11 +123,8 @@ def served(shared, tmp_path_factory):
             assert time.monotonic() < deadline, f"the server did not start: {log.read()}"
             time.sleep(0.2)
     health = HealthWatch(port)
-    watcher = threading.Thread(target=health.run, daemon=True)
-    watcher.start()
     yield Served(folder, pte, port, process, health)
-    health.stop.set()
-    watcher.join(10)
+    health.stop()
     process.terminate()
     process.wait(timeout=30)
     log.close()
@@ -328,8 +346,8 @@ def test_cli_hostile_files_and_text_exit_2_in_one_line(served, capsys):
 def test_the_server_answered_health_throughout(served):
     status, reply, _ = chat(served)
     assert status == 200 and reply["choices"][0]["message"]["content"] is not None
-    assert not served.health.failures and served.health.slowest < 1.0, (served.health.failures,
-                                                                       served.health.slowest)
+    slowest, failures = served.health.report()
+    assert not failures and slowest < 1.0, (failures, slowest)
 
 
 def _access_app(**options) -> TestClient:
