@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from executorch_mlx.loaded_program import as_array
+
 _SCRIPT = """
 import pickle, sys
 from executorch_mlx.loaded_program import BFLOAT16, LoadedProgram
@@ -32,10 +34,8 @@ with open(sys.argv[2], "wb") as f:
 
 
 def _array(value) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
-    return np.asarray(value)
+    array = as_array(value)  # (torch's bfloat16 widened)
+    return np.asarray(value) if array is None else array
 
 
 def _tensor(value, bf16: bool):

@@ -318,6 +318,14 @@ size_t weight_bytes(const Operands& o) {
   return o.N * o.K * format_bits(o.format) / 8;
 }
 
+// A decode-sized product's blocks of weight rows spread over the pool, the
+// next products' weights read ahead around it (upcoming_weights.h).
+void product_blocks(const Operands& o, int blocks, const std::function<void(int)>& fn) {
+  product_starts(o.w, weight_bytes(o));
+  parallel_for(blocks, fn);
+  product_ends();
+}
+
 // out = x w^T (+ bias) for any weight format but the quantized formats'
 // integer path: sgemm from kGemmRows rows of x on, dot products below.
 void float_rows(const Operands& o) {
@@ -325,14 +333,12 @@ void float_rows(const Operands& o) {
   const size_t rows = block_rows(o.N, 4);
   const int blocks = static_cast<int>((o.N + rows - 1) / rows);
   const auto block = has_avx512() ? linear_block_avx512 : has_avx2() ? linear_block_avx2 : linear_block_generic;
-  product_starts(o.w, weight_bytes(o));
-  parallel_for(blocks, [&](int b) {
+  product_blocks(o, blocks, [&](int b) {
     thread_local std::vector<float> scratch;
     if (o.format != Format::F32 && scratch.size() < o.K) scratch.resize(o.K);
     const size_t n0 = b * rows, n1 = std::min(o.N, n0 + rows);
     block(o, n0, n1, scratch.data());
   });
-  product_ends(o.w);
 }
 
 // MLX primitive: inputs x [..., K] (any strides), w (+ scales, biases when
@@ -397,8 +403,7 @@ class Linear : public CpuKernel {
         // 16 weight rows (the tiled layout's).
         const size_t rows = block_rows(N, kTileRows);
         const int blocks = static_cast<int>((N + rows - 1) / rows);
-        product_starts(o.w, weight_bytes(o));
-        parallel_for(blocks, [&](int b) {
+        product_blocks(o, blocks, [&](int b) {
           const size_t n0 = b * rows, n1 = std::min(N, n0 + rows);
           quantized_dots(xq, static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16, tiled, n0, n1, o.out,
                          N);
@@ -407,7 +412,6 @@ class Linear : public CpuKernel {
             for (size_t n = n0; n < n1; ++n) o.out[m * N + n] += float_at(o.bias, n, o.x_bf16);
           }
         });
-        product_ends(o.w);
       } else if (tiled) {  // (x holds a NaN or an infinity) the weights back in rows, for this call only
         std::vector<uint8_t> bytes[3];
         const PackedRows rows = untile_matrix({static_cast<const uint8_t*>(o.w), o.scales, o.biases, o.params_bf16,

@@ -78,7 +78,7 @@ void product_starts(const void* w, size_t bytes) {
 
 void product_tail() { state().pending.store(true, std::memory_order_relaxed); }
 
-void product_ends(const void*) { product_tail(); }
+void product_ends() { product_tail(); }
 
 bool read_ahead() {
   constexpr size_t kShare = 16 * 1024;  // (a few microseconds: new work is never kept waiting long)

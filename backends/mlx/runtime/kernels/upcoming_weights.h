@@ -29,8 +29,8 @@ void product_starts(const void* w, size_t bytes);
 // may be read ahead already.
 void product_tail();
 
-// The product over w has ended: its successors may be read ahead.
-void product_ends(const void* w);
+// The product that started last has ended: its successors may be read ahead.
+void product_ends();
 
 // Called by an idle thread: asks for the next share of the upcoming
 // product's weights into cache. False when there is nothing (left) to ask for.
