@@ -75,12 +75,19 @@ def _library() -> ctypes.CDLL:
             "emlx_method_meta": (ctypes.c_int, [handle, ctypes.c_int, ctypes.c_int64, value]),
             "emlx_method_execute": (ctypes.c_int, [handle, ctypes.c_int64, value]),
             "emlx_method_output": (ctypes.c_int, [handle, ctypes.c_int64, value]),
+            "emlx_active_memory": (ctypes.c_int64, []),
         }
         for name, (restype, argtypes) in declare.items():
             function = getattr(lib, name)
             function.restype, function.argtypes = restype, argtypes
         lib._programs_declared = True
     return lib
+
+
+def active_memory() -> int:
+    """Bytes our runtime holds in this process now (MLX's allocator): every
+    loaded program's weights, state (KV caches) and values alive."""
+    return int(_library().emlx_active_memory())
 
 
 def _failure(bad: ctypes.c_int) -> Exception:

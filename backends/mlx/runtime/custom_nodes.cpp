@@ -17,6 +17,7 @@
 #include "kernels/heads.h"
 #include "kernels/linear.h"
 #include "kernels/matmul.h"
+#include "kernels/packed_floats.h"
 #include "kernels/norm.h"
 #include "kernels/quantized_rows.h"
 #include "kernels/rope.h"
@@ -112,6 +113,11 @@ std::optional<std::vector<int64_t>> host_rows(const mx::array& indices, int64_t 
 }  // namespace
 
 void exec_TakeNode(Interpreter& st, const ir::TakeNode* n) {
+  if (const auto* p = st.packed(n->a())) {  // (a tied embedding table; axis 0: Program::float32_matrices_to_pack)
+    const int rows = p->rows.shape(0);
+    st.set(n->out(), packed_rows(*p, in_range(st.get(n->indices()), rows, "TakeNode")));
+    return;
+  }
   const auto& a = st.get(n->a());
   const auto& indices = st.get(n->indices());
   const int axis = n->axis() < 0 ? n->axis() + static_cast<int>(a.ndim()) : n->axis();  // checked by the schema
@@ -327,6 +333,10 @@ LinearTerms linear_terms(Interpreter& st, const Node* n) {
 }  // namespace
 
 void exec_LinearNode(Interpreter& st, const ir::LinearNode* n) {
+  if (const auto* p = st.packed(n->weight())) {  // (Program::float32_matrices_to_pack)
+    st.set(n->out(), packed_float_linear(st.get(n->x()), *p, linear_terms(st, n)));
+    return;
+  }
   st.set(n->out(), linear(st.get(n->x()), st.get(n->weight()), linear_terms(st, n)));
 }
 

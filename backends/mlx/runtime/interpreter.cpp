@@ -18,6 +18,7 @@
 #include "checks.h"
 #include "dtype.h"
 #include "kernels/cpu_kernel.h"
+#include "kernels/packed_floats.h"
 #include "kernels/quantized_dot.h"
 #include "kernels/thread_pool.h"
 #include "memory_budget.h"
@@ -244,7 +245,7 @@ Program::Program(const void* data, size_t size, const NamedDataMap* named_data, 
     std::vector<mx::array> kept;
     for (auto& [slot, arr] : literals_) kept.push_back(arr);
     mx::eval(kept);
-    Interpreter st(graph_->num_values(), symbols, liveness_, tiled_);
+    Interpreter st(graph_->num_values(), symbols, liveness_, layouts_);
     for (size_t i = 0; i < buffer_initial_.size(); ++i) {
       st.set(graph_->mutable_buffers()->Get(i)->slot(), buffer_initial_[i]);
     }
@@ -435,21 +436,37 @@ void Program::load_constants(const NamedDataMap* named_data) {
   auto fresh = [](const WeightSpec& w, size_t nbytes) {
     return mx::array(mx::allocator::malloc(nbytes), w.shape, w.dtype);
   };
-  // `a` with the named data's bytes (which must be as many as it holds)
-  auto read_into = [&](const char* name, mx::array a) {
+  // use(the named data's bytes), which must be `bytes` long
+  auto with_data = [&](const char* name, size_t bytes, const std::function<void(const void*)>& use) {
     auto data = named_data->get_data(name);
     if (!data.ok()) throw ProgramError(std::string("constant '") + name + "' not found in named data");
     FreeableBuffer buf = std::move(data.get());
-    if (buf.size() != a.nbytes()) {
+    if (buf.size() != bytes) {
       throw ProgramError(std::string("constant '") + name + "' has " + std::to_string(buf.size()) +
-                         " bytes, expected " + std::to_string(a.nbytes()));
+                         " bytes, expected " + std::to_string(bytes));
     }
-    if (buf.size() > 0) std::memcpy(a.data<void>(), buf.data(), buf.size());
+    if (bytes > 0) use(buf.data());
     buf.Free();
+  };
+  // `a` with the named data's bytes (which must be as many as it holds)
+  auto read_into = [&](const char* name, mx::array a) {
+    with_data(name, a.nbytes(), [&](const void* bytes) { std::memcpy(a.data<void>(), bytes, a.nbytes()); });
     return a;
   };
+  // Whether float32 matrix `name` [N, K] is worth packing, from a sample of
+  // its rows (ExecuTorch maps the data: only their pages are read).
+  auto worth_packing_data = [&](const char* name, size_t N, size_t K) {
+    auto data = named_data->get_data(name);
+    if (!data.ok()) return false;  // (read_into names it)
+    FreeableBuffer buf = std::move(data.get());
+    const bool worth = buf.size() == N * K * sizeof(float) && worth_packing(static_cast<const float*>(buf.data()), N, K);
+    buf.Free();
+    return worth;
+  };
+  const std::set<uint32_t> to_pack = float32_matrices_to_pack();
   std::vector<WeightSpec> specs;
   std::vector<size_t> sizes;
+  std::vector<mx::Shape> packed_shapes(consts->size());  // a packed one's [N, K]; empty: stored as it is
   for (auto* c : *consts) {
     mx::Shape shape;
     if (c->shape()) {
@@ -457,6 +474,13 @@ void Program::load_constants(const NamedDataMap* named_data) {
     }
     specs.push_back({std::move(shape), to_mlx_dtype(c->dtype())});
     sizes.push_back(checked_bytes(c->name()->c_str(), specs.back()));
+    const auto& matrix = specs.back().shape;
+    if (to_pack.count(c->slot()) && matrix.size() == 2 &&
+        worth_packing_data(c->name()->c_str(), matrix[0], matrix[1])) {
+      packed_shapes[specs.size() - 1] = matrix;
+      specs.back() = {{matrix[0], checked_dim(packed_row_bytes(matrix[1]))}, mx::uint8};
+      sizes.back() = checked_bytes(c->name()->c_str(), specs.back());
+    }
   }
   // On a CPU the weights share a few allocations, aligned and in huge pages
   // (weight_arena.h); elsewhere each is MLX's own allocation.
@@ -464,6 +488,17 @@ void Program::load_constants(const NamedDataMap* named_data) {
   for (size_t i = 0; i < consts->size(); ++i) {
     auto* c = consts->Get(i);
     auto a = room.empty() ? fresh(specs[i], sizes[i]) : room[i];
+    if (!packed_shapes[i].empty()) {
+      const size_t N = packed_shapes[i][0], K = packed_shapes[i][1];
+      with_data(c->name()->c_str(), N * K * sizeof(float), [&](const void* floats) {
+        layouts_.packed.emplace(c->slot(), pack_float32(static_cast<const float*>(floats), N, K, std::move(a)));
+      });
+      // The slot holds a stand-in of the matrix's shape and dtype, for the
+      // nodes' checks: NaN, never read (the two nodes read the packed matrix).
+      constants_.emplace_back(c->slot(), mx::broadcast_to(mx::array(std::numeric_limits<float>::quiet_NaN()),
+                                                          packed_shapes[i]));
+      continue;
+    }
     constants_.emplace_back(c->slot(), read_into(c->name()->c_str(), std::move(a)));
   }
   for (auto* b : *buffers) {
@@ -488,7 +523,7 @@ void Program::load_constants(const NamedDataMap* named_data) {
 // tiles). The layers turn a tiled matrix back into rows for a call our
 // kernel does not take.
 void Program::tile_quantized_weights() {
-  tiled_.assign(graph_->num_values(), false);
+  layouts_.tiled.assign(graph_->num_values(), false);
   if (!CpuKernel::serves(mx::default_stream(mx::default_device()))) return;
   std::map<uint32_t, mx::array*> constant;
   for (auto& [slot, a] : constants_) constant.emplace(slot, &a);
@@ -555,8 +590,42 @@ void Program::tile_quantized_weights() {
       tile_in_place(scales.data<uint8_t>() + e * N * groups * param, N, groups, param);
       tile_in_place(biases.data<uint8_t>() + e * N * groups * param, N, groups, param);
     }
-    tiled_[w] = tiled_[trio.scales] = tiled_[trio.biases] = true;
+    layouts_.tiled[w] = layouts_.tiled[trio.scales] = layouts_.tiled[trio.biases] = true;
   }
+}
+
+std::set<uint32_t> Program::float32_matrices_to_pack() const {
+  std::set<uint32_t> packable;
+  if (!CpuKernel::serves(mx::default_stream(mx::default_device())) || !pack_float32_weights()) return packable;
+  std::set<uint32_t> matrices, linear, other;
+  for (auto* c : *graph_->constants()) {
+    if (c->dtype() == ir::DType::float32 && c->shape() && c->shape()->size() == 2) matrices.insert(c->slot());
+  }
+  std::vector<int64_t> reads, writes;
+  for (auto* node : *graph_->nodes()) {
+    reads.clear();
+    writes.clear();
+    node_refs(node, reads, writes);
+    // the slot each of the two reads a packed matrix in (once each)
+    std::optional<uint32_t> weight, table;
+    if (const auto* l = node->op_as_LinearNode()) weight = l->weight()->idx();
+    if (const auto* t = node->op_as_TakeNode(); t && (t->axis() == 0 || t->axis() == -2)) table = t->a()->idx();
+    for (auto r : reads) {
+      const auto slot = static_cast<uint32_t>(r);
+      if (weight == slot) {
+        linear.insert(slot), weight.reset();
+      } else if (table == slot) {
+        table.reset();
+      } else {
+        other.insert(slot);
+      }
+    }
+  }
+  for (auto* io : *graph_->outputs()) other.insert(io->slot());
+  for (uint32_t slot : linear) {
+    if (matrices.count(slot) && !other.count(slot)) packable.insert(slot);
+  }
+  return packable;
 }
 
 mx::array Program::initial_value(size_t i) const {
@@ -795,7 +864,7 @@ std::vector<mx::array> Program::run(const std::vector<mx::array>& inputs, const 
   auto* buffers = graph_->mutable_buffers();
   std::vector<mx::array> outs, updates;
   {
-    Interpreter st(graph_->num_values(), symbols, liveness_, tiled_);
+    Interpreter st(graph_->num_values(), symbols, liveness_, layouts_);
     // The state moves into the slot table, which lets go of it after its
     // last reader: the graph then holds the only reference, so MLX updates
     // it in place. Until evaluation starts, `untouched` keeps it for a build

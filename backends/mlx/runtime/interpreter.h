@@ -8,11 +8,14 @@
 #include <mutex>
 #include <functional>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "generated/schema_generated.h"
+#include "kernels/packed_floats.h"
 
 #include <executorch/runtime/core/freeable_buffer.h>
 
@@ -54,16 +57,24 @@ struct Liveness {
   size_t budget = 0;
 };
 
+// Constants our CPU kernels read in layouts of their own, set at load.
+struct ConstantLayouts {
+  std::vector<bool> tiled;  // per slot: in the tiled layout (quantized_dot.h)
+  // float32 matrices packed (packed_floats.h), by slot: only LinearNodes
+  // and TakeNodes read them (their slots hold a stand-in)
+  std::unordered_map<uint32_t, PackedFloats> packed;
+};
+
 // Value slots of one execution.
 class Interpreter {
  public:
   Interpreter(uint32_t num_values, std::vector<int64_t> symbols, const Liveness& liveness,
-              const std::vector<bool>& tiled)
+              const ConstantLayouts& layouts)
       : values_(num_values),
         counted_(num_values, 0),
         symbols_(std::move(symbols)),
         liveness_(liveness),
-        tiled_(tiled) {}
+        layouts_(layouts) {}
 
   const mlx::core::array& get(const ir::Tid* t) const;
   std::optional<mlx::core::array> get_optional(const ir::Tid* t) const;
@@ -80,7 +91,13 @@ class Interpreter {
   // The size of dynamic dimension `i` in this execution.
   int64_t symbol(int64_t i) const;
   // Whether `t` is a constant stored in the tiled layout (quantized_dot.h).
-  bool tiled(const ir::Tid* t) const { return t && t->idx() < tiled_.size() && tiled_[t->idx()]; }
+  bool tiled(const ir::Tid* t) const { return t && t->idx() < layouts_.tiled.size() && layouts_.tiled[t->idx()]; }
+  // The packed float32 matrix `t` is (packed_floats.h), or null.
+  const PackedFloats* packed(const ir::Tid* t) const {
+    if (!t || layouts_.packed.empty()) return nullptr;
+    auto it = layouts_.packed.find(t->idx());
+    return it == layouts_.packed.end() ? nullptr : &it->second;
+  }
 
   // Runs node `i`: what it writes counts against the memory budget until
   // its last reader has run. Errors name the node.
@@ -91,7 +108,7 @@ class Interpreter {
   std::vector<size_t> counted_;  // bytes of each node output still alive
   std::vector<int64_t> symbols_;
   const Liveness& liveness_;
-  const std::vector<bool>& tiled_;
+  const ConstantLayouts& layouts_;
   size_t live_bytes_ = 0;
   int64_t node_ = -1;  // the node running, or -1 while binding inputs
 };
@@ -138,6 +155,10 @@ class Program {
   void plan_liveness();
   void load_constants(const executorch::runtime::NamedDataMap* named_data);
   void tile_quantized_weights();
+  // The float32 constants to pack at load (packed_floats.h): matrices only
+  // LinearNodes (as their weight) and TakeNodes (rows) read, one at least a
+  // LinearNode; none where our CPU kernels do not run or packing is off.
+  std::set<uint32_t> float32_matrices_to_pack() const;
   // Builds the graph on `inputs`. `evaluating`, when given, is called before
   // evaluation first starts (Liveness::evaluate_after) and it starts there;
   // otherwise nothing is evaluated.
@@ -155,7 +176,7 @@ class Program {
   const ir::Graph* graph_ = nullptr;
   Liveness liveness_;
   std::vector<std::pair<uint32_t, mlx::core::array>> constants_;
-  std::vector<bool> tiled_;  // per slot: a constant in the tiled layout
+  ConstantLayouts layouts_;
   std::vector<std::pair<uint32_t, mlx::core::array>> literals_;
   // Initial values of the mutable buffers (loaded constants, evaluated; or
   // zeros, never evaluated: see initial_value)

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <mlx/memory.h>
+
 #include "interpreter.h"
 #include "program_files.h"
 
@@ -170,6 +172,10 @@ EMLX_API int emlx_method_execute(void* method, int64_t count, const emlx::Value*
     return 0;
   });
 }
+
+// Bytes MLX holds in this process now: every program's weights, state and
+// values alive (MLX's allocator; what the loader packs takes less).
+EMLX_API int64_t emlx_active_memory() { return static_cast<int64_t>(mlx::core::get_active_memory()); }
 
 // Output `i` of the last call: a tensor points into the method's memory.
 EMLX_API int emlx_method_output(void* method, int64_t i, emlx::Value* out) {

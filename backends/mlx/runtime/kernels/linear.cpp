@@ -11,6 +11,7 @@
 #include "cpu_kernel.h"
 #include "float_gemm.h"
 #include "norm.h"
+#include "packed_floats.h"
 #include "quantized_dot.h"
 #include "thread_pool.h"
 #include "upcoming_weights.h"
@@ -28,10 +29,10 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint64_t u64x4 __attribute__((vector_size(32)));
 
-// How the weight matrix [N, K] is stored.
-enum class Format : int { F32, BF16, Q4, Q8 };
+// How the weight matrix [N, K] is stored (Packed: float32 packed at load, packed_floats.h).
+enum class Format : int { F32, BF16, Q4, Q8, Packed };
 
-// Bits a stored weight takes in `format`.
+// Bits a stored weight takes in `format` (not Packed: see weight_bytes).
 constexpr int format_bits(Format format) {
   return format == Format::F32 ? 32 : format == Format::BF16 ? 16 : format == Format::Q8 ? 8 : 4;
 }
@@ -50,7 +51,8 @@ struct Operands {
   Format format;
   int group;             // quantized: K values per (scale, bias) pair
   const float* x;        // [M, K], float32 (converted up front when bf16)
-  const void* w;         // F32/BF16: [N, K]; Q4/Q8: [N, K * bits / 32] packed uint32
+  const void* w;         // F32/BF16: [N, K]; Q4/Q8: [N, K * bits / 32] packed uint32; Packed: packed.rows
+  PackedView packed;     // Packed: the matrix
   const void* scales;    // quantized: [N, K / group]
   const void* biases;    // quantized: [N, K / group]
   bool params_bf16;      // scales/biases are bfloat16, else float32
@@ -174,6 +176,7 @@ inline void decode_quantized_row(const Operands& o, size_t n, float* dst) {
 }
 
 inline void decode_row(const Operands& o, size_t n, float* dst) {
+  if (o.format == Format::Packed) return unpack_row(o.packed, n, dst);
   if (o.format == Format::Q4) return decode_quantized_row<4>(o, n, dst);
   if (o.format == Format::Q8) return decode_quantized_row<8>(o, n, dst);
   const uint16_t* src = static_cast<const uint16_t*>(o.w) + n * o.K;  // BF16
@@ -188,23 +191,28 @@ inline void decode_row(const Operands& o, size_t n, float* dst) {
 }
 
 // out[m, n0:n1] for every row m of x: a weight row at a time (float32
-// ones read in order, one stream; others decoded into `scratch` first),
-// met by up to MAXR rows of x a pass. Every out[m, n] is row_dots' sum, so
-// a row of a many-row call (a verify call's) is bit for bit the row a
-// one-row call (a decode step) computes.
+// ones read in order, one stream; packed ones decoded in registers where
+// packed_row_dots runs; others decoded into `scratch` first), met by up to
+// MAXR rows of x a pass. Every out[m, n] is row_dots' sum, so a row of a
+// many-row call (a verify call's) is bit for bit the row a one-row call (a
+// decode step) computes, and a packed matrix's what its floats give.
 template <typename V, int MAXR>
 __attribute__((always_inline)) inline void linear_block(const Operands& o, size_t n0, size_t n1, float* scratch) {
   const size_t K = o.K;
   const bool stored = o.format == Format::F32;
+  const bool packed_dots = sizeof(V) == 64 && o.format == Format::Packed && has_packed_dots();
   for (size_t n = n0; n < n1; ++n) {
     const float* w = static_cast<const float*>(o.w) + n * K;
-    if (!stored) decode_row(o, n, scratch), w = scratch;
+    if (!stored && !packed_dots) decode_row(o, n, scratch), w = scratch;
     const float bias = o.bias ? float_at(o.bias, n, o.x_bf16) : 0.0f;
     float acc[MAXR];
     for (size_t m = 0; m < o.M;) {
       const float* x = o.x + m * K;
       size_t rows = 1;
-      if (MAXR >= 4 && m + 4 <= o.M) {
+      if (packed_dots) {
+        rows = MAXR >= 4 && m + 4 <= o.M ? 4 : m + 2 <= o.M ? 2 : 1;
+        packed_row_dots(o.packed, n, x, static_cast<int>(rows), acc);
+      } else if (MAXR >= 4 && m + 4 <= o.M) {
         rows = 4, stored ? row_dots<V, 4, true>(x, K, w, acc) : row_dots<V, 4, false>(x, K, w, acc);
       } else if (m + 2 <= o.M) {
         rows = 2, stored ? row_dots<V, 2, true>(x, K, w, acc) : row_dots<V, 2, false>(x, K, w, acc);
@@ -315,7 +323,7 @@ void gemm(const Operands& o) {
 
 // Bytes of o's weight matrix (the packed values only, for the quantized formats).
 size_t weight_bytes(const Operands& o) {
-  return o.N * o.K * format_bits(o.format) / 8;
+  return o.format == Format::Packed ? o.N * packed_row_bytes(o.K) : o.N * o.K * format_bits(o.format) / 8;
 }
 
 // A decode-sized product's blocks of weight rows spread over the pool, the
@@ -367,6 +375,7 @@ class Linear : public CpuKernel {
       const bool tiled = spec.tiled;
       const auto& x = inputs[0];
       const bool quantized = format == Format::Q4 || format == Format::Q8;
+      const bool packed_floats = format == Format::Packed;
       const size_t K = x.shape(-1), M = x.size() / K, N = out.shape(-1);
       std::vector<uint8_t> packed;
       const void* xdata = row_major_data<void>(x, packed);
@@ -384,7 +393,8 @@ class Linear : public CpuKernel {
       o.out = o.x_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
-      size_t next = quantized ? 4 : 2;  // the inputs after the operands
+      if (packed_floats) o.packed = {inputs[1].data<uint8_t>(), inputs[2].data<uint32_t>(), inputs[3].data<uint32_t>(), K};
+      size_t next = quantized || packed_floats ? 4 : 2;  // the inputs after the operands
       std::vector<float> normed;
       if (norm_eps) {  // (float32 x only: build() normalizes others first) the norm's kernel's rows
         const float* weight = inputs[next++].data<float>();
@@ -539,6 +549,23 @@ mx::array linear(const mx::array& x, const mx::array& w, const LinearTerms& term
     return mx::matmul(in[0], mx::transpose(in[1], s), s);
   };
   return build(s, supported, x, {w}, terms, {x.dtype() == mx::float32 ? Format::F32 : Format::BF16}, product);
+}
+
+mx::array packed_float_linear(const mx::array& x, const PackedFloats& p, const LinearTerms& terms,
+                              mx::StreamOrDevice s) {
+  const auto& bias = terms.bias;
+  const int N = p.rows.shape(0);
+  if (x.ndim() < 1 || x.shape(-1) != p.K) throw std::invalid_argument("LinearNode: x [..., K] and weight [N, K] expected");
+  if (x.dtype() != mx::float32 || (bias && bias->dtype() != mx::float32)) {
+    // (other dtypes: MLX's product, with its type promotion, on the floats)
+    return linear(x, packed_rows(p, mx::arange(N, mx::int32, s), s), terms, s);
+  }
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != N)) throw std::invalid_argument("LinearNode: bias must be [N]");
+  check_norm("LinearNode", terms.norm, p.K);
+  auto unreachable = [](const std::vector<mx::array>&, mx::Stream) -> mx::array {
+    throw std::logic_error("a packed float32 matrix read off our CPU kernels (matrices are packed only where they run)");
+  };
+  return build(s, true, x, {p.rows, p.starts, p.entries}, terms, {Format::Packed}, unreachable);
 }
 
 mx::array quantized_linear(const mx::array& x, const QuantizedMatrix& q, const LinearTerms& terms,

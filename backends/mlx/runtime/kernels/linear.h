@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "packed_floats.h"
 #include "quantized_dot.h"
 
 namespace emlx {
@@ -42,6 +43,12 @@ struct LinearTerms {
 // the same semantics.
 mlx::core::array linear(const mlx::core::array& x, const mlx::core::array& w, const LinearTerms& terms,
                         mlx::core::StreamOrDevice s = {});
+
+// The same as linear with w a float32 matrix packed at load (packed_floats.h):
+// bit for bit what w's floats give. x and the bias float32 take our kernel;
+// other dtypes, MLX's product on the unpacked floats.
+mlx::core::array packed_float_linear(const mlx::core::array& x, const PackedFloats& p, const LinearTerms& terms,
+                                     mlx::core::StreamOrDevice s = {});
 
 // A matrix in one of MLX's quantized layouts (mlx::core::quantize): w
 // [N, K * bits / 32] packed 32-bit words, scales [N, K / group_size] and, for
