@@ -68,14 +68,20 @@ __attribute__((target("avx512f"))) void columns_avx512(const float* x, size_t M,
   }
 }
 
+// Bytes to ask for into L2 while a product runs (the next weights a caller
+// decodes): RN lines every 16 values of k, from `at` up to `end`.
+struct Ahead {
+  const char *at = nullptr, *end = nullptr;
+};
+
 // out[m, j] for the chunk's `rows` rows of x (V vectors of 16) and RN weight
 // rows: for each k, weight j's value k (broadcast) times the chunk's values
 // k, added in order of k (no sums across lanes). Every 16 values the lines
 // of the next RN weight rows at the same k are asked for into L2 (`next`,
-// or none), so that the next call finds them there.
+// or none), so that the next call finds them there, and RN lines of `ahead`.
 template <int RN, int V>
 __attribute__((target("avx512f"))) void weight_rows(const float* chunk, size_t rows, size_t K, const float* w,
-                                                    bool next, float* out, size_t ldo) {
+                                                    bool next, Ahead& ahead, float* out, size_t ldo) {
   __m512 acc[RN][V];
 #pragma GCC unroll 8
   for (int j = 0; j < RN; ++j) {
@@ -83,9 +89,16 @@ __attribute__((target("avx512f"))) void weight_rows(const float* chunk, size_t r
     for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
   }
   for (size_t k = 0; k < K; ++k) {
-    if (next && k % 16 == 0) {
+    if (k % 16 == 0) {
+      if (next) {
 #pragma GCC unroll 8
-      for (int j = 0; j < RN; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (RN + j) * K + k), _MM_HINT_T1);
+        for (int j = 0; j < RN; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (RN + j) * K + k), _MM_HINT_T1);
+      }
+      if (ahead.at < ahead.end) {
+#pragma GCC unroll 8
+        for (int j = 0; j < RN; ++j) _mm_prefetch(ahead.at + 64 * j, _MM_HINT_T1);
+        ahead.at += 64 * RN;
+      }
     }
     __m512 xv[V];
 #pragma GCC unroll 4
@@ -111,11 +124,13 @@ __attribute__((target("avx512f"))) void weight_rows(const float* chunk, size_t r
 // All N weight rows against one chunk of x rows.
 template <int V>
 __attribute__((target("avx512f"))) void chunk_product(const float* chunk, size_t rows, size_t K, const float* w,
-                                                      size_t N, float* out, size_t ldo) {
+                                                      size_t N, Ahead& ahead, float* out, size_t ldo) {
   constexpr size_t kRN = 24 / V;  // 24 accumulators: with V of x and a weight, 26-29 of the 32 registers
   size_t n = 0;
-  for (; n + kRN <= N; n += kRN) weight_rows<kRN, V>(chunk, rows, K, w + n * K, n + 2 * kRN <= N, out + n, ldo);
-  for (; n < N; ++n) weight_rows<1, V>(chunk, rows, K, w + n * K, false, out + n, ldo);
+  for (; n + kRN <= N; n += kRN) {
+    weight_rows<kRN, V>(chunk, rows, K, w + n * K, n + 2 * kRN <= N, ahead, out + n, ldo);
+  }
+  for (; n < N; ++n) weight_rows<1, V>(chunk, rows, K, w + n * K, false, ahead, out + n, ldo);
 }
 
 }  // namespace
@@ -130,21 +145,23 @@ void float_gemm_columns(const float* x, size_t M, size_t K, float* xt) {
 #endif
 }
 
-void float_gemm(const float* xt, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo) {
+void float_gemm(const float* xt, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo,
+                const void* ahead, size_t ahead_bytes) {
 #if defined(__x86_64__)
+  Ahead next{static_cast<const char*>(ahead), static_cast<const char*>(ahead) + (ahead ? ahead_bytes : 0)};
   for (size_t m0 = 0; m0 < M; m0 += kColumnRows) {
     const size_t rows = std::min(kColumnRows, M - m0);
     const float* chunk = xt + m0 * K;
     float* o = out + m0 * ldo;
     switch ((rows + 15) / 16) {
-      case 1: chunk_product<1>(chunk, rows, K, w, N, o, ldo); break;
-      case 2: chunk_product<2>(chunk, rows, K, w, N, o, ldo); break;
-      case 3: chunk_product<3>(chunk, rows, K, w, N, o, ldo); break;
-      default: chunk_product<4>(chunk, rows, K, w, N, o, ldo); break;
+      case 1: chunk_product<1>(chunk, rows, K, w, N, next, o, ldo); break;
+      case 2: chunk_product<2>(chunk, rows, K, w, N, next, o, ldo); break;
+      case 3: chunk_product<3>(chunk, rows, K, w, N, next, o, ldo); break;
+      default: chunk_product<4>(chunk, rows, K, w, N, next, o, ldo); break;
     }
   }
 #else
-  (void)xt, (void)M, (void)K, (void)w, (void)N, (void)out, (void)ldo;
+  (void)xt, (void)M, (void)K, (void)w, (void)N, (void)out, (void)ldo, (void)ahead, (void)ahead_bytes;
   throw std::logic_error("float_gemm: an x86 kernel, called on another CPU");
 #endif
 }

@@ -20,7 +20,10 @@ void float_gemm_columns(const float* x, size_t M, size_t K, float* xt);
 
 // out[m * ldo + n] = x[m] . w[n] for x [M, K] (as float_gemm_columns lays it
 // out) and w [N, K] (rows adjacent), on a CPU with AVX-512 only (has_avx512(),
-// thread_pool.h; the callers take OpenBLAS elsewhere).
-void float_gemm(const float* xt, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo);
+// thread_pool.h; the callers take OpenBLAS elsewhere). The `ahead_bytes`
+// at `ahead` (the caller's next weights, decoded before they are met) are
+// asked for into L2 meanwhile, spread over the product.
+void float_gemm(const float* xt, size_t M, size_t K, const float* w, size_t N, float* out, size_t ldo,
+                const void* ahead = nullptr, size_t ahead_bytes = 0);
 
 }  // namespace emlx

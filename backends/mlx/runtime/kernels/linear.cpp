@@ -275,6 +275,23 @@ size_t block_rows(size_t N, size_t unit) {
   return std::max(unit, (N / (8 * pool_size()) + unit - 1) / unit * unit);
 }
 
+// Rows n0 .. n0 + rows of a packed matrix against x (float_gemm_columns'
+// layout): 24 rows at a time (6, 8 or 12 float_gemm meets at once) decoded,
+// then multiplied, while the next 24 rows' bytes are asked for. A whole tile
+// decoded first left the core waiting on memory, then computing: a ~104M
+// model's 64-token float32 prefill 0.82x the stored floats'.
+void packed_tile(const Operands& o, const float* xt, size_t n0, size_t rows) {
+  constexpr size_t kGroup = 24;
+  thread_local std::vector<float> decoded;
+  if (decoded.size() < kGroup * o.K) decoded.resize(kGroup * o.K);
+  for (size_t g = 0; g < rows; g += kGroup) {
+    const size_t n = std::min(kGroup, rows - g), next = std::min(kGroup, rows - g - n);
+    decode_rows(o, n0 + g, n, decoded.data());
+    float_gemm(xt, o.M, o.K, decoded.data(), n, o.out + n0 + g, o.N, o.packed.row(n0 + g + n),
+               next * packed_row_bytes(o.K));
+  }
+}
+
 // out = x w^T (+ bias), one tile of weight rows per task of our pool: our
 // AVX-512 kernel (float_gemm.h) where the CPU has it, else OpenBLAS's sgemm
 // (itself single-threaded: its own threads spin against ours and collapse
@@ -302,13 +319,17 @@ void gemm(const Operands& o) {
   parallel_for(tiles, [&](int t) {
     const size_t n0 = t * tile, rows = std::min(tile, N - n0);
     const float* w = static_cast<const float*>(o.w) + n0 * K;
-    if (o.format != Format::F32) {
+    if (ours && o.format == Format::Packed) {
+      packed_tile(o, xt.data(), n0, rows);
+    } else if (o.format != Format::F32) {
       thread_local std::vector<float> scratch;
       if (scratch.size() < rows * K) scratch.resize(rows * K);
       (has_avx2() ? decode_rows_avx2 : decode_rows_generic)(o, n0, rows, scratch.data());
       w = scratch.data();
     }
-    if (ours) {
+    if (ours && o.format == Format::Packed) {
+      // (done above)
+    } else if (ours) {
       float_gemm(xt.data(), M, K, w, rows, o.out + n0, N);
     } else {
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, o.x, K, w, K, 0.0f, o.out + n0, N);
