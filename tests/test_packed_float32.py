@@ -14,7 +14,9 @@ from other_process import run_elsewhere
 
 from executorch_mlx.loaded_program import LoadedProgram, active_memory
 
-ROWS = (1, 2, 3, 4, 5, 16, 17, 64)  # one, two and four rows a pass; a verify call's 16; a prefill's
+# one, two and four rows a pass; a verify call's 16; prefills, whose products
+# decode 6, 8, 12 or 24 rows at a time by their chunks of 64 rows of x
+ROWS = (1, 2, 3, 4, 5, 16, 17, 40, 64, 100, 130)
 
 
 class TiedHead(torch.nn.Module):
@@ -54,8 +56,8 @@ def awkward_weights(model: TiedHead) -> None:
 
 
 def program(tmp_path, model: torch.nn.Module, dim: int = 96) -> tuple:
-    ids, x = torch.randint(0, 512, (64,)), torch.randn(64, dim)
-    m = torch.export.Dim("m", min=1, max=64)
+    ids, x = torch.randint(0, 512, (130,)), torch.randn(130, dim)
+    m = torch.export.Dim("m", min=1, max=130)
     pte = tmp_path / "packed.pte"
     pte.write_bytes(lower(model, (ids, x), dynamic_shapes=({0: m}, {0: m})).to_executorch().buffer)
     return pte, [[ids[:n], x[:n]] for n in ROWS]

@@ -125,7 +125,8 @@ __attribute__((target("avx512f"))) void weight_rows(const float* chunk, size_t r
 template <int V>
 __attribute__((target("avx512f"))) void chunk_product(const float* chunk, size_t rows, size_t K, const float* w,
                                                       size_t N, Ahead& ahead, float* out, size_t ldo) {
-  constexpr size_t kRN = 24 / V;  // 24 accumulators: with V of x and a weight, 26-29 of the 32 registers
+  // 24 accumulators: with V of x and a weight, 26-29 of the 32 registers
+  constexpr size_t kRN = float_gemm_weight_rows(16 * V);
   size_t n = 0;
   for (; n + kRN <= N; n += kRN) {
     weight_rows<kRN, V>(chunk, rows, K, w + n * K, n + 2 * kRN <= N, ahead, out + n, ldo);

@@ -18,6 +18,10 @@ constexpr size_t kColumnRows = 64;
 // ceil(M / kColumnRows) * kColumnRows * K floats. AVX-512 CPUs only, as below.
 void float_gemm_columns(const float* x, size_t M, size_t K, float* xt);
 
+// Weight rows float_gemm meets at once for a chunk of `rows` rows of x (1-64):
+// 24 accumulators over the chunk's vectors of 16.
+constexpr size_t float_gemm_weight_rows(size_t rows) { return 24 / ((rows + 15) / 16); }
+
 // out[m * ldo + n] = x[m] . w[n] for x [M, K] (as float_gemm_columns lays it
 // out) and w [N, K] (rows adjacent), on a CPU with AVX-512 only (has_avx512(),
 // thread_pool.h; the callers take OpenBLAS elsewhere). The `ahead_bytes`
