@@ -494,9 +494,11 @@ void Program::load_constants(const NamedDataMap* named_data) {
         layouts_.packed.emplace(c->slot(), pack_float32(static_cast<const float*>(floats), N, K, std::move(a)));
       });
       // The slot holds a stand-in of the matrix's shape and dtype, for the
-      // nodes' checks: NaN, never read (the two nodes read the packed matrix).
-      constants_.emplace_back(c->slot(), mx::broadcast_to(mx::array(std::numeric_limits<float>::quiet_NaN()),
-                                                          packed_shapes[i]));
+      // nodes' checks: one NaN broadcast (evaluated now, as constants are),
+      // never read (the two nodes read the packed matrix).
+      auto stand_in = mx::broadcast_to(mx::array(std::numeric_limits<float>::quiet_NaN()), packed_shapes[i]);
+      mx::eval(stand_in);
+      constants_.emplace_back(c->slot(), std::move(stand_in));
       continue;
     }
     constants_.emplace_back(c->slot(), read_into(c->name()->c_str(), std::move(a)));

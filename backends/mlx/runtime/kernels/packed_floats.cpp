@@ -1,6 +1,7 @@
 #include "packed_floats.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -23,12 +24,6 @@ namespace {
 
 constexpr uint32_t kException = 15;  // the offset that marks an exception
 constexpr size_t kBlockBytes = 112;  // a block's offsets and mantissas
-
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 // Block b of a row: its offsets, then its mantissas.
 inline const uint8_t* block_at(const uint8_t* row, size_t K, size_t b) {
@@ -246,6 +241,7 @@ bool pack_float32_weights() {
   const char* env = std::getenv("EMLX_PACKED_FLOAT32");
   if (env && std::string(env) == "0") return false;
   if (env && std::string(env) == "1") return true;
+  if (env && *env) std::fprintf(stderr, "emlx: EMLX_PACKED_FLOAT32=%s ignored (0 or 1)\n", env);
   return has_packed_dots();
 }
 
