@@ -224,10 +224,6 @@ EMLX_VBMI void dots(const PackedView& p, size_t n, const float* x, float* out) {
 
 }  // namespace
 
-PackedView view_of(const PackedFloats& p) {
-  return {p.rows.data<uint8_t>(), p.starts.data<uint32_t>(), p.entries.data<uint32_t>(), static_cast<size_t>(p.K)};
-}
-
 bool has_packed_dots() {
 #if defined(__x86_64__)
   static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");

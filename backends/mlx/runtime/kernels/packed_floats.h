@@ -48,8 +48,6 @@ struct PackedView {
   const uint8_t* row(size_t n) const { return rows + n * packed_row_bytes(K); }
 };
 
-PackedView view_of(const PackedFloats& p);
-
 // Whether a program loaded now packs its float32 matrices: EMLX_PACKED_FLOAT32=0
 // never, =1 wherever our CPU kernels run, unset where the CPU runs
 // packed_row_dots (x86 with AVX-512 VBMI). Read at each load.
