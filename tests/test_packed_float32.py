@@ -73,9 +73,20 @@ def loaded(pte, monkeypatch, packed: str, alive: list) -> int:
     return active_memory() - before
 
 
-def saved_bytes(*shapes) -> int:
-    """What packing [N, K] float32 matrices saves: 3616 of 4096 bytes a 1024 weights."""
-    return sum(n * k * 4 - n * k // 32 * 113 for n, k in shapes)
+def saved_bytes(*shapes, narrow: bool = False) -> int:
+    """What packing [N, K] float32 matrices saves: 3616 of 4096 bytes a 1024
+    weights (narrow, bfloat16 values: 1568)."""
+    return sum(n * k * 4 - n * k // 32 * (49 if narrow else 113) for n, k in shapes)
+
+
+def bfloat16_valued(model: TiedHead) -> None:
+    """A bfloat16 checkpoint exported as float32 (every weight's low 16 bits
+    zero: packed narrow), but for a few weights that are not (exceptions)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        model.proj.weight[9, :5] = torch.tensor([0.1, -0.3, 1e-3, 7.77, 1 / 3])
+        model.embed.weight[11, 40] = 0.1
 
 
 def assert_same_bits(a: list, b: list) -> None:
@@ -84,15 +95,19 @@ def assert_same_bits(a: list, b: list) -> None:
             assert p.shape == q.shape and np.array_equal(p.view(np.int32), q.view(np.int32))
 
 
-def test_packed_matrices_give_bit_for_bit_what_their_floats_give(tmp_path, monkeypatch):
+@pytest.mark.parametrize("narrow", [False, True])
+def test_packed_matrices_give_bit_for_bit_what_their_floats_give(tmp_path, monkeypatch, narrow):
     torch.manual_seed(1)
     model = TiedHead().eval()
     awkward_weights(model)
+    if narrow:
+        bfloat16_valued(model)
     pte, calls = program(tmp_path, model)
     methods = []
     held = {packed: loaded(pte, monkeypatch, packed, methods) for packed in ("0", "1")}
-    # both packed (one alone saves half; each row's exceptions take 4 bytes and 8 each)
-    assert held["0"] - held["1"] >= 0.75 * saved_bytes((512, 96), (512, 96)), held
+    # both packed (one alone saves half; each row's exceptions take 4 bytes and 8 each; narrow
+    # saves more than a wide packing could)
+    assert held["0"] - held["1"] >= 0.75 * saved_bytes((512, 96), (512, 96), narrow=narrow), held
     stored, packed = ([[np.array(y) for y in m.execute(inputs)] for inputs in calls] for m in methods)
     assert_same_bits(packed, stored)
     # (and the floats are what eager PyTorch computes with them, up to float order)
@@ -100,14 +115,16 @@ def test_packed_matrices_give_bit_for_bit_what_their_floats_give(tmp_path, monke
     assert np.allclose(stored[0][1][:, 9:], eager[1].detach().numpy()[:, 9:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("build", ["plain", "avx2"])
-def test_every_x86_build_packs_and_reads_them_the_same(tmp_path, build):
+@pytest.mark.parametrize("build,narrow", [("plain", False), ("avx2", False), ("avx2", True)])
+def test_every_x86_build_packs_and_reads_them_the_same(tmp_path, build, narrow):
     """The plain and AVX2 builds pack, and decode a row before their dot
     products, with generic code; AVX-512 VBMI decodes in registers (the
     test above, on such a CPU)."""
     torch.manual_seed(2)
     model = TiedHead().eval()
     awkward_weights(model)
+    if narrow:
+        bfloat16_valued(model)
     pte, calls = program(tmp_path, model)
     (stored,) = run_elsewhere([(pte, calls)], {"EMLX_X86_KERNELS": build, "EMLX_PACKED_FLOAT32": "0"}, tmp_path)
     (packed,) = run_elsewhere([(pte, calls)], {"EMLX_X86_KERNELS": build, "EMLX_PACKED_FLOAT32": "1"}, tmp_path)

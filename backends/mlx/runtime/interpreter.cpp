@@ -453,20 +453,22 @@ void Program::load_constants(const NamedDataMap* named_data) {
     with_data(name, a.nbytes(), [&](const void* bytes) { std::memcpy(a.data<void>(), bytes, a.nbytes()); });
     return a;
   };
-  // Whether float32 matrix `name` [N, K] is worth packing, from a sample of
+  // How float32 matrix `name` [N, K] packs (packing_of), from a sample of
   // its rows (ExecuTorch maps the data: only their pages are read).
-  auto worth_packing_data = [&](const char* name, size_t N, size_t K) {
+  auto packing_of_data = [&](const char* name, size_t N, size_t K) -> std::optional<bool> {
     auto data = named_data->get_data(name);
-    if (!data.ok()) return false;  // (read_into names it)
+    if (!data.ok()) return std::nullopt;  // (read_into names it)
     FreeableBuffer buf = std::move(data.get());
-    const bool worth = buf.size() == N * K * sizeof(float) && worth_packing(static_cast<const float*>(buf.data()), N, K);
+    std::optional<bool> narrow;
+    if (buf.size() == N * K * sizeof(float)) narrow = packing_of(static_cast<const float*>(buf.data()), N, K);
     buf.Free();
-    return worth;
+    return narrow;
   };
   const std::set<uint32_t> to_pack = float32_matrices_to_pack();
   std::vector<WeightSpec> specs;
   std::vector<size_t> sizes;
   std::vector<mx::Shape> packed_shapes(consts->size());  // a packed one's [N, K]; empty: stored as it is
+  std::vector<bool> narrow(consts->size(), false);
   for (auto* c : *consts) {
     mx::Shape shape;
     if (c->shape()) {
@@ -475,10 +477,11 @@ void Program::load_constants(const NamedDataMap* named_data) {
     specs.push_back({std::move(shape), to_mlx_dtype(c->dtype())});
     sizes.push_back(checked_bytes(c->name()->c_str(), specs.back()));
     const auto& matrix = specs.back().shape;
-    if (to_pack.count(c->slot()) && matrix.size() == 2 &&
-        worth_packing_data(c->name()->c_str(), matrix[0], matrix[1])) {
-      packed_shapes[specs.size() - 1] = matrix;
-      specs.back() = {{matrix[0], checked_dim(packed_row_bytes(matrix[1]))}, mx::uint8};
+    if (!to_pack.count(c->slot()) || matrix.size() != 2) continue;
+    if (const auto packing = packing_of_data(c->name()->c_str(), matrix[0], matrix[1])) {
+      const size_t i = specs.size() - 1;
+      packed_shapes[i] = matrix, narrow[i] = *packing;
+      specs.back() = {{matrix[0], checked_dim(packed_row_bytes(matrix[1], *packing))}, mx::uint8};
       sizes.back() = checked_bytes(c->name()->c_str(), specs.back());
     }
   }
@@ -491,7 +494,8 @@ void Program::load_constants(const NamedDataMap* named_data) {
     if (!packed_shapes[i].empty()) {
       const size_t N = packed_shapes[i][0], K = packed_shapes[i][1];
       with_data(c->name()->c_str(), N * K * sizeof(float), [&](const void* floats) {
-        layouts_.packed.emplace(c->slot(), pack_float32(static_cast<const float*>(floats), N, K, std::move(a)));
+        layouts_.packed.emplace(c->slot(),
+                                pack_float32(static_cast<const float*>(floats), N, K, narrow[i], std::move(a)));
       });
       // The slot holds a stand-in of the matrix's shape and dtype, for the
       // nodes' checks: one NaN broadcast (evaluated now, as constants are),

@@ -293,7 +293,7 @@ void packed_tile(const Operands& o, const float* xt, size_t n0, size_t rows) {
     const size_t n = std::min(group, rows - g), next = std::min(group, rows - g - n);
     decode_rows(o, n0 + g, n, decoded.data());
     float_gemm(xt, o.M, o.K, decoded.data(), n, o.out + n0 + g, o.N, o.packed.row(n0 + g + n),
-               next * packed_row_bytes(o.K));
+               next * packed_row_bytes(o.K, o.packed.narrow));
   }
 }
 
@@ -350,7 +350,8 @@ void gemm(const Operands& o) {
 
 // Bytes of o's weight matrix (the packed values only, for the quantized formats).
 size_t weight_bytes(const Operands& o) {
-  return o.format == Format::Packed ? o.N * packed_row_bytes(o.K) : o.N * o.K * format_bits(o.format) / 8;
+  return o.format == Format::Packed ? o.N * packed_row_bytes(o.K, o.packed.narrow)
+                                    : o.N * o.K * format_bits(o.format) / 8;
 }
 
 // A decode-sized product's blocks of weight rows spread over the pool, the
@@ -420,7 +421,7 @@ class Linear : public CpuKernel {
       o.out = o.x_bf16 ? out32.data() : out.data<float>();
       o.w = inputs[1].data<void>();
       if (quantized) o.scales = inputs[2].data<void>(), o.biases = inputs[3].data<void>();
-      if (packed_floats) o.packed = {inputs[1].data<uint8_t>(), inputs[2].data<uint32_t>(), inputs[3].data<uint32_t>(), K};
+      if (packed_floats) o.packed = packed_view(inputs[1], inputs[2], inputs[3], K);
       size_t next = quantized || packed_floats ? 4 : 2;  // the inputs after the operands
       std::vector<float> normed;
       if (norm_eps) {  // (float32 x only: build() normalizes others first) the norm's kernel's rows

@@ -23,27 +23,31 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr uint32_t kException = 15;  // the offset that marks an exception
-constexpr size_t kBlockBytes = 112;  // a block's offsets and mantissas
 
 // Block b of a row: its offsets, then its mantissas.
-inline const uint8_t* block_at(const uint8_t* row, size_t K, size_t b) {
-  return row + K / kPackedBlock + b * kBlockBytes;
+inline const uint8_t* block_at(const uint8_t* row, size_t K, bool narrow, size_t b) {
+  return row + K / kPackedBlock + b * packed_block_bytes(narrow);
 }
 
 // Packs one row; appends its exceptions (column, bits) to `out`.
-void pack_row_generic(const float* w, size_t K, uint8_t* row, std::vector<uint32_t>& out) {
+void pack_row_generic(const float* w, size_t K, bool narrow, uint8_t* row, std::vector<uint32_t>& out) {
   for (size_t b = 0; b < K / kPackedBlock; ++b) {
     uint32_t u[kPackedBlock];
     std::memcpy(u, w + b * kPackedBlock, sizeof u);
     uint32_t base = 0;
     for (uint32_t v : u) base = std::max(base, (v >> 23) & 255);
     row[b] = static_cast<uint8_t>(base);
-    uint8_t* block = row + K / kPackedBlock + b * kBlockBytes;
+    uint8_t* block = row + K / kPackedBlock + b * packed_block_bytes(narrow);
     uint8_t offset[kPackedBlock];
     for (size_t i = 0; i < kPackedBlock; ++i) {
       offset[i] = static_cast<uint8_t>(std::min(base - ((u[i] >> 23) & 255), kException));
+      if (narrow && (u[i] & 0xFFFF)) offset[i] = kException;
       if (offset[i] == kException) out.insert(out.end(), {static_cast<uint32_t>(b * kPackedBlock + i), u[i]});
       const uint32_t m = (u[i] & 0x7FFFFF) | (u[i] >> 31 << 23);
+      if (narrow) {
+        block[16 + i] = static_cast<uint8_t>(m >> 16);
+        continue;
+      }
       block[16 + 3 * i] = static_cast<uint8_t>(m), block[17 + 3 * i] = static_cast<uint8_t>(m >> 8);
       block[18 + 3 * i] = static_cast<uint8_t>(m >> 16);
     }
@@ -56,14 +60,16 @@ void pack_row_generic(const float* w, size_t K, uint8_t* row, std::vector<uint32
 
 // pack_row_generic's bytes, 16 weights a vector (a ~100M model loads ~1 s
 // sooner than with the generic loop).
-EMLX_VBMI void pack_row_vbmi(const float* w, size_t K, uint8_t* row, std::vector<uint32_t>& out) {
-  alignas(64) uint8_t squeeze[64] = {};  // bytes 0-2 of each dword, 48 in a row
+EMLX_VBMI void pack_row_vbmi(const float* w, size_t K, bool narrow, uint8_t* row, std::vector<uint32_t>& out) {
+  alignas(64) uint8_t squeeze[64] = {};  // bytes 0-2 of each dword, 48 in a row (narrow: byte 2, 16)
   for (int i = 0; i < 16; ++i) {
-    for (int j = 0; j < 3; ++j) squeeze[3 * i + j] = static_cast<uint8_t>(4 * i + j);
+    for (int j = 0; j < 3; ++j) squeeze[narrow ? i : 3 * i + j] = static_cast<uint8_t>(narrow ? 4 * i + 2 : 4 * i + j);
   }
   const __m512i to_bytes = _mm512_load_si512(squeeze), mantissa = _mm512_set1_epi32(0x7FFFFF);
   const __m512i exponent = _mm512_set1_epi32(255), exception = _mm512_set1_epi32(static_cast<int>(kException));
-  constexpr __mmask64 kMantissaBytes = (__mmask64{1} << 48) - 1;
+  const __mmask64 mantissa_bytes = narrow ? (__mmask64{1} << 16) - 1 : (__mmask64{1} << 48) - 1;
+  const int mantissa_width = narrow ? 16 : 48;  // a half's bytes
+  const __m512i low_bits = _mm512_set1_epi32(narrow ? 0xFFFF : 0);
   for (size_t b = 0; b < K / kPackedBlock; ++b) {
     const float* at = w + b * kPackedBlock;
     const __m512i u[2] = {_mm512_loadu_si512(at), _mm512_loadu_si512(at + 16)};
@@ -71,13 +77,15 @@ EMLX_VBMI void pack_row_vbmi(const float* w, size_t K, uint8_t* row, std::vector
                           _mm512_and_si512(_mm512_srli_epi32(u[1], 23), exponent)};
     const uint32_t base = _mm512_reduce_max_epu32(_mm512_max_epu32(e[0], e[1]));
     row[b] = static_cast<uint8_t>(base);
-    uint8_t* block = row + K / kPackedBlock + b * kBlockBytes;
+    uint8_t* block = row + K / kPackedBlock + b * packed_block_bytes(narrow);
     __m512i offset[2];
     for (int h = 0; h < 2; ++h) {
       offset[h] = _mm512_min_epu32(_mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(base)), e[h]), exception);
+      // (narrow: a weight with low bits set is an exception)
+      offset[h] = _mm512_mask_mov_epi32(offset[h], _mm512_test_epi32_mask(u[h], low_bits), exception);
       // sign and mantissa: u's low 23 bits, and u >> 8's bit 23 (the sign)
       const __m512i m = _mm512_ternarylogic_epi32(mantissa, u[h], _mm512_srli_epi32(u[h], 8), 0xCA);
-      _mm512_mask_storeu_epi8(block + 16 + 48 * h, kMantissaBytes, _mm512_permutexvar_epi8(to_bytes, m));
+      _mm512_mask_storeu_epi8(block + 16 + mantissa_width * h, mantissa_bytes, _mm512_permutexvar_epi8(to_bytes, m));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(block),
                      _mm512_cvtepi32_epi8(_mm512_or_si512(offset[0], _mm512_slli_epi32(offset[1], 4))));
@@ -93,11 +101,11 @@ EMLX_VBMI void pack_row_vbmi(const float* w, size_t K, uint8_t* row, std::vector
 }
 #endif
 
-void pack_row(const float* w, size_t K, uint8_t* row, std::vector<uint32_t>& out) {
+void pack_row(const float* w, size_t K, bool narrow, uint8_t* row, std::vector<uint32_t>& out) {
 #if defined(__x86_64__)
-  if (has_packed_dots()) return pack_row_vbmi(w, K, row, out);
+  if (has_packed_dots()) return pack_row_vbmi(w, K, narrow, row, out);
 #endif
-  pack_row_generic(w, K, row, out);
+  pack_row_generic(w, K, narrow, row, out);
 }
 
 // Row n's exceptions written over dst.
@@ -110,10 +118,12 @@ inline void patch(const PackedView& p, size_t n, float* dst) {
 void unpack_row_generic(const PackedView& p, size_t n, float* dst) {
   const uint8_t* row = p.row(n);
   for (size_t b = 0; b < p.K / kPackedBlock; ++b) {
-    const uint8_t* block = block_at(row, p.K, b);
+    const uint8_t* block = block_at(row, p.K, p.narrow, b);
     for (size_t i = 0; i < kPackedBlock; ++i) {
       const uint32_t offset = (block[i % 16] >> (i < 16 ? 0 : 4)) & 15;
-      const uint32_t m = block[16 + 3 * i] | block[17 + 3 * i] << 8 | static_cast<uint32_t>(block[18 + 3 * i]) << 16;
+      const uint32_t m = p.narrow ? static_cast<uint32_t>(block[16 + i]) << 16
+                                  : block[16 + 3 * i] | block[17 + 3 * i] << 8 |
+                                        static_cast<uint32_t>(block[18 + 3 * i]) << 16;
       const uint32_t u = (m & 0x7FFFFF) | (m >> 23 << 31) | ((row[b] - offset) & 255) << 23;
       std::memcpy(dst + b * kPackedBlock + i, &u, sizeof u);
     }
@@ -124,33 +134,44 @@ void unpack_row_generic(const PackedView& p, size_t n, float* dst) {
 #if defined(__x86_64__)
 // Decodes blocks of 32 weights into two vectors of 16 (exceptions not
 // applied: the caller patches the blocks that have them).
+template <bool NARROW>
 struct BlockDecoder {
   __m512i spread_low, spread_high, sign_and_mantissa, offsets_up;
 
   EMLX_VBMI BlockDecoder() {
     // byte 4i + j of a weight's dword <- mantissa byte 3i + min(j, 2): the
     // third byte twice, so that its top bit (the sign) lands on bit 31
+    // (narrow: its one byte, bytes 0 and 1 zero)
     alignas(64) uint8_t spread[64];
     for (int i = 0; i < 16; ++i) {
-      for (int j = 0; j < 4; ++j) spread[4 * i + j] = static_cast<uint8_t>(3 * i + std::min(j, 2));
+      for (int j = 0; j < 4; ++j) spread[4 * i + j] = static_cast<uint8_t>(NARROW ? i : 3 * i + std::min(j, 2));
     }
     spread_low = _mm512_load_si512(spread);
-    spread_high = _mm512_add_epi8(spread_low, _mm512_set1_epi8(16));  // (the high half is loaded 32 bytes on)
+    // (the high half: 16 bytes on in a narrow block, loaded 32 bytes on and 48 in a wide one)
+    spread_high = _mm512_add_epi8(spread_low, _mm512_set1_epi8(16));
     sign_and_mantissa = _mm512_set1_epi32(static_cast<int>(0x807FFFFFu));
     offsets_up = _mm512_set_epi32(15 << 23, 14 << 23, 13 << 23, 12 << 23, 11 << 23, 10 << 23, 9 << 23, 8 << 23,
                                   7 << 23, 6 << 23, 5 << 23, 4 << 23, 3 << 23, 2 << 23, 1 << 23, 0);
   }
 
   EMLX_VBMI inline void decode(const uint8_t* row, size_t K, size_t b, __m512i& w0, __m512i& w1) const {
-    const uint8_t* block = block_at(row, K, b);
+    const uint8_t* block = block_at(row, K, NARROW, b);
     // the 16 exponents the block's weights can have, by offset: vpermd picks by each lane's low 4 bits
     const __m512i exponents = _mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(row[b]) << 23), offsets_up);
     const __m512i offsets = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)));
-    const __m512i low = _mm512_loadu_si512(block + 16), high = _mm512_loadu_si512(block + 48);
+    __m512i spread0, spread1;
+    if constexpr (NARROW) {
+      constexpr __mmask64 kHighBytes = 0xCCCCCCCCCCCCCCCCull;  // bytes 2 and 3 of each dword
+      const __m512i bytes = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16)));
+      spread0 = _mm512_maskz_permutexvar_epi8(kHighBytes, spread_low, bytes);
+      spread1 = _mm512_maskz_permutexvar_epi8(kHighBytes, spread_high, bytes);
+    } else {
+      spread0 = _mm512_permutexvar_epi8(spread_low, _mm512_loadu_si512(block + 16));
+      spread1 = _mm512_permutexvar_epi8(spread_high, _mm512_loadu_si512(block + 48));
+    }
     // (spread & sign_and_mantissa) | exponent
-    w0 = _mm512_ternarylogic_epi32(_mm512_permutexvar_epi8(spread_low, low), sign_and_mantissa,
-                                   _mm512_permutexvar_epi32(offsets, exponents), 0xEA);
-    w1 = _mm512_ternarylogic_epi32(_mm512_permutexvar_epi8(spread_high, high), sign_and_mantissa,
+    w0 = _mm512_ternarylogic_epi32(spread0, sign_and_mantissa, _mm512_permutexvar_epi32(offsets, exponents), 0xEA);
+    w1 = _mm512_ternarylogic_epi32(spread1, sign_and_mantissa,
                                    _mm512_permutexvar_epi32(_mm512_srli_epi32(offsets, 4), exponents), 0xEA);
   }
 };
@@ -164,8 +185,9 @@ __attribute__((noinline)) size_t patch_block(const PackedView& p, size_t n, size
   return e < end ? p.entries[2 * e] / kPackedBlock : p.K / kPackedBlock;
 }
 
+template <bool NARROW>
 EMLX_VBMI void unpack_row_vbmi(const PackedView& p, size_t n, float* dst) {
-  const BlockDecoder decoder;
+  const BlockDecoder<NARROW> decoder;
   const uint8_t* row = p.row(n);
   for (size_t b = 0; b < p.K / kPackedBlock; ++b) {
     __m512i w0, w1;
@@ -177,9 +199,9 @@ EMLX_VBMI void unpack_row_vbmi(const PackedView& p, size_t n, float* dst) {
 }
 
 // Two 16-float accumulators a row of x, as row_dots<v16, XR> keeps them.
-template <int XR>
+template <int XR, bool NARROW>
 EMLX_VBMI void dots(const PackedView& p, size_t n, const float* x, float* out) {
-  const BlockDecoder decoder;  // (a local: its constants stay in registers)
+  const BlockDecoder<NARROW> decoder;  // (a local: its constants stay in registers)
   const size_t K = p.K, blocks = K / kPackedBlock;
   const uint8_t* row = p.row(n);
   uint32_t e = p.starts[n];
@@ -190,7 +212,7 @@ EMLX_VBMI void dots(const PackedView& p, size_t n, const float* x, float* out) {
     // rows are read in order, one stream: asked for into L2 4 KB ahead (a
     // row of K = 1024 is 3.6 KB), and into L1 1 KB ahead (the decoding
     // leaves fewer loads in flight than a float32 row's)
-    const uint8_t* at = block_at(row, K, b);
+    const uint8_t* at = block_at(row, K, NARROW, b);
     __builtin_prefetch(at + 4096, 0, 2), __builtin_prefetch(at + 4096 + 64, 0, 2);
     __builtin_prefetch(at + 1024, 0, 3), __builtin_prefetch(at + 1024 + 64, 0, 3);
     __m512i w0, w1;
@@ -241,18 +263,29 @@ bool pack_float32_weights() {
   return has_packed_dots();
 }
 
-bool worth_packing(const float* w, size_t N, size_t K) {
-  if (N == 0 || K == 0 || K % kPackedBlock != 0 || K > UINT32_MAX) return false;
+std::optional<bool> packing_of(const float* w, size_t N, size_t K) {
+  if (N == 0 || K == 0 || K % kPackedBlock != 0 || K > UINT32_MAX) return std::nullopt;
   const size_t sampled = std::min<size_t>(N, 64);
-  std::vector<uint8_t> row(packed_row_bytes(K));
-  std::vector<uint32_t> exceptions;
-  for (size_t i = 0; i < sampled; ++i) pack_row(w + (i * N / sampled) * K, K, row.data(), exceptions);
-  return exceptions.size() / 2 * 256 <= sampled * K;
+  std::vector<uint8_t> row(packed_row_bytes(K, false));
+  for (bool narrow : {true, false}) {
+    std::vector<uint32_t> exceptions;
+    for (size_t i = 0; i < sampled; ++i) pack_row(w + (i * N / sampled) * K, K, narrow, row.data(), exceptions);
+    if (exceptions.size() / 2 * 256 <= sampled * K) return narrow;
+  }
+  return std::nullopt;
 }
 
-PackedFloats pack_float32(const float* w, size_t N, size_t K, mx::array rows) {
-  if (K % kPackedBlock != 0 || rows.nbytes() != N * packed_row_bytes(K)) {
-    throw std::invalid_argument("pack_float32: K must be a multiple of 32 and rows [N, packed_row_bytes(K)]");
+PackedView packed_view(const mx::array& rows, const mx::array& starts, const mx::array& entries, size_t K) {
+  const bool narrow = static_cast<size_t>(rows.shape(1)) == packed_row_bytes(K, true);
+  if (rows.ndim() != 2 || (!narrow && static_cast<size_t>(rows.shape(1)) != packed_row_bytes(K, false))) {
+    throw std::invalid_argument("a packed float32 matrix's rows do not match its K");
+  }
+  return {rows.data<uint8_t>(), starts.data<uint32_t>(), entries.data<uint32_t>(), K, narrow};
+}
+
+PackedFloats pack_float32(const float* w, size_t N, size_t K, bool narrow, mx::array rows) {
+  if (K % kPackedBlock != 0 || rows.nbytes() != N * packed_row_bytes(K, narrow)) {
+    throw std::invalid_argument("pack_float32: K must be a multiple of 32 and rows [N, packed_row_bytes(K, narrow)]");
   }
   uint8_t* dst = rows.data<uint8_t>();
   // chunks of rows, each with its own exceptions, joined in order after
@@ -264,7 +297,7 @@ PackedFloats pack_float32(const float* w, size_t N, size_t K, mx::array rows) {
     for (int64_t c = c0; c < c1; ++c) {
       for (size_t n = c * kChunk; n < std::min<size_t>(N, (c + 1) * kChunk); ++n) {
         const size_t before = found[c].size();
-        pack_row(w + n * K, K, dst + n * packed_row_bytes(K), found[c]);
+        pack_row(w + n * K, K, narrow, dst + n * packed_row_bytes(K, narrow), found[c]);
         per_row[n + 1] = static_cast<uint32_t>((found[c].size() - before) / 2);
       }
     }
@@ -278,21 +311,21 @@ PackedFloats pack_float32(const float* w, size_t N, size_t K, mx::array rows) {
                     mx::uint32);
   uint32_t* at = entries.data<uint32_t>();
   for (const auto& f : found) at = std::copy(f.begin(), f.end(), at);
-  return {std::move(rows), std::move(starts), std::move(entries), static_cast<int>(K)};
+  return {std::move(rows), std::move(starts), std::move(entries), static_cast<int>(K), narrow};
 }
 
 void unpack_row(const PackedView& p, size_t n, float* dst) {
 #if defined(__x86_64__)
-  if (has_packed_dots()) return unpack_row_vbmi(p, n, dst);
+  if (has_packed_dots()) return p.narrow ? unpack_row_vbmi<true>(p, n, dst) : unpack_row_vbmi<false>(p, n, dst);
 #endif
   unpack_row_generic(p, n, dst);
 }
 
 void packed_row_dots(const PackedView& p, size_t n, const float* x, int xr, float* out) {
 #if defined(__x86_64__)
-  if (xr == 4) return dots<4>(p, n, x, out);
-  if (xr == 2) return dots<2>(p, n, x, out);
-  if (xr == 1) return dots<1>(p, n, x, out);
+  if (xr == 4) return p.narrow ? dots<4, true>(p, n, x, out) : dots<4, false>(p, n, x, out);
+  if (xr == 2) return p.narrow ? dots<2, true>(p, n, x, out) : dots<2, false>(p, n, x, out);
+  if (xr == 1) return p.narrow ? dots<1, true>(p, n, x, out) : dots<1, false>(p, n, x, out);
 #endif
   throw std::logic_error("packed_row_dots: 1, 2 or 4 rows, on AVX-512 VBMI");
 }
@@ -309,8 +342,7 @@ class PackedRows : public CpuKernel {
   CpuTask task() const override {
     return [](const std::vector<mx::array>& inputs, mx::array& out) {
       const auto& ids = inputs[0];
-      const PackedView p{inputs[1].data<uint8_t>(), inputs[2].data<uint32_t>(), inputs[3].data<uint32_t>(),
-                         static_cast<size_t>(out.shape(-1))};
+      const PackedView p = packed_view(inputs[1], inputs[2], inputs[3], out.shape(-1));
       const int64_t N = inputs[1].shape(0);
       std::vector<uint8_t> packed;
       const int64_t* id = row_major_data<int64_t>(ids, packed);

@@ -17,26 +17,35 @@
 //   endian: the 23 mantissa bits, then the sign as bit 23).
 // A weight whose exponent is 15 or more below its block's (a zero in a block
 // of others, say) has offset 15, and its 32 bits are an exception of its row.
+//
+// Narrow: a matrix of bfloat16 values (a bfloat16 checkpoint exported as
+// float32: every weight's low 16 bits zero) keeps one byte of sign and
+// mantissa a weight instead of three (the mantissa's top 7 bits, then the
+// sign): 12.25 bits a weight, blocks of 48 bytes; a weight with low bits
+// set is an exception.
 #pragma once
 
 #include <mlx/mlx.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 namespace emlx {
 
 constexpr size_t kPackedBlock = 32;
 
-// Bytes of a packed row of K weights.
-constexpr size_t packed_row_bytes(size_t K) { return K / kPackedBlock * (1 + 112); }
+// Bytes of a block's offsets and mantissas, and of a packed row of K weights.
+constexpr size_t packed_block_bytes(bool narrow) { return 16 + (narrow ? 32 : 96); }
+constexpr size_t packed_row_bytes(size_t K, bool narrow) { return K / kPackedBlock * (1 + packed_block_bytes(narrow)); }
 
 // A packed [N, K] matrix.
 struct PackedFloats {
-  mlx::core::array rows;     // uint8 [N, packed_row_bytes(K)]
+  mlx::core::array rows;     // uint8 [N, packed_row_bytes(K, narrow)]
   mlx::core::array starts;   // uint32 [N + 1]: row n's exceptions are entries starts[n] .. starts[n + 1] - 1
   mlx::core::array entries;  // uint32 [E, 2]: (column, the weight's bits), by row, columns increasing
   int K;
+  bool narrow;
 };
 
 // The same as pointers, for kernels.
@@ -45,8 +54,14 @@ struct PackedView {
   const uint32_t* starts;
   const uint32_t* entries;
   size_t K;
-  const uint8_t* row(size_t n) const { return rows + n * packed_row_bytes(K); }
+  bool narrow;
+  const uint8_t* row(size_t n) const { return rows + n * packed_row_bytes(K, narrow); }
 };
+
+// A packed matrix's view from its arrays (a kernel's inputs): narrow or
+// not by the rows' width.
+PackedView packed_view(const mlx::core::array& rows, const mlx::core::array& starts, const mlx::core::array& entries,
+                       size_t K);
 
 // Whether a program loaded now packs its float32 matrices: EMLX_PACKED_FLOAT32=0
 // never, =1 wherever our CPU kernels run, unset where the CPU runs
@@ -56,13 +71,15 @@ bool pack_float32_weights();
 // Whether packed_row_dots runs here (AVX-512 VBMI; EMLX_X86_KERNELS caps it).
 bool has_packed_dots();
 
-// Whether w [N, K] packs: K a multiple of 32, and in a sample of its rows at
-// most 1 weight in 256 an exception (each costs 8 bytes and a slower block).
-bool worth_packing(const float* w, size_t N, size_t K);
+// How w [N, K] packs: nullopt when it does not (K not a multiple of 32, or
+// in a sample of its rows more than 1 weight in 256 an exception: each
+// costs 8 bytes and a slower block); else whether narrow (the sample's
+// weights all bfloat16 values but that many).
+std::optional<bool> packing_of(const float* w, size_t N, size_t K);
 
-// w [N, K] packed into `rows` (uint8 [N, packed_row_bytes(K)], allocated),
-// with its exceptions. Runs on our pool.
-PackedFloats pack_float32(const float* w, size_t N, size_t K, mlx::core::array rows);
+// w [N, K] packed into `rows` (uint8 [N, packed_row_bytes(K, narrow)],
+// allocated), with its exceptions. Runs on our pool.
+PackedFloats pack_float32(const float* w, size_t N, size_t K, bool narrow, mlx::core::array rows);
 
 // Row n as K floats, exceptions included.
 void unpack_row(const PackedView& p, size_t n, float* dst);
