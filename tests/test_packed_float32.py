@@ -89,6 +89,16 @@ def bfloat16_valued(model: TiedHead) -> None:
         model.embed.weight[11, 40] = 0.1
 
 
+def awkward_model(seed: int, narrow: bool) -> TiedHead:
+    """A TiedHead with awkward_weights, bfloat16-valued when `narrow`."""
+    torch.manual_seed(seed)
+    model = TiedHead().eval()
+    awkward_weights(model)
+    if narrow:
+        bfloat16_valued(model)
+    return model
+
+
 def assert_same_bits(a: list, b: list) -> None:
     for ya, yb in zip(a, b):
         for p, q in zip(ya, yb):
@@ -97,11 +107,7 @@ def assert_same_bits(a: list, b: list) -> None:
 
 @pytest.mark.parametrize("narrow", [False, True])
 def test_packed_matrices_give_bit_for_bit_what_their_floats_give(tmp_path, monkeypatch, narrow):
-    torch.manual_seed(1)
-    model = TiedHead().eval()
-    awkward_weights(model)
-    if narrow:
-        bfloat16_valued(model)
+    model = awkward_model(1, narrow)
     pte, calls = program(tmp_path, model)
     methods = []
     held = {packed: loaded(pte, monkeypatch, packed, methods) for packed in ("0", "1")}
@@ -120,12 +126,7 @@ def test_every_x86_build_packs_and_reads_them_the_same(tmp_path, build, narrow):
     """The plain and AVX2 builds pack, and decode a row before their dot
     products, with generic code; AVX-512 VBMI decodes in registers (the
     test above, on such a CPU)."""
-    torch.manual_seed(2)
-    model = TiedHead().eval()
-    awkward_weights(model)
-    if narrow:
-        bfloat16_valued(model)
-    pte, calls = program(tmp_path, model)
+    pte, calls = program(tmp_path, awkward_model(2, narrow))
     (stored,) = run_elsewhere([(pte, calls)], {"EMLX_X86_KERNELS": build, "EMLX_PACKED_FLOAT32": "0"}, tmp_path)
     (packed,) = run_elsewhere([(pte, calls)], {"EMLX_X86_KERNELS": build, "EMLX_PACKED_FLOAT32": "1"}, tmp_path)
     assert_same_bits([[y.numpy() for y in ys] for ys in packed], [[y.numpy() for y in ys] for ys in stored])

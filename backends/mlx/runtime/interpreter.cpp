@@ -453,22 +453,15 @@ void Program::load_constants(const NamedDataMap* named_data) {
     with_data(name, a.nbytes(), [&](const void* bytes) { std::memcpy(a.data<void>(), bytes, a.nbytes()); });
     return a;
   };
-  // How float32 matrix `name` [N, K] packs (packing_of), from a sample of
-  // its rows (ExecuTorch maps the data: only their pages are read).
-  auto packing_of_data = [&](const char* name, size_t N, size_t K) -> std::optional<bool> {
-    auto data = named_data->get_data(name);
-    if (!data.ok()) return std::nullopt;  // (read_into names it)
-    FreeableBuffer buf = std::move(data.get());
-    std::optional<bool> narrow;
-    if (buf.size() == N * K * sizeof(float)) narrow = packing_of(static_cast<const float*>(buf.data()), N, K);
-    buf.Free();
-    return narrow;
+  // A float32 matrix [N, K] the loader packs (packed_floats.h).
+  struct Packing {
+    size_t N, K;
+    bool narrow;
   };
   const std::set<uint32_t> to_pack = float32_matrices_to_pack();
   std::vector<WeightSpec> specs;
   std::vector<size_t> sizes;
-  std::vector<mx::Shape> packed_shapes(consts->size());  // a packed one's [N, K]; empty: stored as it is
-  std::vector<bool> narrow(consts->size(), false);
+  std::vector<std::optional<Packing>> packing(consts->size());  // none: stored as it is
   for (auto* c : *consts) {
     mx::Shape shape;
     if (c->shape()) {
@@ -478,12 +471,15 @@ void Program::load_constants(const NamedDataMap* named_data) {
     sizes.push_back(checked_bytes(c->name()->c_str(), specs.back()));
     const auto& matrix = specs.back().shape;
     if (!to_pack.count(c->slot()) || matrix.size() != 2) continue;
-    if (const auto packing = packing_of_data(c->name()->c_str(), matrix[0], matrix[1])) {
-      const size_t i = specs.size() - 1;
-      packed_shapes[i] = matrix, narrow[i] = *packing;
-      specs.back() = {{matrix[0], checked_dim(packed_row_bytes(matrix[1], *packing))}, mx::uint8};
-      sizes.back() = checked_bytes(c->name()->c_str(), specs.back());
-    }
+    // how it packs, from a sample of its rows (ExecuTorch maps the data: only their pages are read)
+    const size_t N = matrix[0], K = matrix[1];
+    std::optional<bool> narrow;
+    with_data(c->name()->c_str(), sizes.back(),
+              [&](const void* floats) { narrow = packing_of(static_cast<const float*>(floats), N, K); });
+    if (!narrow) continue;
+    packing[specs.size() - 1] = Packing{N, K, *narrow};
+    specs.back() = {{matrix[0], checked_dim(packed_row_bytes(K, *narrow))}, mx::uint8};
+    sizes.back() = checked_bytes(c->name()->c_str(), specs.back());
   }
   // On a CPU the weights share a few allocations, aligned and in huge pages
   // (weight_arena.h); elsewhere each is MLX's own allocation.
@@ -491,16 +487,16 @@ void Program::load_constants(const NamedDataMap* named_data) {
   for (size_t i = 0; i < consts->size(); ++i) {
     auto* c = consts->Get(i);
     auto a = room.empty() ? fresh(specs[i], sizes[i]) : room[i];
-    if (!packed_shapes[i].empty()) {
-      const size_t N = packed_shapes[i][0], K = packed_shapes[i][1];
-      with_data(c->name()->c_str(), N * K * sizeof(float), [&](const void* floats) {
+    if (const auto& p = packing[i]) {
+      with_data(c->name()->c_str(), p->N * p->K * sizeof(float), [&](const void* floats) {
         layouts_.packed.emplace(c->slot(),
-                                pack_float32(static_cast<const float*>(floats), N, K, narrow[i], std::move(a)));
+                                pack_float32(static_cast<const float*>(floats), p->N, p->K, p->narrow, std::move(a)));
       });
       // The slot holds a stand-in of the matrix's shape and dtype, for the
       // nodes' checks: one NaN broadcast (evaluated now, as constants are),
       // never read (the two nodes read the packed matrix).
-      auto stand_in = mx::broadcast_to(mx::array(std::numeric_limits<float>::quiet_NaN()), packed_shapes[i]);
+      auto stand_in = mx::broadcast_to(mx::array(std::numeric_limits<float>::quiet_NaN()),
+                                       {static_cast<int>(p->N), static_cast<int>(p->K)});
       mx::eval(stand_in);
       constants_.emplace_back(c->slot(), std::move(stand_in));
       continue;

@@ -24,8 +24,9 @@ namespace {
 
 constexpr uint32_t kException = 15;  // the offset that marks an exception
 
-// Block b of a row: its offsets, then its mantissas.
-inline const uint8_t* block_at(const uint8_t* row, size_t K, bool narrow, size_t b) {
+// Block b of a row: its offsets, then its mantissas (Byte: const or not).
+template <typename Byte>
+inline Byte* block_at(Byte* row, size_t K, bool narrow, size_t b) {
   return row + K / kPackedBlock + b * packed_block_bytes(narrow);
 }
 
@@ -37,7 +38,7 @@ void pack_row_generic(const float* w, size_t K, bool narrow, uint8_t* row, std::
     uint32_t base = 0;
     for (uint32_t v : u) base = std::max(base, (v >> 23) & 255);
     row[b] = static_cast<uint8_t>(base);
-    uint8_t* block = row + K / kPackedBlock + b * packed_block_bytes(narrow);
+    uint8_t* block = block_at(row, K, narrow, b);
     uint8_t offset[kPackedBlock];
     for (size_t i = 0; i < kPackedBlock; ++i) {
       offset[i] = static_cast<uint8_t>(std::min(base - ((u[i] >> 23) & 255), kException));
@@ -77,7 +78,7 @@ EMLX_VBMI void pack_row_vbmi(const float* w, size_t K, bool narrow, uint8_t* row
                           _mm512_and_si512(_mm512_srli_epi32(u[1], 23), exponent)};
     const uint32_t base = _mm512_reduce_max_epu32(_mm512_max_epu32(e[0], e[1]));
     row[b] = static_cast<uint8_t>(base);
-    uint8_t* block = row + K / kPackedBlock + b * packed_block_bytes(narrow);
+    uint8_t* block = block_at(row, K, narrow, b);
     __m512i offset[2];
     for (int h = 0; h < 2; ++h) {
       offset[h] = _mm512_min_epu32(_mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(base)), e[h]), exception);
